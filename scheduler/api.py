@@ -1,0 +1,70 @@
+"""The only view the scheduler has of a serving instance: the ``InstanceAPI`` protocol.
+
+``talaria_jax.instance.Instance`` implements it over real JAX engines and
+``talaria_jax.sim.SimInstance`` over a cost model and a virtual clock; the scheduler imports
+neither. KV capacity is counted in uniform pages of ``page_bytes`` (one pool shared by all models).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Protocol, runtime_checkable
+
+from talaria_jax.scheduler.session import Call
+
+
+class WeightState(enum.Enum):
+    """Where one model's weights are, from the point of view of a switch to it."""
+
+    ACTIVE = "active"  # in the weight slot and serving; no switch needed
+    RESIDENT = "resident"  # on device but not serving; a switch only activates it
+    STAGED = "staged"  # fully copied into the staging area; a switch is a device-to-device copy
+    STAGING = "staging"  # host-to-device copy into the staging area in progress
+    HOST = "host"  # only in host memory; a switch loads every byte over PCIe
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLocation:
+    """Tokens of a session's KV prefix held for one model: on device, and restorable from host."""
+
+    device_tokens: int = 0
+    host_tokens: int = 0
+
+
+@runtime_checkable
+class InstanceAPI(Protocol):
+    """One serving instance (one TP group). Methods are cheap queries unless documented as actions.
+
+    Actions (admit, abort, switch_model, stage_model, protect_kv) only record intent; the backend
+    carries them out at its next step boundary, so the scheduler never waits on device work.
+    """
+
+    name: str
+
+    # weights
+    def models(self) -> tuple[str, ...]: ...
+    def active_model(self) -> str | None: ...
+    def weight_state(self, model: str) -> WeightState: ...
+    def estimate_switch_s(self, model: str) -> float: ...
+
+    # KV pages (uniform pages shared by all models)
+    def pages_for(self, model: str, tokens: int) -> int: ...
+    def kv_pages_total(self) -> int: ...
+    def kv_pages_used(self) -> int: ...
+    def kv_pages_free(self) -> int: ...
+    def kv_pages_reserved(self) -> int: ...
+    def cached_prefix(self, session_id: str, model: str) -> PrefixLocation: ...
+
+    # queue and pressure
+    def num_waiting(self) -> int: ...
+    def num_running(self) -> int: ...
+    def is_busy(self) -> bool: ...
+    def pressure(self) -> float: ...
+    def estimate_service_s(self, call: Call) -> float: ...
+
+    # actions
+    def admit(self, call: Call) -> None: ...
+    def abort(self, call: Call) -> bool: ...
+    def switch_model(self, model: str) -> None: ...
+    def stage_model(self, model: str) -> bool: ...
+    def protect_kv(self, session_id: str, until_s: float) -> None: ...

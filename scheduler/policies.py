@@ -1,0 +1,85 @@
+"""Named scheduling policies: each mechanism is a switch in one frozen ``PolicyConfig``.
+
+`round` is the paper's baseline: identical to `talaria` except that SP, host-KV restoration and
+D2D staging are off (and with them the session-aware parts that only make sense with SP: the
+reservation-held slot). `load`, `sticky` and `composite` are the rivals of the issue; on one server
+they share the serverless multiplexer (continuous batching, switch on demand with the same slot
+quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
+time-to-live and host KV offload.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# Tool-gap statistics (REFERENCES.md "Agent sessions": median 0.3 s, p90 13.6 s, TraceLab).
+_TOOL_GAP_P90_S = 13.6
+# p75 of the lognormal through median 0.3 s and p90 13.6 s: 0.3 * exp(0.674 * ln(13.6/0.3)/1.2816)
+_TOOL_GAP_P75_S = 2.2
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterWeights:
+    """score = residency * exp(-switch_s / switch_scale_s) + locality * (dev + host_factor * host) / prompt
+    - pressure * ((running + waiting + routed) / queue_ref + kv_utilisation)."""
+
+    residency: float = 2.0
+    locality: float = 1.0
+    host_factor: float = 0.8  # a host restore is cheap next to a recompute, but not free
+    pressure: float = 1.0
+    switch_scale_s: float = 2.0  # about one full-weight switch of a >100B model over PCIe (sim cost model)
+    queue_ref: float = 16.0  # calls at which queueing costs as much as a full KV pool
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    name: str
+    router: str = "talaria"  # talaria | load | sticky | kv
+    multiplexer: str = "round"  # round (slots in a fixed model order) | on_demand (serverless)
+    sp: bool = True  # session-prefill: admit continuations before the active slot closes
+    host_kv: bool = True  # keep session KV restorable from host memory across switches
+    staging: bool = True  # stage the next model into a device staging area; D2D at the switch
+    reservations: bool = True  # soft reservations: charge likely returns to the admission budget
+    drop_kv_on_switch: bool = False  # sleep-mode level 1: device KV of the outgoing model is discarded
+    kv_ttl_s: float = 0.0  # Continuum-style pin of a finished call's KV (0 = off)
+    slot_s: float = 20.0  # slot length (a quantum for on_demand): ~8 full-weight switches, so switching stays under ~15% of time
+    reserve_horizon_s: float = _TOOL_GAP_P90_S  # a reservation lapses after the p90 tool gap
+    reserve_growth_tokens: int = 1000  # expected observation + output appended per turn (REFERENCES: 0.5-1K median obs)
+    hold_s: float = _TOOL_GAP_P75_S  # hold a drained slot this long for a reserved session's return
+    weights: RouterWeights = dataclasses.field(default_factory=RouterWeights)
+
+    def __post_init__(self):
+        if self.router not in ("talaria", "load", "sticky", "kv"):
+            raise ValueError(f"policy {self.name}: router={self.router!r} not in talaria|load|sticky|kv")
+        if self.multiplexer not in ("round", "on_demand"):
+            raise ValueError(f"policy {self.name}: multiplexer={self.multiplexer!r} not in round|on_demand")
+        if self.slot_s <= 0:
+            raise ValueError(f"policy {self.name}: slot_s={self.slot_s} must be > 0")
+
+
+_SERVERLESS = dict(multiplexer="on_demand", sp=False, host_kv=False, staging=False, reservations=False,
+                   drop_kv_on_switch=True)
+
+POLICIES: dict[str, PolicyConfig] = {
+    "talaria": PolicyConfig("talaria"),
+    "round": PolicyConfig("round", sp=False, host_kv=False, staging=False, reservations=False,
+                          drop_kv_on_switch=True),
+    "load": PolicyConfig("load", router="load", **_SERVERLESS),
+    "sticky": PolicyConfig("sticky", router="sticky", **_SERVERLESS),
+    "composite": PolicyConfig("composite", router="kv", **{**_SERVERLESS, "host_kv": True},
+                              kv_ttl_s=_TOOL_GAP_P90_S),
+    # ablations: talaria minus one mechanism
+    "talaria-no-sp": PolicyConfig("talaria-no-sp", sp=False),
+    "talaria-no-hostkv": PolicyConfig("talaria-no-hostkv", host_kv=False),
+    "talaria-no-staging": PolicyConfig("talaria-no-staging", staging=False),
+    "talaria-no-reservations": PolicyConfig("talaria-no-reservations", reservations=False),
+}
+
+DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",
+                    "talaria-no-staging", "talaria-no-reservations")
+
+
+def get_policy(name: str) -> PolicyConfig:
+    """Returns a named policy; an unknown name raises ValueError listing the known ones."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name]

@@ -1,0 +1,168 @@
+"""The scheduler: routes arriving calls, admits them into instances, and multiplexes models.
+
+It sees instances only through ``InstanceAPI`` and is driven by three callbacks from whatever
+runs the instances (the simulator's event loop or the serving loop): ``on_arrival`` when a call is
+issued, ``on_finish`` when one completes, and ``plan`` whenever an instance is between steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from talaria_jax.scheduler import router
+from talaria_jax.scheduler.admission import AdmissionBudget
+from talaria_jax.scheduler.api import InstanceAPI
+from talaria_jax.scheduler.multiplexer import RoundMultiplexer
+from talaria_jax.scheduler.policies import PolicyConfig
+from talaria_jax.scheduler.session import Call, SessionTable
+
+
+@dataclasses.dataclass
+class _InstanceState:
+    mux: RoundMultiplexer
+    budget: AdmissionBudget
+    pending: list[tuple[float, Call]] = dataclasses.field(default_factory=list)  # routed, not admitted
+    switching_to: str | None = None
+    quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
+
+
+class Scheduler:
+    """One policy over a set of instances (the same code drives simulated and real instances)."""
+
+    def __init__(self, policy: PolicyConfig, instances: Sequence[InstanceAPI], sessions: SessionTable):
+        self.policy = policy
+        self.instances = list(instances)
+        self.sessions = sessions
+        self.state: dict[str, _InstanceState] = {}
+        for inst in self.instances:
+            self.state[inst.name] = _InstanceState(RoundMultiplexer(inst.models(), policy.slot_s),
+                                                   AdmissionBudget(policy.reserve_horizon_s))
+        self.placement: dict[tuple[str, int], str] = {}
+
+    # --- callbacks --------------------------------------------------------------------------
+    def on_arrival(self, call: Call, now: float) -> InstanceAPI:
+        """Routes a newly issued call to an instance's pending queue; returns that instance."""
+        routed = {n: len(s.pending) for n, s in self.state.items()}
+        inst = router.rank(self.policy, call, self.sessions[call.session], self.instances, routed)[0]
+        for st in self.state.values():
+            st.budget.release(call.session)  # the likely return has happened
+        self.state[inst.name].pending.append((now, call))
+        self.placement[call.key] = inst.name
+        return inst
+
+    def on_finish(self, call: Call, inst: InstanceAPI, now: float) -> None:
+        """Bookkeeping after `call` completed on `inst` (the session table is already advanced)."""
+        if self.sessions[call.session].done:
+            return
+        p = self.policy
+        if p.reservations:
+            pages = inst.pages_for(call.model, call.context_after + p.reserve_growth_tokens)
+            self.state[inst.name].budget.reserve(call.session, call.model, pages, now)
+            inst.protect_kv(call.session, now + p.reserve_horizon_s)
+        elif p.kv_ttl_s > 0:
+            inst.protect_kv(call.session, now + p.kv_ttl_s)
+
+    def plan(self, inst: InstanceAPI, now: float) -> float | None:
+        """Admits, stages and switches on an instance that is between steps. Returns a time at
+        which to be called again even if nothing else happens (a slot hold ending), or None."""
+        st = self.state[inst.name]
+        st.budget.expire(now)
+        if self.policy.multiplexer == "round":
+            return self._plan_round(inst, st, now)
+        return self._plan_on_demand(inst, st, now)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def demand(self, inst: InstanceAPI) -> set[str]:
+        return {c.model for _, c in self.state[inst.name].pending}
+
+    def _admit(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float,
+               continuations_only: bool = False) -> int:
+        """Admits pending calls of `model` in arrival order while they fit; returns how many."""
+        keep, n = [], 0
+        for t, c in st.pending:
+            ok = c.model == model and (c.is_continuation or not continuations_only)
+            if ok:
+                pages = inst.pages_for(c.model, c.context_after)
+                if self.policy.reservations:
+                    ok = st.budget.fits(inst, c.session, pages, now)
+                else:  # physical room only: pages not held by admitted calls
+                    ok = inst.num_running() + inst.num_waiting() == 0 or \
+                        pages <= inst.kv_pages_total() - inst.kv_pages_used()
+            if ok:
+                inst.admit(c)
+                n += 1
+            else:
+                keep.append((t, c))
+        st.pending = keep
+        return n
+
+    def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str) -> None:
+        if not self.policy.staging:
+            return
+        nxt = st.mux.after(model, self.demand(inst))
+        if nxt is not None:
+            inst.stage_model(nxt)
+
+    def _open_slot(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> None:
+        st.mux.open(model, now)
+        self._admit(inst, st, model, now)
+        self._stage_next(inst, st, model)
+
+    def _switch(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> None:
+        inst.switch_model(model)
+        st.switching_to = model
+
+    # --- round-based multiplexing (talaria, round and the talaria ablations) ----------------
+    def _plan_round(self, inst: InstanceAPI, st: _InstanceState, now: float) -> float | None:
+        p, mux = self.policy, st.mux
+        if st.switching_to is not None:  # the switch issued earlier has completed
+            model, st.switching_to = st.switching_to, None
+            self._open_slot(inst, st, model, now)
+        slot = mux.slot
+        if slot is not None:
+            m = slot.model
+            if p.sp and now < slot.deadline_s:
+                self._admit(inst, st, m, now, continuations_only=True)  # session-prefill
+            self._stage_next(inst, st, m)
+            if inst.num_running() or inst.num_waiting():
+                return None
+            demand = self.demand(inst)
+            if not demand - {m}:
+                # nobody else waits: a fresh slot for the same model costs nothing
+                if m in demand:
+                    self._open_slot(inst, st, m, now)
+                return None
+            if p.reservations and p.sp and now < slot.deadline_s:
+                # keep the slot for a reserved session's likely return, briefly
+                holds = [r.start_s + p.hold_s for r in st.budget.live_for(m, now)]
+                until = min(max(holds, default=now), slot.deadline_s)
+                if until > now:
+                    return until
+            mux.close()
+        nxt = mux.next_model(self.demand(inst))
+        if nxt is None:
+            return None
+        if inst.active_model() == nxt:
+            self._open_slot(inst, st, nxt, now)  # an idle instance admits at least the first call
+            return None
+        self._switch(inst, st, nxt, now)
+        return None
+
+    # --- serverless on-demand multiplexing (load, sticky, composite) ------------------------
+    def _plan_on_demand(self, inst: InstanceAPI, st: _InstanceState, now: float) -> float | None:
+        if st.switching_to is not None:
+            st.switching_to = None
+            st.quantum_start_s = now
+        active = inst.active_model()
+        demand = self.demand(inst)
+        others = demand - {active}
+        quantum_over = bool(others) and now - st.quantum_start_s >= self.policy.slot_s
+        if active is not None and not quantum_over:
+            self._admit(inst, st, active, now)
+        if inst.num_running() or inst.num_waiting() or not others:
+            return None
+        if active in self.demand(inst) and not quantum_over:
+            return None  # the active model still has admissible work next step
+        oldest = min((t, k, c) for k, (t, c) in enumerate(st.pending) if c.model != active)[2]
+        self._switch(inst, st, oldest.model, now)
+        return None

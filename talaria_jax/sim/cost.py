@@ -1,0 +1,97 @@
+"""Roofline cost model of one TP instance: prefill, decode step, copies and weight switches.
+
+Times are seconds. A phase takes the larger of its compute time (FLOPs over the matmul rate times
+a calibrated efficiency) and its memory time (bytes over HBM bandwidth times an efficiency), plus
+the tensor-parallel all-reduces (two per layer: after attention and after the MLP). The constants
+come from the hardware config, whose comments cite REFERENCES.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from talaria_jax.sim.hardware import GB, HardwareConfig, ModelShape
+
+_ALLREDUCES_PER_LAYER = 2  # Megatron-style TP: one after attention, one after the MLP
+_ACT_BYTES = 2  # bf16 activations on the all-reduce wire
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    hw: HardwareConfig
+
+    # --- compute phases -------------------------------------------------------------------
+    def _matmul_rate(self) -> float:
+        return self.hw.num_gpus * self.hw.matmul_tflops * 1e12 * self.hw.prefill_efficiency
+
+    def _hbm_rate(self) -> float:
+        return self.hw.num_gpus * self.hw.hbm_bw_gbps * GB * self.hw.hbm_bw_efficiency
+
+    def _allreduce_s(self, m: ModelShape, tokens: int) -> float:
+        if self.hw.num_gpus == 1:
+            return 0.0
+        # ring all-reduce moves 2(n-1)/n of the message over each GPU's link
+        n = self.hw.num_gpus
+        wire = tokens * m.hidden * _ACT_BYTES * 2 * (n - 1) / n / (self.hw.nvlink_gbps * GB)
+        return m.layers * _ALLREDUCES_PER_LAYER * (self.hw.allreduce_latency_us * 1e-6 + wire)
+
+    def prefill_flops(self, m: ModelShape, new_tokens: int, past_tokens: int) -> float:
+        """FLOPs to prefill new_tokens after past_tokens of cached context (causal attention)."""
+        linear = 2.0 * m.active_params_b * 1e9 * new_tokens
+        # each new token attends to past + its causal half of the new span: QK^T and PV, 2 FLOPs a MAC
+        mean_ctx = past_tokens + new_tokens / 2.0
+        attn = 4.0 * m.full_attn_layers * m.attn_dim * mean_ctx * new_tokens
+        return linear + attn
+
+    def prefill_s(self, m: ModelShape, new_tokens: int, past_tokens: int = 0) -> float:
+        """Seconds to prefill new_tokens on top of past_tokens cached (0 when nothing is new)."""
+        if new_tokens <= 0:
+            return 0.0
+        compute = self.prefill_flops(m, new_tokens, past_tokens) / self._matmul_rate()
+        memory = (m.weight_bytes + (past_tokens + new_tokens) * m.kv_bytes_per_token) / self._hbm_rate()
+        return max(compute, memory) + self._allreduce_s(m, new_tokens)
+
+    def expert_touch_fraction(self, m: ModelShape, batch: int) -> float:
+        """Expected share of routed experts read by a decode step of `batch` tokens."""
+        if m.num_experts == 0:
+            return 1.0
+        return 1.0 - (1.0 - m.top_k / m.num_experts) ** batch
+
+    def decode_step_s(self, m: ModelShape, batch: int, context_tokens: int) -> float:
+        """Seconds for one decode step of `batch` sequences holding context_tokens KV in total."""
+        if batch <= 0:
+            return 0.0
+        weights = m.weight_bytes * ((1.0 - m.expert_fraction) + m.expert_fraction * self.expert_touch_fraction(m, batch))
+        kv = context_tokens * m.kv_bytes_per_token * m.full_attn_layers / m.layers
+        memory = (weights + kv) / self._hbm_rate()
+        flops = 2.0 * m.active_params_b * 1e9 * batch + 4.0 * m.full_attn_layers * m.attn_dim * context_tokens
+        compute = flops / self._matmul_rate()
+        return max(memory, compute) + self._allreduce_s(m, batch)
+
+    # --- copies ---------------------------------------------------------------------------
+    def h2d_kv_s(self, m: ModelShape, tokens: int) -> float:
+        """Seconds to restore `tokens` of session KV from host memory (all GPUs' links in parallel)."""
+        return tokens * m.kv_bytes_per_token / (self.hw.num_gpus * self.hw.pcie_h2d_gbps * GB)
+
+    def d2h_kv_s(self, m: ModelShape, tokens: int) -> float:
+        return tokens * m.kv_bytes_per_token / (self.hw.num_gpus * self.hw.pcie_d2h_gbps * GB)
+
+    def weight_load_rate(self) -> float:
+        """Bytes/s of a host-to-device weight load over all GPUs (sleep-mode wake calibration)."""
+        return self.hw.num_gpus * self.hw.pcie_h2d_gbps * GB * self.hw.weight_load_efficiency
+
+    def weight_load_s(self, m: ModelShape) -> float:
+        """A full switch from host memory: every weight byte crosses PCIe."""
+        return m.weight_bytes / self.weight_load_rate()
+
+    def d2d_weights_s(self, m: ModelShape) -> float:
+        """Staging area to the weight slot inside HBM; the d2d figure counts bytes read + written."""
+        return 2.0 * m.weight_bytes / (self.hw.num_gpus * self.hw.d2d_gbps * GB)
+
+    def saturated_prefill_tokens_per_s(self, m: ModelShape, input_tokens: int, batch: int = 16) -> float:
+        """Prefill throughput of `batch` fresh prompts of input_tokens each (for calibration)."""
+        per = self.prefill_s(m, input_tokens * batch, 0)
+        # causal attention inside each prompt, not across the batch: correct the cross-prompt term
+        attn_cross = 4.0 * m.full_attn_layers * m.attn_dim * (input_tokens * batch) ** 2 / 2.0
+        attn_own = 4.0 * m.full_attn_layers * m.attn_dim * batch * input_tokens**2 / 2.0
+        per -= (attn_cross - attn_own) / self._matmul_rate()
+        return input_tokens * batch / per

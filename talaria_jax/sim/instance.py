@@ -1,0 +1,428 @@
+"""``SimInstance``: one TP instance over a virtual clock and the roofline cost model.
+
+It implements ``InstanceAPI``. Work happens in chunks started by ``start_chunk`` and finished by
+``finish_chunk`` at the time the chunk returned: a model switch, one prefill of the admitted calls
+(prefill first, as vLLM's default scheduler does), or k decode steps of the running batch. HBM is
+accounted in bytes (weights of resident/staged models + KV pages) and never exceeds the usable HBM.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from talaria_jax.scheduler.api import PrefixLocation, WeightState
+from talaria_jax.scheduler.session import Call
+from talaria_jax.sim.cost import CostModel
+from talaria_jax.sim.hardware import HardwareConfig, ModelShape
+
+_ON_DEVICE = (WeightState.ACTIVE, WeightState.RESIDENT, WeightState.STAGED, WeightState.STAGING)
+
+
+class CapacityError(RuntimeError):
+    """A call cannot fit the instance even with everything evictable evicted."""
+
+
+@dataclasses.dataclass
+class _Req:
+    call: Call
+    ctx: int  # tokens in KV now
+    remaining: int  # decode steps left
+    admitted_s: float
+
+
+@dataclasses.dataclass
+class _DevKV:
+    model: str
+    tokens: int  # tokens allocated (the valid prefix once the call has finished)
+    last_used: float
+    protect_until: float = -math.inf
+    in_use: bool = False
+
+
+@dataclasses.dataclass
+class InstanceStats:
+    switches: int = 0
+    switch_s: float = 0.0
+    restored_tokens: int = 0  # prefix tokens restored from host memory
+    recomputed_tokens: int = 0  # prefix tokens that an earlier call computed, prefilled again
+    device_hit_tokens: int = 0  # prefix tokens found on device
+    prefill_tokens: int = 0
+    peak_device_bytes: float = 0.0
+    peak_kv_pages: int = 0
+
+
+class SimInstance:
+    """A simulated instance; see the module docstring. `reusable_prefix(call)` gives the tokens of
+    call's prompt that an earlier call of its session produced (for the recomputed-token count)."""
+
+    def __init__(self, name: str, hw: HardwareConfig, shapes: dict[str, ModelShape], models: Sequence[str], *,
+                 host_kv: bool, staging: bool, drop_kv_on_switch: bool, page_bytes: int = 4 * 2**20,
+                 reusable_prefix: Callable[[Call], int] = lambda c: 0, jitter_sigma: float = 0.0,
+                 rng: np.random.Generator | None = None):
+        for m in models:
+            if m not in shapes:
+                raise ValueError(f"instance {name}: model {m!r} has no shape in the models table")
+        self.name = name
+        self.hw, self.cost = hw, CostModel(hw)
+        self.shapes = shapes
+        self._models = tuple(models)
+        self.host_kv, self.staging, self.drop_kv_on_switch = host_kv, staging, drop_kv_on_switch
+        self.page_bytes = page_bytes
+        self.reusable_prefix = reusable_prefix
+        self.jitter_sigma = jitter_sigma
+        self.rng = rng or np.random.default_rng(0)
+        self.capacity = hw.usable_hbm_bytes
+        # all models' weights live in host memory; what is left holds host KV
+        self.host_kv_capacity = hw.host_kv_bytes_budget - sum(shapes[m].weight_bytes for m in models)
+        if self.host_kv_capacity < 0 and host_kv:
+            raise ValueError(f"instance {name}: host memory {hw.host_memory_gb} GB cannot hold the weights of {models}")
+        self.weights = {m: WeightState.HOST for m in models}
+        self._active: str | None = None
+        self._staging_model: str | None = None
+        self._staging_start = 0.0
+        self.kv_dev: dict[str, _DevKV] = {}
+        self.kv_host: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.now = 0.0
+        self.busy_until: float | None = None
+        self._chunk: tuple | None = None
+        self._switch_to: str | None = None
+        self._weights_lru: dict[str, float] = {}
+        self.stats = InstanceStats()
+
+    # --- InstanceAPI: weights ---------------------------------------------------------------
+    def models(self) -> tuple[str, ...]:
+        return self._models
+
+    def active_model(self) -> str | None:
+        return self._active
+
+    def weight_state(self, model: str) -> WeightState:
+        self._update_staging(self.now)
+        return self.weights[model]
+
+    def estimate_switch_s(self, model: str) -> float:
+        s = self.weight_state(model)
+        m = self.shapes[model]
+        if s in (WeightState.ACTIVE, WeightState.RESIDENT):
+            return 0.0
+        if s == WeightState.STAGED:
+            return self.cost.d2d_weights_s(m)
+        if s == WeightState.STAGING:
+            left = m.weight_bytes - (self.now - self._staging_start) * self.cost.weight_load_rate()
+            return max(0.0, left) / self.cost.weight_load_rate() + self.cost.d2d_weights_s(m)
+        return self.cost.weight_load_s(m)
+
+    # --- InstanceAPI: KV pages --------------------------------------------------------------
+    def pages_for(self, model: str, tokens: int) -> int:
+        return math.ceil(tokens * self.shapes[model].kv_bytes_per_token / self.page_bytes)
+
+    def _weights_bytes(self) -> float:
+        return sum(self.shapes[m].weight_bytes for m, s in self.weights.items() if s in _ON_DEVICE)
+
+    def _kv_dev_pages(self) -> int:
+        return sum(self.pages_for(e.model, e.tokens) for e in self.kv_dev.values())
+
+    def device_bytes(self) -> float:
+        return self._weights_bytes() + self._kv_dev_pages() * self.page_bytes
+
+    def kv_pages_total(self) -> int:
+        return int((self.capacity - self._weights_bytes()) // self.page_bytes)
+
+    def kv_pages_used(self) -> int:
+        """Pages held by running calls plus pages that waiting calls will need."""
+        held = sum(self.pages_for(e.model, e.tokens) for e in self.kv_dev.values() if e.in_use)
+        need = sum(self.pages_for(r.call.model, r.call.context_after) for r in self.waiting)
+        return held + need
+
+    def kv_pages_reserved(self) -> int:
+        return sum(self.pages_for(e.model, e.tokens) for e in self.kv_dev.values()
+                   if not e.in_use and e.protect_until > self.now)
+
+    def kv_pages_free(self) -> int:
+        return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
+
+    def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
+        e = self.kv_dev.get(session_id)
+        dev = e.tokens if e is not None and e.model == model and not e.in_use else 0
+        h = self.kv_host.get(session_id)
+        host = h[1] if self.host_kv and h is not None and h[0] == model else 0
+        return PrefixLocation(dev, host)
+
+    # --- InstanceAPI: queue -----------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def is_busy(self) -> bool:
+        return self.busy_until is not None
+
+    def pressure(self) -> float:
+        total = self.kv_pages_total()
+        return 1.0 if total <= 0 else (self.kv_pages_used() + self.kv_pages_reserved()) / total
+
+    def estimate_service_s(self, call: Call) -> float:
+        m = self.shapes[call.model]
+        loc = self.cached_prefix(call.session, call.model)
+        cached = min(call.prompt_tokens, max(loc.device_tokens, loc.host_tokens))
+        batch = len(self.running) + 1
+        ctx = sum(r.ctx for r in self.running) + call.prompt_tokens
+        return (self.cost.prefill_s(m, call.prompt_tokens - cached, cached)
+                + call.output_tokens * self.cost.decode_step_s(m, batch, ctx))
+
+    # --- InstanceAPI: actions ---------------------------------------------------------------
+    def admit(self, call: Call) -> None:
+        if call.model not in self.weights:
+            raise ValueError(f"instance {self.name} does not host model {call.model!r}")
+        self.waiting.append(_Req(call, 0, call.output_tokens, self.now))
+        e = self.kv_dev.get(call.session)
+        if e is not None:
+            e.in_use = True  # its prefix must survive until the prefill reads it
+
+    def abort(self, call: Call) -> bool:
+        for k, r in enumerate(self.waiting):
+            if r.call.key == call.key:
+                del self.waiting[k]
+                e = self.kv_dev.get(call.session)
+                if e is not None:
+                    e.in_use = False
+                return True
+        return False
+
+    def switch_model(self, model: str) -> None:
+        if self.running or self.waiting:
+            raise RuntimeError(f"instance {self.name}: switch to {model} with calls in flight")
+        if model not in self.weights:
+            raise ValueError(f"instance {self.name} does not host model {model!r}")
+        self._switch_to = model
+
+    def stage_model(self, model: str) -> bool:
+        """Starts a background host-to-device copy of `model` into the staging area."""
+        if not self.staging or model not in self.weights:
+            return False
+        s = self.weight_state(model)
+        if s in _ON_DEVICE:
+            return True
+        if self._staging_model is not None:
+            return False  # one staging area; it holds the model staged earlier
+        if not self._make_room(self.shapes[model].weight_bytes, allow_protected=False):
+            return False
+        self.weights[model] = WeightState.STAGING
+        self._staging_model, self._staging_start = model, self.now
+        self._check_capacity()
+        return True
+
+    def protect_kv(self, session_id: str, until_s: float) -> None:
+        e = self.kv_dev.get(session_id)
+        if e is not None:
+            e.protect_until = until_s
+
+    # --- memory management ------------------------------------------------------------------
+    def _update_staging(self, now: float) -> None:
+        m = self._staging_model
+        if m is not None and self.weights[m] == WeightState.STAGING:
+            if now >= self._staging_start + self.cost.weight_load_s(self.shapes[m]) - 1e-12:
+                self.weights[m] = WeightState.STAGED
+
+    def _check_capacity(self) -> None:
+        used = self.device_bytes()
+        if used > self.capacity + 1.0:
+            raise AssertionError(f"instance {self.name}: HBM {used / 1e9:.1f} GB > usable {self.capacity / 1e9:.1f} GB")
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, used)
+        self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self._kv_dev_pages())
+
+    def _drop_dev_kv(self, sid: str) -> None:
+        del self.kv_dev[sid]  # host copies are written through at call end, so nothing is lost
+
+    def _make_room(self, need: float, allow_protected: bool = True) -> bool:
+        """Evicts until `need` bytes are free: unprotected idle KV (LRU), then inactive resident
+        weights (LRU), then protected idle KV (soonest to lapse first) if allowed."""
+        def free() -> float:
+            return self.capacity - self.device_bytes()
+        if free() >= need:
+            return True
+        idle = sorted((e.last_used, sid) for sid, e in self.kv_dev.items()
+                      if not e.in_use and e.protect_until <= self.now)
+        for _, sid in idle:
+            self._drop_dev_kv(sid)
+            if free() >= need:
+                return True
+        for _, m in sorted((self._weights_lru.get(m, 0.0), m) for m, s in self.weights.items()
+                           if s == WeightState.RESIDENT):
+            self.weights[m] = WeightState.HOST
+            if free() >= need:
+                return True
+        if allow_protected:
+            prot = sorted((e.protect_until, sid) for sid, e in self.kv_dev.items() if not e.in_use)
+            for _, sid in prot:
+                self._drop_dev_kv(sid)
+                if free() >= need:
+                    return True
+        return free() >= need
+
+    def _host_store(self, sid: str, model: str, tokens: int) -> None:
+        self.kv_host[sid] = (model, tokens)
+        self.kv_host.move_to_end(sid)
+        kvb = lambda v: v[1] * self.shapes[v[0]].kv_bytes_per_token
+        total = sum(kvb(v) for v in self.kv_host.values())
+        while total > self.host_kv_capacity and self.kv_host:
+            _, v = self.kv_host.popitem(last=False)
+            total -= kvb(v)
+
+    # --- chunks -----------------------------------------------------------------------------
+    def _jitter(self) -> float:
+        return float(np.exp(self.rng.normal(0.0, self.jitter_sigma))) if self.jitter_sigma > 0 else 1.0
+
+    def start_chunk(self, now: float, horizon: float | None = None) -> float | None:
+        """Starts the next chunk at `now`; returns when it ends, or None when there is no work.
+        A decode chunk stops at the first step that reaches `horizon` (the next outside event)."""
+        assert self.busy_until is None, "start_chunk while busy"
+        self.now = now
+        self._update_staging(now)
+        if self._switch_to is not None:
+            dur = self._start_switch(self._switch_to)
+            self._chunk = ("switch", self._switch_to)
+            self._switch_to = None
+            return self._busy(now, dur)
+        if self.waiting:
+            dur = self._start_prefill()
+            if dur is not None:
+                return self._busy(now, dur)
+        if self.running:
+            return self._busy(now, self._start_decode(now, horizon))
+        if self.waiting:
+            c = self.waiting[0].call
+            raise CapacityError(f"instance {self.name}: call {c.key} needs {self.pages_for(c.model, c.context_after)} "
+                                f"KV pages, more than the {self.kv_pages_total()} the instance can free")
+        return None
+
+    def _busy(self, now: float, dur: float) -> float:
+        self.busy_until = now + dur
+        return self.busy_until
+
+    def _start_switch(self, model: str) -> float:
+        m = self.shapes[model]
+        old = self._active
+        if old is not None:
+            self.weights[old] = WeightState.RESIDENT
+            self._weights_lru[old] = self.now
+            if self.drop_kv_on_switch:  # sleep mode level 1 discards the KV cache
+                for sid in [s for s, e in self.kv_dev.items() if e.model == old]:
+                    self._drop_dev_kv(sid)
+        self._active = None
+        s = self.weights[model]
+        if s == WeightState.RESIDENT:
+            dur = 0.0
+        elif s == WeightState.STAGED:
+            dur = self.cost.d2d_weights_s(m)
+        elif s == WeightState.STAGING:
+            dur = self.estimate_switch_s(model)
+        else:
+            if not self._make_room(m.weight_bytes):
+                raise CapacityError(f"instance {self.name}: weights of {model} ({m.weights_gb} GB) do not fit "
+                                    f"the usable HBM {self.capacity / 1e9:.1f} GB")
+            dur = self.cost.weight_load_s(m)
+        if self._staging_model == model:
+            self._staging_model = None
+        self.weights[model] = WeightState.ACTIVE
+        self._check_capacity()
+        self.stats.switches += 1
+        self.stats.switch_s += dur
+        return dur * self._jitter()
+
+    def _start_prefill(self) -> float | None:
+        model = self._active
+        m = self.shapes[model]
+        batch, keep, dur = [], [], 0.0
+        for r in self.waiting:
+            c = r.call
+            if c.model != model:
+                raise RuntimeError(f"instance {self.name}: call {c.key} for {c.model} admitted while {model} is active")
+            e = self.kv_dev.get(c.session)
+            if e is not None and e.model != model:
+                self._drop_dev_kv(c.session)
+                e = None
+            cached = min(e.tokens, c.prompt_tokens) if e is not None else 0
+            h = self.kv_host.get(c.session)
+            restore = 0
+            if self.host_kv and h is not None and h[0] == model:
+                restore = max(0, min(h[1], c.prompt_tokens) - cached)
+            need = (self.pages_for(model, c.context_after) - (self.pages_for(model, e.tokens) if e else 0)) * self.page_bytes
+            if e is not None:
+                e.in_use = True
+            if not self._make_room(need):
+                keep.append(r)
+                continue
+            if e is None:
+                e = self.kv_dev[c.session] = _DevKV(model, 0, self.now, in_use=True)
+            e.tokens, e.last_used = c.context_after, self.now
+            new = c.prompt_tokens - cached - restore
+            reusable = self.reusable_prefix(c)
+            self.stats.device_hit_tokens += cached
+            self.stats.restored_tokens += restore
+            self.stats.recomputed_tokens += max(0, min(reusable, c.prompt_tokens) - cached - restore)
+            self.stats.prefill_tokens += new
+            t_restore = self.cost.h2d_kv_s(m, restore)
+            if self._staging_model is not None and self.weights[self._staging_model] == WeightState.STAGING:
+                self._staging_start += t_restore  # KV restore and weight staging share the PCIe link
+            dur += t_restore + self.cost.prefill_s(m, new, cached + restore)
+            r.ctx = c.prompt_tokens
+            batch.append(r)
+        self._check_capacity()
+        if not batch:
+            return None
+        self.waiting = keep
+        self._chunk = ("prefill", batch)
+        return dur * self._jitter()
+
+    def _start_decode(self, now: float, horizon: float | None) -> float:
+        m = self.shapes[self._active]
+        b = len(self.running)
+        ctx = sum(r.ctx for r in self.running)
+        kmax = min(r.remaining for r in self.running)
+        step0 = self.cost.decode_step_s(m, b, ctx)
+        k = kmax
+        if horizon is not None and step0 > 0:
+            k = max(1, min(kmax, math.ceil((horizon - now) / step0)))
+        dur = k * self.cost.decode_step_s(m, b, ctx + b * k // 2)
+        self._chunk = ("decode", k)
+        return dur * self._jitter()
+
+    def finish_chunk(self, now: float) -> list[Call]:
+        """Applies the chunk that ends at `now`; returns the calls that completed."""
+        assert self.busy_until is not None and abs(now - self.busy_until) < 1e-9, "finish_chunk at wrong time"
+        self.now, self.busy_until = now, None
+        kind, arg = self._chunk
+        self._chunk = None
+        done: list[Call] = []
+        if kind == "switch":
+            self._active = arg
+            self._weights_lru[arg] = now
+        elif kind == "prefill":
+            self.running.extend(arg)
+        elif kind == "decode":
+            still = []
+            for r in self.running:
+                r.ctx += arg
+                r.remaining -= arg
+                if r.remaining > 0:
+                    still.append(r)
+                    continue
+                c = r.call
+                e = self.kv_dev[c.session]
+                e.in_use, e.last_used, e.tokens = False, now, c.context_after
+                if self.host_kv:
+                    # write-through of the new tokens only (~1K tokens, about a millisecond over PCIe),
+                    # overlapped with decode on the otherwise idle device-to-host direction
+                    self._host_store(c.session, c.model, c.context_after)
+                done.append(c)
+            self.running = still
+        self._update_staging(now)
+        return done

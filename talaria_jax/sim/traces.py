@@ -1,0 +1,189 @@
+"""SWE-bench-style agent session traces: a generator and the JSONL format (configs/traces/README.md).
+
+One call per line: {"session", "turn", "model", "prompt_tokens", "output_tokens", "tool_gap_s"}
+plus "start_s" on turn 0. Unknown fields are ignored; a malformed line raises ``TraceError`` with
+its line number. Statistics of the generator follow REFERENCES.md ("Agent sessions").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from talaria_jax.scheduler.session import Call
+
+# REFERENCES.md "Agent sessions" (TraceLab, 357K steps): tool gap median 0.3 s, p90 13.6 s, p99 3.6 min.
+TOOL_GAP_MEDIAN_S = 0.3
+TOOL_GAP_P90_S = 13.6
+TOOL_GAP_P99_S = 216.0
+_Z90 = 1.2815515655446004  # standard normal quantile at 0.9
+
+
+class TraceError(ValueError):
+    """A trace file or generator setting is malformed; names the line/field and the limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSpec:
+    """Generator settings; defaults give the default trace configs/traces/swebench-30x32.jsonl."""
+
+    sessions: int = 30
+    turns: int = 32  # the paper: 960 calls over 30 sessions
+    models: tuple[str, ...] = ("qwen3-235b-a22b", "glm-4.5-fp8", "llama-3.1-405b-fp8")
+    zipf_s: float = 1.0  # popularity of model rank r is proportional to r^-s
+    arrival_rate_per_s: float = 0.5  # Poisson session arrivals: a batch of SWE-bench tasks launched together
+    system_tokens: tuple[int, int] = (2000, 6000)  # system prompt + issue, uniform (REFERENCES: 2-6K)
+    obs_median_tokens: float = 500.0  # tool observation per turn, lognormal (REFERENCES: median 0.5-1K, tail 8K+)
+    obs_sigma: float = 1.0  # p99 = 500 * e^2.33 = 5.1K; the clip below cuts the 8K+ tail at 16K
+    obs_max_tokens: int = 16000
+    output_mean_tokens: float = 220.0  # REFERENCES: ~220 output tokens per call (OpenHands/SWE-smith)
+    output_sigma: float = 0.6
+    output_range: tuple[int, int] = (16, 2048)
+    max_context_tokens: int = 131072  # REFERENCES: deepest turn up to 131K
+    gap_median_s: float = TOOL_GAP_MEDIAN_S
+    gap_p90_s: float = TOOL_GAP_P90_S
+    gap_max_s: float = TOOL_GAP_P99_S  # clip at the reported p99 so one session is not a single 20-minute tool run
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [("sessions", self.sessions, 1, 1_000_000), ("turns", self.turns, 1, 10_000),
+                  ("zipf_s", self.zipf_s, 0.0, 10.0), ("arrival_rate_per_s", self.arrival_rate_per_s, 1e-9, 1e9),
+                  ("obs_median_tokens", self.obs_median_tokens, 1, 1e6), ("output_mean_tokens", self.output_mean_tokens, 1, 1e6),
+                  ("gap_median_s", self.gap_median_s, 1e-6, 1e6), ("gap_p90_s", self.gap_p90_s, self.gap_median_s, 1e6)]
+        for name, v, lo, hi in checks:
+            if not lo <= v <= hi:
+                raise TraceError(f"trace spec: '{name}'={v} outside [{lo}, {hi}]")
+        if not self.models:
+            raise TraceError("trace spec: 'models' must name at least one model")
+
+
+def generate(spec: TraceSpec) -> list[Call]:
+    """Draws sessions per `spec`; the same spec (seed included) gives the same calls."""
+    rng = np.random.default_rng(spec.seed)
+    ranks = np.arange(1, len(spec.models) + 1, dtype=float)
+    pop = ranks ** -spec.zipf_s
+    pop /= pop.sum()
+    gap_sigma = math.log(spec.gap_p90_s / spec.gap_median_s) / _Z90
+    out_mu = math.log(spec.output_mean_tokens) - spec.output_sigma**2 / 2  # lognormal with the given mean
+    calls: list[Call] = []
+    t = 0.0
+    width = max(2, len(str(spec.sessions - 1)))
+    for s in range(spec.sessions):
+        t += float(rng.exponential(1.0 / spec.arrival_rate_per_s)) if s else 0.0
+        model = spec.models[int(rng.choice(len(spec.models), p=pop))]
+        prompt = int(rng.integers(spec.system_tokens[0], spec.system_tokens[1] + 1))
+        sid = f"s{s:0{width}d}"
+        for k in range(spec.turns):
+            out = int(np.clip(rng.lognormal(out_mu, spec.output_sigma), *spec.output_range))
+            last = k == spec.turns - 1
+            gap = 0.0 if last else float(min(spec.gap_max_s, rng.lognormal(math.log(spec.gap_median_s), gap_sigma)))
+            prompt = min(prompt, spec.max_context_tokens - out)
+            calls.append(Call(sid, k, model, prompt, out, round(gap, 3), round(t, 3) if k == 0 else None))
+            obs = int(min(spec.obs_max_tokens, rng.lognormal(math.log(spec.obs_median_tokens), spec.obs_sigma)))
+            prompt = prompt + out + obs
+    return calls
+
+
+def write_jsonl(calls: Iterable[Call], path: str | pathlib.Path) -> None:
+    with open(path, "w") as f:
+        for c in calls:
+            d = {"session": c.session, "turn": c.turn, "model": c.model, "prompt_tokens": c.prompt_tokens,
+                 "output_tokens": c.output_tokens, "tool_gap_s": c.tool_gap_s}
+            if c.turn == 0:
+                d["start_s"] = c.start_s
+            f.write(json.dumps(d) + "\n")
+
+
+def _field(d: dict, name: str, kind: type, where: str, lo: float, hi: float | None = None):
+    if name not in d:
+        raise TraceError(f"{where}: missing field '{name}'")
+    v = d[name]
+    ok = isinstance(v, str) if kind is str else (isinstance(v, (int, float)) and not isinstance(v, bool))
+    if kind is int and ok and float(v) != int(v):
+        ok = False
+    if not ok:
+        raise TraceError(f"{where}: field '{name}' must be {kind.__name__}, got {v!r}")
+    if kind is str:
+        if not v:
+            raise TraceError(f"{where}: field '{name}' must be a non-empty string")
+        return v
+    if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
+        raise TraceError(f"{where}: field '{name}'={v} outside [{lo}, {hi if hi is not None else 'inf'}]")
+    return kind(v)
+
+
+def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> list[Call]:
+    """Parses and validates a trace; errors name the line, the field and the limit."""
+    calls: list[Call] = []
+    last: dict[str, Call] = {}
+    line_of: dict[str, int] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source}:{n}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise TraceError(f"{where}: a line must be a JSON object")
+        sid = _field(d, "session", str, where, 0)
+        turn = _field(d, "turn", int, where, 0)
+        model = _field(d, "model", str, where, 0)
+        prompt = _field(d, "prompt_tokens", int, where, 1)
+        out = _field(d, "output_tokens", int, where, 1)
+        gap = _field(d, "tool_gap_s", float, where, 0.0)
+        start = _field(d, "start_s", float, where, 0.0) if turn == 0 else None
+        prev = last.get(sid)
+        if prev is None and turn != 0:
+            raise TraceError(f"{where}: session {sid!r} starts at turn {turn}; its first line must be turn 0")
+        if prev is not None:
+            if turn != prev.turn + 1:
+                raise TraceError(f"{where}: session {sid!r} turn {turn} follows turn {prev.turn} (line {line_of[sid]}); "
+                                 f"turns must be consecutive")
+            if model != prev.model:
+                raise TraceError(f"{where}: session {sid!r} changes model from {prev.model!r} to {model!r}")
+            if prompt < prev.context_after:
+                raise TraceError(f"{where}: field 'prompt_tokens'={prompt} must be >= previous prompt_tokens + "
+                                 f"output_tokens = {prev.context_after} (the earlier context is the prefix)")
+        c = Call(sid, turn, model, prompt, out, gap, start)
+        calls.append(c)
+        last[sid], line_of[sid] = c, n
+    if not calls:
+        raise TraceError(f"{source}: no calls")
+    return calls
+
+
+def read_jsonl(path: str | pathlib.Path) -> list[Call]:
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise TraceError(f"trace file not found: {p}")
+    with open(p) as f:
+        return parse_jsonl(f, str(p))
+
+
+def summary(calls: Sequence[Call]) -> dict:
+    """Statistics of a trace, for the README and for checking the generator against REFERENCES.md."""
+    by: dict[str, list[Call]] = {}
+    for c in calls:
+        by.setdefault(c.session, []).append(c)
+    gaps = np.array([c.tool_gap_s for cs in by.values() for c in cs[:-1]])
+    deepest = np.array([cs[-1].context_after for cs in by.values()])
+    reuse = sum(min(a.context_after, b.prompt_tokens) for cs in by.values() for a, b in zip(cs, cs[1:]))
+    models: dict[str, int] = {}
+    for cs in by.values():
+        models[cs[0].model] = models.get(cs[0].model, 0) + 1
+    return {
+        "sessions": len(by), "calls": len(calls), "sessions_per_model": models,
+        "output_tokens_mean": float(np.mean([c.output_tokens for c in calls])),
+        "tool_gap_median_s": float(np.median(gaps)) if gaps.size else 0.0,
+        "tool_gap_p90_s": float(np.quantile(gaps, 0.9)) if gaps.size else 0.0,
+        "tool_gap_mean_s": float(gaps.mean()) if gaps.size else 0.0,
+        "deepest_context_mean": float(deepest.mean()), "deepest_context_max": int(deepest.max()),
+        "prefix_reuse_fraction": reuse / sum(c.prompt_tokens for c in calls),
+        "last_start_s": max(c.start_s for c in calls if c.turn == 0),
+    }
