@@ -1,0 +1,33 @@
+"""Mesh construction over any list of devices, with an expert-parallel and a tensor-parallel axis.
+
+Two instances can split one server: `make_mesh(jax.devices()[:4], tp=4)` and
+`make_mesh(jax.devices()[4:], tp=4)` are independent meshes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+EP, TP = "ep", "tp"
+AXES = (EP, TP)
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None, tp: int | None = None, ep: int = 1) -> Mesh:
+    """A (ep, tp) mesh over `devices` (default: all). tp defaults to len(devices) // ep."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh: devices is empty")
+    if ep < 1:
+        raise ValueError(f"make_mesh: ep must be >= 1, got {ep}")
+    tp = len(devices) // ep if tp is None else tp
+    if tp < 1 or tp * ep != len(devices):
+        raise ValueError(f"make_mesh: tp ({tp}) x ep ({ep}) must equal the number of devices ({len(devices)})")
+    grid = np.asarray(devices, dtype=object).reshape(ep, tp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def mesh_size(mesh: Mesh, axis: str) -> int:
+    return mesh.shape.get(axis, 1)

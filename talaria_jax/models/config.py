@@ -1,0 +1,173 @@
+"""Decoder configs (dense and MoE) as frozen dataclasses, loaded from configs/models/*.yaml.
+
+One dataclass covers Llama-3, Qwen3, Qwen3-MoE, GLM-4.5 and gpt-oss shapes. Each config reports its
+parameter count (total and active per token) and its KV bytes per token, the two figures the
+scheduler's cost model and the paged KV pool are sized from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from talaria_jax import config_io
+
+MODEL_CONFIG_DIR = config_io.CONFIG_DIR / "models"
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1, "mxfp4": 0.53125}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_type: llama3`) or YaRN (`rope_type: yarn`, gpt-oss)."""
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    expert_ffn_size: int
+    num_shared_experts: int = 0
+    norm_topk_prob: bool = True
+    # "softmax" (Qwen3-MoE, gpt-oss) or "sigmoid" (GLM-4.5, with a score-correction bias).
+    router_scoring: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    # Leading layers that keep a dense FFN (GLM-4.5's first_k_dense_replace).
+    first_dense_layers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    # Fraction of head_dim that is rotated (GLM-4.5: 0.5).
+    partial_rotary_factor: float = 1.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    attention_bias: bool = False
+    tie_embeddings: bool = False
+    moe: MoEConfig | None = None
+    # Per-layer sliding window in tokens, 0 = full attention; empty = all layers full.
+    sliding_windows: tuple[int, ...] = ()
+    max_position: int = 32768
+    # Storage precision of the served weights and KV (for byte accounting, not the compute dtype).
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    # Compute dtype of the JAX model (fp32 on CPU, bf16 on GPU).
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # Published figures the counts are checked against (tests/test_model_config.py).
+    published_params: float | None = None
+    published_active_params: float | None = None
+    # Features present in the real model that this decoder does not run (documented, not silently wrong).
+    unsupported: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size"):
+            if getattr(self, field) < 1:
+                raise config_io.ConfigError(f"{self.name}: {field} must be >= 1, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise config_io.ConfigError(
+                f"{self.name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise config_io.ConfigError(
+                f"{self.name}: sliding_windows has {len(self.sliding_windows)} entries, num_layers is {self.num_layers}")
+        if self.moe is not None and not 1 <= self.moe.top_k <= self.moe.num_experts:
+            raise config_io.ConfigError(
+                f"{self.name}: moe.top_k ({self.moe.top_k}) must be in [1, moe.num_experts={self.moe.num_experts}]")
+        for field in ("weight_dtype", "kv_dtype"):
+            if getattr(self, field) not in _DTYPE_BYTES:
+                raise config_io.ConfigError(f"{self.name}: {field} {getattr(self, field)!r} not in {sorted(_DTYPE_BYTES)}")
+
+    # ---- derived shapes -------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def window(self, layer: int) -> int:
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_dense_layers
+
+    # ---- counts -----------------------------------------------------------------------------
+    def _attn_params(self) -> int:
+        p = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        if self.attention_bias:
+            p += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            p += 2 * self.head_dim
+        return p + 2 * self.hidden_size  # two RMSNorms per layer
+
+    def _ffn_params(self, layer: int) -> tuple[int, int]:
+        """(total, active per token) parameters of one layer's FFN."""
+        if not self.is_moe_layer(layer):
+            p = 3 * self.hidden_size * self.ffn_size
+            return p, p
+        m = self.moe
+        expert = 3 * self.hidden_size * m.expert_ffn_size
+        router = self.hidden_size * m.num_experts
+        shared = m.num_shared_experts * expert
+        return m.num_experts * expert + shared + router, m.top_k * expert + shared + router
+
+    def param_count(self) -> int:
+        """All parameters: embeddings, layers, final norm and (untied) LM head."""
+        emb = self.vocab_size * self.hidden_size
+        total = emb * (1 if self.tie_embeddings else 2) + self.hidden_size
+        for layer in range(self.num_layers):
+            total += self._attn_params() + self._ffn_params(layer)[0]
+        return total
+
+    def active_param_count(self) -> int:
+        """Parameters touched per token: layers with top-k experts, plus the LM head (not the embedding lookup)."""
+        total = self.vocab_size * self.hidden_size + self.hidden_size
+        for layer in range(self.num_layers):
+            total += self._attn_params() + self._ffn_params(layer)[1]
+        return total
+
+    def kv_bytes_per_token(self, full_attention: bool = False) -> int:
+        """2 x layers x kv_heads x head_dim x bytes (REFERENCES.md). Sliding-window layers hold a
+        bounded window, so by default only full-attention layers count per token."""
+        layers = self.num_layers if full_attention else sum(1 for l in range(self.num_layers) if self.window(l) == 0)
+        return int(2 * layers * self.kv_size * _DTYPE_BYTES[self.kv_dtype])
+
+    def weight_bytes(self) -> int:
+        return int(self.param_count() * _DTYPE_BYTES[self.weight_dtype])
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def available_models() -> list[str]:
+    return sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
+
+
+def load_model_config(name_or_path: str | pathlib.Path) -> ModelConfig:
+    """Loads `configs/models/<name>.yaml` (or an explicit path)."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = MODEL_CONFIG_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise config_io.ConfigError(f"no model config {str(name_or_path)!r}; available: {available_models()}")
+    return config_io.load_yaml(ModelConfig, path)

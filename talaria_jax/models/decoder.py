@@ -1,0 +1,178 @@
+"""One Flax NNX decoder family: Llama-3 / Qwen3 dense and Qwen3-MoE / GLM-4.5-style MoE.
+
+Every parameter carries its logical axes (`axes=` metadata); `talaria_jax.sharding.rules` maps
+those roles to mesh axes in one table. Attention goes through an `AttentionFn`, so the same module
+runs full-sequence (the reference) and over the engine's paged KV pool.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from talaria_jax.models import layers
+from talaria_jax.models.attention import AttentionFn, full_sequence_attention
+from talaria_jax.models.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, std=INIT_STD) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+
+
+def _ones(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), axes=axes)
+
+
+def _zeros(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer = layer
+        self.q_proj = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), dt)
+        self.k_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), dt)
+        self.v_proj = _param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), dt)
+        self.o_proj = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), dt)
+        if cfg.attention_bias:
+            self.q_bias = _zeros((h, d), ("heads", "head_dim"), dt)
+            self.k_bias = _zeros((kv, d), ("kv_heads", "head_dim"), dt)
+            self.v_bias = _zeros((kv, d), ("kv_heads", "head_dim"), dt)
+        if cfg.qk_norm:
+            self.q_norm = _ones((d,), ("head_dim",), dt)
+            self.k_norm = _ones((d,), ("head_dim",), dt)
+
+    def __call__(self, cfg: ModelConfig, x, positions, inv_freq, attn: AttentionFn, kv_state):
+        q = jnp.einsum("...e,ehd->...hd", x, self.q_proj[...])
+        k = jnp.einsum("...e,ehd->...hd", x, self.k_proj[...])
+        v = jnp.einsum("...e,ehd->...hd", x, self.v_proj[...])
+        if cfg.attention_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if cfg.qk_norm:
+            q = layers.rms_norm(q, self.q_norm[...], cfg.norm_eps)
+            k = layers.rms_norm(k, self.k_norm[...], cfg.norm_eps)
+        q = layers.apply_rope(q, positions, inv_freq)
+        k = layers.apply_rope(k, positions, inv_freq)
+        out, kv_state = attn(self.layer, q, k, v, kv_state)
+        return jnp.einsum("...hd,hde->...e", out, self.o_proj[...]), kv_state
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, ffn_size: int, rngs: nnx.Rngs, axis: str = "mlp"):
+        dt = jnp.dtype(cfg.dtype)
+        e = cfg.hidden_size
+        self.gate_proj = _param(rngs, (e, ffn_size), ("embed", axis), dt)
+        self.up_proj = _param(rngs, (e, ffn_size), ("embed", axis), dt)
+        self.down_proj = _param(rngs, (ffn_size, e), (axis, "embed"), dt)
+
+    def __call__(self, x):
+        return layers.swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+
+
+class MoE(nnx.Module):
+    """Top-k routed experts (+ shared experts). Reference formulation: every expert runs on every
+    token and the combine weights are zero off the top-k; exact, and shards experts over `ep`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        m = cfg.moe
+        dt = jnp.dtype(cfg.dtype)
+        e, x, f = cfg.hidden_size, m.num_experts, m.expert_ffn_size
+        self.router = _param(rngs, (e, x), ("embed", None), dt)
+        if m.router_scoring == "sigmoid":
+            self.score_bias = _zeros((x,), (None,), jnp.float32)
+        self.gate_proj = _param(rngs, (x, e, f), ("experts", "embed", "expert_mlp"), dt)
+        self.up_proj = _param(rngs, (x, e, f), ("experts", "embed", "expert_mlp"), dt)
+        self.down_proj = _param(rngs, (x, f, e), ("experts", "expert_mlp", "embed"), dt)
+        if m.num_shared_experts:
+            self.shared = MLP(cfg, m.num_shared_experts * f, rngs)
+
+    def routing(self, cfg: ModelConfig, x) -> jax.Array:
+        """Dense combine weights [..., num_experts]: the top-k gate values, zero elsewhere."""
+        m = cfg.moe
+        logits = (x @ self.router[...]).astype(jnp.float32)
+        if m.router_scoring == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+            _, idx = jax.lax.top_k(scores + self.score_bias[...], m.top_k)
+            top = jnp.take_along_axis(scores, idx, axis=-1)
+        elif m.router_scoring == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+            top, idx = jax.lax.top_k(scores, m.top_k)
+        else:
+            raise ValueError(f"{cfg.name}: moe.router_scoring {m.router_scoring!r} not in ['softmax', 'sigmoid']")
+        if m.norm_topk_prob:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
+        top = top * m.routed_scaling_factor
+        onehot = jax.nn.one_hot(idx, m.num_experts, dtype=jnp.float32)  # [..., k, X]
+        return jnp.einsum("...k,...kx->...x", top, onehot).astype(x.dtype)
+
+    def __call__(self, cfg: ModelConfig, x):
+        combine = self.routing(cfg, x)
+        h = jax.nn.silu(jnp.einsum("...e,xef->...xf", x, self.gate_proj[...]))
+        h = h * jnp.einsum("...e,xef->...xf", x, self.up_proj[...])
+        y = jnp.einsum("...xf,xfe,...x->...e", h, self.down_proj[...], combine)
+        if cfg.moe.num_shared_experts:
+            y = y + self.shared(x)
+        return y
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.input_norm = _ones((cfg.hidden_size,), ("embed",), dt)
+        self.attn = Attention(cfg, layer, rngs)
+        self.post_attn_norm = _ones((cfg.hidden_size,), ("embed",), dt)
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.ffn = MoE(cfg, rngs) if self.is_moe else MLP(cfg, cfg.ffn_size, rngs)
+
+    def __call__(self, cfg, x, positions, inv_freq, attn, kv_state):
+        h, kv_state = self.attn(cfg, layers.rms_norm(x, self.input_norm[...], cfg.norm_eps), positions, inv_freq,
+                                attn, kv_state)
+        x = x + h
+        hn = layers.rms_norm(x, self.post_attn_norm[...], cfg.norm_eps)
+        x = x + (self.ffn(cfg, hn) if self.is_moe else self.ffn(hn))
+        return x, kv_state
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM. `cfg` is static; parameters are the module's nnx.Params."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        if cfg.unsupported:
+            # Shapes and byte counts of such configs are still valid; running them would be silently wrong.
+            raise NotImplementedError(f"{cfg.name}: this decoder does not implement {list(cfg.unsupported)}")
+        dt = jnp.dtype(cfg.dtype)
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.final_norm = _ones((cfg.hidden_size,), ("embed",), dt)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array, attn: AttentionFn, kv_state: Any = None):
+        """Final-norm hidden states [..., T, E] and the threaded kv_state."""
+        cfg = self.cfg
+        inv_freq = jnp.asarray(layers.rope_inv_freq(cfg))
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        for block in self.blocks:
+            x, kv_state = block(cfg, x, positions, inv_freq, attn, kv_state)
+        return layers.rms_norm(x, self.final_norm[...], cfg.norm_eps), kv_state
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Full-sequence forward of a right-padded batch [B, T]: fp32 logits [B, T, V] at every position.
+
+        positions default to 0..T-1; pass -1 at padding to mask those keys.
+        """
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        h, _ = self.hidden(tokens, positions, full_sequence_attention(self.cfg.sliding_windows, positions))
+        return self.logits(h)

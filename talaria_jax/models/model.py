@@ -1,0 +1,100 @@
+"""A decoder's parameters as sharded arrays on a mesh, and the full-sequence reference forward.
+
+State lives outside jitted functions: `ShardedModel` holds the graph definition, the parameter
+state (sharded by `talaria_jax.sharding.rules`) and the mesh; `forward` is pure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from talaria_jax.models.config import ModelConfig
+from talaria_jax.models.decoder import Decoder
+from talaria_jax.sharding import make_mesh, state_shardings
+
+
+@dataclasses.dataclass
+class ShardedModel:
+    cfg: ModelConfig
+    mesh: Mesh
+    graphdef: Any
+    state: Any
+
+    def module(self) -> Decoder:
+        return nnx.merge(self.graphdef, self.state)
+
+    def param_arrays(self) -> dict[str, jax.Array]:
+        """Flat {'blocks.0.attn.q_proj': array} view of the parameters."""
+        return {".".join(map(str, k)): v for k, v in nnx.to_flat_state(self.state)
+                if isinstance(v, nnx.Variable) for v in [v[...]]}
+
+
+def abstract_model(cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any, Any]:
+    """(graphdef, abstract state, shardings) without allocating any parameter."""
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state, state_shardings(state, mesh)
+
+
+def init_model(cfg: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -> ShardedModel:
+    """Random-initialised parameters created directly in their shards (no full replica per device)."""
+    mesh = mesh or make_mesh(jax.devices()[:1])
+    graphdef, _, shardings = abstract_model(cfg, mesh)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():
+        return nnx.state(Decoder(cfg, nnx.Rngs(seed)))
+
+    with jax.set_mesh(mesh):
+        state = init()
+    return ShardedModel(cfg, mesh, graphdef, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens, positions):
+    return nnx.merge(graphdef, state)(tokens, positions)
+
+
+def forward(model: ShardedModel, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """fp32 logits [B, T, V] for a right-padded batch; positions -1 mark padding."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+    with jax.set_mesh(model.mesh):
+        return _forward(model.graphdef, model.state, tokens, jnp.asarray(positions, jnp.int32))
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token lists to `length`: (tokens [B, length], positions with -1 at padding)."""
+    b = len(prompts)
+    tokens = np.full((b, length), pad_id, np.int32)
+    positions = np.full((b, length), -1, np.int32)
+    for i, p in enumerate(prompts):
+        if len(p) > length:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; the limit is {length}")
+        tokens[i, : len(p)] = p
+        positions[i, : len(p)] = np.arange(len(p))
+    return tokens, positions
+
+
+def greedy_generate(model: ShardedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation by full-sequence recompute (no KV cache): the reference the paged engine
+    is tested against. One compiled shape per (batch, prompt+new) length."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    length = max(len(p) for p in prompts) + max_new_tokens
+    seqs = [list(p) for p in prompts]
+    for _ in range(max_new_tokens):
+        tokens, positions = pad_batch(seqs, length)
+        logits = np.asarray(forward(model, tokens, positions))
+        for i, s in enumerate(seqs):
+            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    return [s[len(p):] for s, p in zip(seqs, prompts)]

@@ -1,0 +1,180 @@
+"""HF-format checkpoints (config.json + *.safetensors) for Llama, Qwen3 and Qwen3-MoE, loaded
+straight into sharded arrays: each device receives only its shard of every parameter.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from talaria_jax.models.config import ModelConfig, MoEConfig, RopeScaling
+from talaria_jax.models.model import ShardedModel, abstract_model
+from talaria_jax.sharding import make_mesh
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: names the parameter and both shapes."""
+
+
+def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> ModelConfig:
+    """Our ModelConfig from an HF config.json dict (model_type llama, qwen3 or qwen3_moe)."""
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"config.json model_type {mt!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
+    heads = hf["num_attention_heads"]
+    rope_scaling = None
+    rs = hf.get("rope_scaling") or (hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else None)
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        rope_scaling = RopeScaling("llama3", float(rs["factor"]), float(rs["low_freq_factor"]),
+                                   float(rs["high_freq_factor"]), int(rs["original_max_position_embeddings"]))
+    elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+        raise CheckpointError(f"config.json rope_scaling type {rs.get('rope_type')!r} is not supported (llama3 is)")
+    theta = hf.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
+    moe = None
+    if mt == "qwen3_moe":
+        dense = sorted(hf.get("mlp_only_layers") or [])
+        if dense != list(range(len(dense))) or hf.get("decoder_sparse_step", 1) != 1:
+            raise CheckpointError(f"qwen3_moe: only leading dense layers are supported; mlp_only_layers={dense}, "
+                                  f"decoder_sparse_step={hf.get('decoder_sparse_step')}")
+        moe = MoEConfig(num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                        expert_ffn_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                        first_dense_layers=len(dense))
+    return ModelConfig(
+        name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_size=hf["intermediate_size"],
+        rope_theta=float(theta), rope_scaling=rope_scaling, norm_eps=float(hf["rms_norm_eps"]),
+        qk_norm=mt in ("qwen3", "qwen3_moe"), attention_bias=bool(hf.get("attention_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe,
+        max_position=hf.get("max_position_embeddings", 32768), dtype=dtype, weight_dtype=dtype, kv_dtype=dtype,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")))
+
+
+def _first(x):
+    return x[0] if isinstance(x, list) else x
+
+
+# ---- name map: our parameter path -> how to build it from HF tensors -----------------------------
+Getter = Callable[[str], np.ndarray]
+
+
+def _proj_in(h: int, d: int):  # HF [H*D, E] -> ours [E, H, D]
+    return lambda w: w.T.reshape(w.shape[1], h, d)
+
+
+def _proj_out(h: int, d: int):  # HF [E, H*D] -> ours [H, D, E]
+    return lambda w: w.T.reshape(h, d, w.shape[0])
+
+
+def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], Callable[..., np.ndarray]]]:
+    """{our path: ([HF tensor names], fn(*tensors) -> array in our layout)}."""
+    h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ident = lambda w: w  # noqa: E731
+    t = lambda w: w.T  # noqa: E731
+    m: dict[str, tuple[list[str], Callable[..., np.ndarray]]] = {"embed": (["model.embed_tokens.weight"], ident),
+                                                                 "final_norm": (["model.norm.weight"], ident)}
+    if not cfg.tie_embeddings:
+        m["lm_head"] = (["lm_head.weight"], t)
+    for i in range(cfg.num_layers):
+        hp, op = f"model.layers.{i}", f"blocks.{i}"
+        m[f"{op}.input_norm"] = ([f"{hp}.input_layernorm.weight"], ident)
+        m[f"{op}.post_attn_norm"] = ([f"{hp}.post_attention_layernorm.weight"], ident)
+        a = f"{hp}.self_attn"
+        m[f"{op}.attn.q_proj"] = ([f"{a}.q_proj.weight"], _proj_in(h, d))
+        m[f"{op}.attn.k_proj"] = ([f"{a}.k_proj.weight"], _proj_in(kv, d))
+        m[f"{op}.attn.v_proj"] = ([f"{a}.v_proj.weight"], _proj_in(kv, d))
+        m[f"{op}.attn.o_proj"] = ([f"{a}.o_proj.weight"], _proj_out(h, d))
+        if cfg.attention_bias:
+            for p, n in (("q", h), ("k", kv), ("v", kv)):
+                m[f"{op}.attn.{p}_bias"] = ([f"{a}.{p}_proj.bias"], lambda b, n=n: b.reshape(n, d))
+        if cfg.qk_norm:
+            m[f"{op}.attn.q_norm"] = ([f"{a}.q_norm.weight"], ident)
+            m[f"{op}.attn.k_norm"] = ([f"{a}.k_norm.weight"], ident)
+        if cfg.is_moe_layer(i):
+            x = cfg.moe.num_experts
+            m[f"{op}.ffn.router"] = ([f"{hp}.mlp.gate.weight"], t)
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                names = [f"{hp}.mlp.experts.{e}.{p}.weight" for e in range(x)]
+                m[f"{op}.ffn.{p}"] = (names, lambda *ws: np.stack([w.T for w in ws]))
+            if cfg.moe.num_shared_experts:
+                for p in ("gate_proj", "up_proj", "down_proj"):
+                    m[f"{op}.ffn.shared.{p}"] = ([f"{hp}.mlp.shared_experts.{p}.weight"], t)
+        else:
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                m[f"{op}.ffn.{p}"] = ([f"{hp}.mlp.{p}.weight"], t)
+    return m
+
+
+class _SafetensorsDir:
+    """Lazy access to every tensor of a checkpoint directory (one or many .safetensors files)."""
+
+    def __init__(self, path: pathlib.Path):
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {path}")
+        self._handles = [safe_open(str(f), framework="numpy") for f in files]
+        self.index = {k: h for h in self._handles for k in h.keys()}
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.index:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        return self.index[name].get_tensor(name)
+
+
+def load_hf_checkpoint(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: ModelConfig | None = None,
+                       dtype: str = "float32", progress: bool = True) -> ShardedModel:
+    """Loads an HF checkpoint directory into a ShardedModel on `mesh` (default: one device).
+
+    The config comes from `cfg` or from the directory's config.json. Every tensor is checked
+    against the shape the config implies; a mismatch raises CheckpointError naming the parameter.
+    """
+    path = pathlib.Path(path)
+    if cfg is None:
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name, dtype=dtype)
+    mesh = mesh or make_mesh(jax.devices()[:1])
+    graphdef, abstract, shardings = abstract_model(cfg, mesh)
+    st = _SafetensorsDir(path)
+    nmap = name_map(cfg)
+    flat_abs = dict(nnx.to_flat_state(abstract))
+    flat_sh = dict(nnx.to_flat_state(shardings))
+    used: set[str] = set()
+    arrays: dict[tuple, jax.Array] = {}
+    for key in tqdm(flat_abs, desc=f"loading {path.name}", disable=not progress, leave=False):
+        ours = ".".join(map(str, key))
+        if ours not in nmap:
+            raise CheckpointError(f"no HF name for parameter {ours!r} of {cfg.name}")
+        hf_names, fn = nmap[ours]
+        want = flat_abs[key].get_value()
+        tensors = [st.get(n) for n in hf_names]
+        used.update(hf_names)
+        try:
+            host = np.asarray(fn(*tensors))
+        except ValueError as e:  # a reshape that the config's shapes cannot satisfy
+            raise CheckpointError(f"parameter {hf_names[0]!r} (ours {ours!r}): shape {tensors[0].shape} does not fit "
+                                  f"the config's {tuple(want.shape)}: {e}") from None
+        if host.shape != tuple(want.shape):
+            raise CheckpointError(f"parameter {hf_names[0]!r} (ours {ours!r}): checkpoint shape "
+                                  f"{_hf_shape(tensors)} gives {host.shape}, config expects {tuple(want.shape)}")
+        host = host.astype(want.dtype, copy=False)
+        sharding = flat_sh[key].get_value()
+        arrays[key] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+    unused = sorted(set(st.index) - used)
+    if unused:
+        logging.warning("%d checkpoint tensors not used, e.g. %s", len(unused), unused[:3])
+    state = nnx.from_flat_state([(k, flat_abs[k].replace(arrays[k])) for k in flat_abs])
+    return ShardedModel(cfg, mesh, graphdef, state)
+
+
+def _hf_shape(tensors: list[np.ndarray]) -> Any:
+    return tensors[0].shape if len(tensors) == 1 else f"{len(tensors)} x {tensors[0].shape}"
