@@ -1,8 +1,7 @@
 """Named scheduling policies: each mechanism is a switch in one frozen ``PolicyConfig``.
 
 `round` is the paper's baseline: identical to `talaria` except that SP, host-KV restoration and
-D2D staging are off (and with them the session-aware parts that only make sense with SP: the
-reservation-held slot). `load`, `sticky` and `composite` are the rivals of the issue; on one server
+D2D staging are off (reservations stay on but, without SP, can only order admissions at slot open). `load`, `sticky` and `composite` are the rivals of the issue; on one server
 they share the serverless multiplexer (continuous batching, switch on demand with the same slot
 quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
 time-to-live and host KV offload.
@@ -61,8 +60,7 @@ _SERVERLESS = dict(multiplexer="on_demand", sp=False, host_kv=False, staging=Fal
 
 POLICIES: dict[str, PolicyConfig] = {
     "talaria": PolicyConfig("talaria"),
-    "round": PolicyConfig("round", sp=False, host_kv=False, staging=False, reservations=False,
-                          drop_kv_on_switch=True),
+    "round": PolicyConfig("round", sp=False, host_kv=False, staging=False),
     "load": PolicyConfig("load", router="load", **_SERVERLESS),
     "sticky": PolicyConfig("sticky", router="sticky", **_SERVERLESS),
     "composite": PolicyConfig("composite", router="kv", **{**_SERVERLESS, "host_kv": True},

@@ -133,8 +133,11 @@ class Scheduler:
                     self._open_slot(inst, st, m, now)
                 return None
             if p.reservations and p.sp and now < slot.deadline_s:
-                # keep the slot for a reserved session's likely return, briefly
-                holds = [r.start_s + p.hold_s for r in st.budget.live_for(m, now)]
+                # keep the slot for a reserved session's likely return, but (ski rental) never longer
+                # than switching away and back would cost
+                nxt = st.mux.after(m, demand)
+                hold = min(p.hold_s, 2.0 * inst.estimate_switch_s(nxt)) if nxt is not None else p.hold_s
+                holds = [r.start_s + hold for r in st.budget.live_for(m, now)]
                 until = min(max(holds, default=now), slot.deadline_s)
                 if until > now:
                     return until

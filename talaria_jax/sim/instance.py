@@ -53,6 +53,7 @@ class InstanceStats:
     prefill_tokens: int = 0
     peak_device_bytes: float = 0.0
     peak_kv_pages: int = 0
+    switch_log: list = dataclasses.field(default_factory=list)  # (start time, model, seconds)
 
 
 class SimInstance:
@@ -333,9 +334,11 @@ class SimInstance:
             self._staging_model = None
         self.weights[model] = WeightState.ACTIVE
         self._check_capacity()
+        dur *= self._jitter()
         self.stats.switches += 1
         self.stats.switch_s += dur
-        return dur * self._jitter()
+        self.stats.switch_log.append((self.now, model, dur))
+        return dur
 
     def _start_prefill(self) -> float | None:
         model = self._active

@@ -1,0 +1,63 @@
+"""The roofline cost model on hand-computable numbers, and its calibration to published figures."""
+import pytest
+
+from talaria_jax.sim.cost import CostModel
+from talaria_jax.sim.hardware import CONFIG_ROOT, ConfigError, load_hardware, load_models
+from talaria_jax.sim.toys import TOY_HW, toy_model
+
+M = toy_model("m1")
+C = CostModel(TOY_HW)
+
+
+def test_prefill_is_compute_bound_by_hand():
+    # 2e9 x 1000 linear + 4 x 1 layer x 1000 dim x mean ctx 500 x 1000 tokens = 2.002e12 FLOPs at 1e12/s
+    assert C.prefill_s(M, 1000, 0) == pytest.approx(2.002)
+    # on top of 1000 cached tokens the mean context is 1500
+    assert C.prefill_s(M, 1000, 1000) == pytest.approx(2.006)
+    assert C.prefill_s(M, 0, 5000) == 0.0
+
+
+def test_decode_step_is_memory_bound_by_hand():
+    # (10 GB weights + 1000 tokens x 1 MB KV) / 100 GB/s
+    assert C.decode_step_s(M, 1, 1000) == pytest.approx(0.11)
+    assert C.decode_step_s(M, 0, 0) == 0.0
+
+
+def test_copies_by_hand():
+    assert C.weight_load_s(M) == pytest.approx(1.0)  # 10 GB over 10 GB/s
+    assert C.d2d_weights_s(M) == pytest.approx(0.2)  # read + write 20 GB at 100 GB/s
+    assert C.h2d_kv_s(M, 1000) == pytest.approx(0.1)  # 1 GB over 10 GB/s
+
+
+def test_moe_decode_reads_only_touched_experts():
+    shapes = load_models()
+    q = shapes["qwen3-235b-a22b"]
+    c = CostModel(load_hardware("h200x8"))
+    assert c.expert_touch_fraction(q, 1) == pytest.approx(8 / 128)
+    assert c.decode_step_s(q, 1, 0) < c.decode_step_s(q, 64, 0)
+
+
+def test_prefill_calibrated_to_published_throughput():
+    # REFERENCES.md: Qwen3-235B bf16 TP8 on 8xH100, 32K-input: 22.7K tokens/s
+    c = CostModel(load_hardware("h100x8"))
+    tps = c.saturated_prefill_tokens_per_s(load_models()["qwen3-235b-a22b"], 32768, 8)
+    assert tps == pytest.approx(22_700, rel=0.1)
+
+
+def test_switch_calibrated_to_sleep_mode_wake():
+    # vLLM sleep-mode wake of Qwen3-235B-FP8 on 4 GPUs took 5.3-5.7 s on PCIe Gen4 (~half Gen5's rate):
+    # on 8 Gen5 GPUs the same bytes per GPU count half as many per GPU and move twice as fast
+    c = CostModel(load_hardware("h200x8"))
+    t = c.weight_load_s(load_models()["qwen3-235b-a22b-fp8"])
+    assert 5.3 / 4 * 0.9 < t < 5.7 / 4 * 1.1
+
+
+def test_bad_hardware_config_names_field(tmp_path):
+    p = tmp_path / "bad.yaml"
+    good = (CONFIG_ROOT / "hardware" / "h200x8.yaml").read_text()
+    p.write_text(good.replace("memory_utilization: 0.90", "memory_utilization: 1.5"))
+    with pytest.raises(ConfigError, match=r"memory_utilization.*outside \[0.05, 1.0\]"):
+        load_hardware(p)
+    p.write_text("name: x\nnum_gpus: 8\n")
+    with pytest.raises(ConfigError, match="missing field 'hbm_gib_per_gpu'"):
+        load_hardware(p)
