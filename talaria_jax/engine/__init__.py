@@ -1,0 +1,5 @@
+"""The paged engine: jitted ragged step (runner), continuous batching (engine), sampling."""
+from talaria_jax.engine.engine import Engine, EngineConfig, RequestError, RequestOutput
+from talaria_jax.engine.sampling import SamplingError, SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "RequestError", "RequestOutput", "SamplingError", "SamplingParams"]

@@ -1,0 +1,101 @@
+"""Sampling inside the jitted step: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Each row draws with its own key, fold_in(PRNGKey(seed), output_index), so a seeded request yields
+the same tokens whatever else shares the batch (and after a preemption that recomputes it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+class SamplingError(ValueError):
+    """A sampling parameter out of range; the message names the field and the limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """vLLM-style sampling parameters. temperature 0 is greedy."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per token, besides the chosen token's
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (self.top_k in (-1, 0) or 1 <= self.top_k <= vocab_size):
+            raise SamplingError(f"top_k must be -1, 0 or in [1, vocab_size={vocab_size}], got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingError(f"stop_token_ids {bad} out of vocabulary [0, {vocab_size})")
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row arrays (host numpy) fed to `sample`."""
+    temperature: np.ndarray  # f32 [R]
+    top_k: np.ndarray        # i32 [R], 0 = off
+    top_p: np.ndarray        # f32 [R]
+    seed: np.ndarray         # u32 [R, 2] (hi, lo words of a 64-bit seed)
+    step: np.ndarray         # i32 [R], index of the token being sampled in the request's output
+
+    @classmethod
+    def empty(cls, rows: int) -> "SamplingBatch":
+        return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
+                   np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32))
+
+    def set_row(self, i: int, p: SamplingParams, seed: int, step: int) -> None:
+        self.temperature[i] = p.temperature
+        self.top_k[i] = max(p.top_k, 0)
+        self.top_p[i] = p.top_p
+        self.seed[i] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+        self.step[i] = step
+
+
+def sample(logits: jax.Array, temperature, top_k, top_p, seed, step):
+    """logits [R, V] fp32 -> (tokens [R], chosen logprob [R], top ids [R, N], top logprobs [R, N]).
+
+    Logprobs are of the model's distribution (before temperature / top-k / top-p), as in vLLM.
+    """
+    r, v = logits.shape
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep_sorted = (mass_before < top_p[:, None]) & (jnp.arange(v)[None, :] < k[:, None])
+    cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    masked = jnp.where((scaled >= jnp.maximum(cutoff, kth)), scaled, -jnp.inf)
+
+    def draw(s, n, row):
+        key = jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), n)
+        return jax.random.categorical(key, row)
+
+    sampled = jax.vmap(draw)(seed, step, masked)
+    tokens = jnp.where(temperature <= 0.0, greedy, sampled).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, v))
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
