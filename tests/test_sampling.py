@@ -11,11 +11,14 @@ from talaria_jax.models.model import forward
 from talaria_jax.sharding import make_mesh
 
 
+_sample = jax.jit(sample)
+
+
 def run(logits, params, seed=7, step=0):
     b = SamplingBatch.empty(len(logits))
     for i in range(len(logits)):
         b.set_row(i, params, seed, step)
-    return [np.asarray(x) for x in sample(jnp.asarray(logits), b.temperature, b.top_k, b.top_p, b.seed, b.step)]
+    return [np.asarray(x) for x in _sample(jnp.asarray(logits), b.temperature, b.top_k, b.top_p, b.seed, b.step)]
 
 
 def test_filters_reduce_to_greedy():

@@ -43,7 +43,7 @@ class StepOutput:
     top_logprobs: np.ndarray  # f32 [R, N]
 
 
-def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from `smallest` up to (and including) max_tokens."""
     out, b = [], smallest
     while b < max_tokens:

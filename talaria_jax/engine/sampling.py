@@ -70,16 +70,9 @@ class SamplingBatch:
         self.step[i] = step
 
 
-def sample(logits: jax.Array, temperature, top_k, top_p, seed, step):
-    """logits [R, V] fp32 -> (tokens [R], chosen logprob [R], top ids [R, N], top logprobs [R, N]).
-
-    Logprobs are of the model's distribution (before temperature / top-k / top-p), as in vLLM.
-    """
-    r, v = logits.shape
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
-
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+def _filtered(scaled, top_k, top_p):
+    """Logits outside each row's top-k / top-p set replaced by -inf (full sort of the vocabulary)."""
+    v = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
@@ -88,14 +81,34 @@ def sample(logits: jax.Array, temperature, top_k, top_p, seed, step):
     mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
     keep_sorted = (mass_before < top_p[:, None]) & (jnp.arange(v)[None, :] < k[:, None])
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    masked = jnp.where((scaled >= jnp.maximum(cutoff, kth)), scaled, -jnp.inf)
+    return jnp.where(scaled >= jnp.maximum(cutoff, kth), scaled, -jnp.inf)
 
-    def draw(s, n, row):
-        key = jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), n)
-        return jax.random.categorical(key, row)
 
-    sampled = jax.vmap(draw)(seed, step, masked)
-    tokens = jnp.where(temperature <= 0.0, greedy, sampled).astype(jnp.int32)
+def sample(logits: jax.Array, temperature, top_k, top_p, seed, step):
+    """logits [R, V] fp32 -> (tokens [R], chosen logprob [R], top ids [R, N], top logprobs [R, N]).
+
+    Logprobs are of the model's distribution (before temperature / top-k / top-p), as in vLLM.
+    The vocabulary sort runs only when some row uses top-k or top-p, and the draw only when some
+    row samples (lax.cond on flags computed from the arrays, so no recompilation): on a CPU a sort
+    of a 32K vocabulary costs more than the model's forward.
+    """
+    v = logits.shape[-1]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = temperature > 0.0
+
+    def draw_all(_):
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        needs_filter = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0)))
+        masked = jax.lax.cond(needs_filter, lambda x: _filtered(x, top_k, top_p), lambda x: x, scaled)
+
+        def draw(s, n, row):
+            key = jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), n)
+            return jax.random.categorical(key, row)
+
+        return jnp.where(sampling, jax.vmap(draw)(seed, step, masked), greedy).astype(jnp.int32)
+
+    tokens = jax.lax.cond(jnp.any(sampling), draw_all, lambda _: greedy, None)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, v))
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp

@@ -1,0 +1,163 @@
+"""Decode throughput of the paged engine vs HF transformers `generate` vs the memory roofline.
+
+One run, same weights on both sides: a ~125M-parameter fp32 Llama (random init, saved as HF
+safetensors and loaded through talaria_jax's loader). For each batch size and context, both sides
+start from a synthetic KV prefix of `context` tokens (random tensors in HF's DynamicCache; the
+paged pool's pages for ours) so that only decode-shaped steps are timed, then generate
+`--decode_steps` tokens per sequence greedily. Roofline: (fp32 weight bytes + KV bytes read per
+step) over the copy bandwidth measured in the same run (numpy copy, read + write bytes, as STREAM
+counts), i.e. the best a memory-bound decode step can do on this machine.
+
+  .venv/bin/python benchmarks/engine_decode.py --out=/tmp/engine_decode.json
+
+Where the gap to the roofline comes from (CPU, 2 cores): the step's attention is the plain-jnp
+reference (a gather of each sequence's pages per block, then two einsums), so at long contexts the
+KV is read twice (gather + use) and XLA:CPU runs the gathers single-threaded; at batch 1 the step
+is a chain of small matmuls whose fixed per-op cost on XLA:CPU is comparable to their memory time.
+A fused paged-attention kernel (Pallas on GPU) removes the first; the second is CPU-specific.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+from absl import app, flags
+
+_BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (tokens already in the KV cache).")
+_STEPS = flags.DEFINE_integer("decode_steps", 16, "Timed decode steps per point.")
+_HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
+_LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
+
+
+def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
+    """Best-of-n numpy copy bandwidth in bytes/s, counting read + write."""
+    import numpy as np
+
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def hf_config(hidden: int, layers: int) -> dict:
+    return dict(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 256 * 256 or 256,
+                num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192),
+                head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def bench_ours(path, batch: int, ctx: int, steps: int) -> float:
+    import jax
+    import numpy as np
+
+    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import load_hf_checkpoint
+
+    model = bench_ours.model = getattr(bench_ours, "model", None) or load_hf_checkpoint(
+        path, make_mesh(jax.devices()[:1]), progress=False)
+    page = 16
+    eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
+                                     max_model_len=-(-(ctx + steps + 8) // page) * page, pages_per_block=8))
+    rng = np.random.RandomState(0)
+    for _ in range(batch):
+        rid = eng.add_request(rng.randint(0, 32000, ctx).tolist(),
+                              SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+        # Synthetic cached prefix: pages held, KV contents arbitrary; only the last prompt token is computed.
+        req = eng.requests[rid]
+        req.seq.grow(eng.allocator, ctx)
+        req.num_computed = ctx - 1
+        eng.waiting.remove(req)
+        eng.running.append(req)
+    for _ in range(3):  # compile + warm-up
+        eng.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    dt = time.perf_counter() - t
+    assert all(len(r.output) == steps + 3 for r in eng.running)
+    return batch * steps / dt
+
+
+def bench_hf(path, batch: int, ctx: int, steps: int) -> float:
+    import torch
+    import transformers
+    from transformers import DynamicCache
+
+    model = bench_hf.model = getattr(bench_hf, "model", None) or transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32).eval()
+    cfg = model.config
+
+    def run(n):
+        cache = DynamicCache(config=cfg)
+        g = torch.Generator().manual_seed(0)
+        for layer in range(cfg.num_hidden_layers):
+            shape = (batch, cfg.num_key_value_heads, ctx, cfg.head_dim)
+            cache.update(torch.randn(shape, generator=g), torch.randn(shape, generator=g), layer)
+        ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), generator=g)
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ctx + 1 + n
+        return time.perf_counter() - t
+
+    run(2)  # warm-up
+    dt = min(run(steps + 1) - run(1) for _ in range(2))  # decode-only: subtract the first (setup) step
+    return batch * steps / dt
+
+
+def main(argv):
+    del argv
+    import numpy as np
+
+    points = [(int(b), int(c)) for c in _CONTEXTS.value for b in _BATCHES.value]
+    bw = copy_bandwidth()
+    hf = hf_config(_HIDDEN.value, _LAYERS.value)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).float().eval()
+        hf_model.save_pretrained(tmp)
+        n_params = sum(p.numel() for p in hf_model.parameters())
+        del hf_model
+        kv_per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 4
+        print(f"model: {n_params / 1e6:.0f}M params fp32, KV {kv_per_token} B/token; copy bandwidth {bw / 1e9:.1f} GB/s; "
+              f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cpus")
+        for batch, ctx in points:
+            ours = bench_ours(tmp, batch, ctx, _STEPS.value)
+            theirs = None if _SKIP_HF.value else bench_hf(tmp, batch, ctx, _STEPS.value)
+            step_bytes = n_params * 4 + batch * (ctx + _STEPS.value / 2) * kv_per_token
+            roof = batch / (step_bytes / bw)
+            rows.append(dict(batch=batch, context=ctx, ours_tok_s=ours, hf_tok_s=theirs, roofline_tok_s=roof,
+                             ours_over_hf=(ours / theirs) if theirs else None, ours_over_roofline=ours / roof))
+            r = rows[-1]
+            print(f"  batch {batch:3d} ctx {ctx:5d}: ours {ours:8.1f} tok/s  hf {theirs or float('nan'):8.1f}  "
+                  f"roofline {roof:8.1f}  ours/hf {r['ours_over_hf'] or float('nan'):5.2f}  "
+                  f"ours/roofline {r['ours_over_roofline']:5.2f}", flush=True)
+    print("\n| batch | context | ours tok/s | HF tok/s | roofline tok/s | ours/HF | ours/roofline |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['context']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s'] or float('nan'):.1f} | "
+              f"{r['roofline_tok_s']:.1f} | {r['ours_over_hf'] or float('nan'):.2f} | {r['ours_over_roofline']:.2f} |")
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump(dict(params=n_params, copy_bandwidth_bytes_s=bw, decode_steps=_STEPS.value, rows=rows,
+                           geomean_ours_over_hf=float(np.exp(np.mean([np.log(r["ours_over_hf"]) for r in rows
+                                                                     if r["ours_over_hf"]]))) if not _SKIP_HF.value
+                           else None), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
