@@ -136,8 +136,10 @@ class SimInstance:
         return int((self.capacity - self._weights_bytes()) // self.page_bytes)
 
     def kv_pages_used(self) -> int:
-        """Pages held by running calls plus pages that waiting calls will need."""
-        held = sum(self.pages_for(e.model, e.tokens) for e in self.kv_dev.values() if e.in_use)
+        """Pages held by running calls plus pages that waiting calls will need. A waiting call's
+        device prefix (marked in use at admission) is part of what it will need, not counted twice."""
+        waiting = {r.call.session for r in self.waiting}
+        held = sum(self.pages_for(e.model, e.tokens) for sid, e in self.kv_dev.items() if e.in_use and sid not in waiting)
         need = sum(self.pages_for(r.call.model, r.call.context_after) for r in self.waiting)
         return held + need
 
