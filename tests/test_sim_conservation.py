@@ -46,7 +46,9 @@ def test_talaria_ahead_of_every_rival_on_the_default_trace():
         r = replay(CALLS, get_policy(rival), HW, SHAPES, seed=0).summary()
         assert t["sct_p50_s"] < r["sct_p50_s"] and t["sct_p95_s"] < r["sct_p95_s"], rival
     r = replay(CALLS, get_policy("round"), HW, SHAPES, seed=0).summary()
-    assert r["sct_p50_s"] / t["sct_p50_s"] > 3.0  # measured ~5x; the mechanisms, not noise
+    # measured ~1.6x since eviction stopped dropping un-restorable KV before idle weights (it was ~5x
+    # when round recomputed nearly every prefix); still the mechanisms, not noise (jitter sigma 0.05)
+    assert r["sct_p50_s"] / t["sct_p50_s"] > 1.3
     assert t["kv_recomputed_tokens"] == 0 and r["kv_restored_tokens"] == 0
 
 

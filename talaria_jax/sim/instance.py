@@ -244,22 +244,36 @@ class SimInstance:
     def _drop_dev_kv(self, sid: str) -> None:
         del self.kv_dev[sid]  # host copies are written through at call end, so nothing is lost
 
+    def _kv_refill_s_per_byte(self, sid: str, e: _DevKV) -> float:
+        """Seconds per byte to bring idle device KV back once dropped: a host restore when a host
+        copy holds all of it, else a recompute (prefill of its tokens) when its session returns."""
+        m = self.shapes[e.model]
+        h = self.kv_host.get(sid)
+        if self.host_kv and h is not None and h[0] == e.model and h[1] >= e.tokens:
+            secs = self.cost.h2d_kv_s(m, e.tokens)
+        else:
+            secs = self.cost.prefill_s(m, e.tokens, 0)
+        return secs / max(1.0, e.tokens * m.kv_bytes_per_token)
+
     def _make_room(self, need: float, allow_protected: bool = True) -> bool:
-        """Evicts until `need` bytes are free: unprotected idle KV (LRU), then inactive resident
-        weights (LRU), then protected idle KV (soonest to lapse first) if allowed."""
+        """Evicts until `need` bytes are free. Unprotected idle KV and inactive resident weights go
+        first, cheapest to bring back per byte freed first (least recently used among equals): KV
+        with a host copy (a PCIe restore), then weights (a PCIe load), then KV without a host copy
+        (a recompute). Protected idle KV goes last (soonest to lapse first), and only if allowed."""
         def free() -> float:
             return self.capacity - self.device_bytes()
         if free() >= need:
             return True
-        idle = sorted((e.last_used, sid) for sid, e in self.kv_dev.items()
-                      if not e.in_use and e.protect_until <= self.now)
-        for _, sid in idle:
-            self._drop_dev_kv(sid)
-            if free() >= need:
-                return True
-        for _, m in sorted((self._weights_lru.get(m, 0.0), m) for m, s in self.weights.items()
-                           if s == WeightState.RESIDENT):
-            self.weights[m] = WeightState.HOST
+        sig = lambda x: float(f"{x:.9g}")  # equal rates must tie exactly so that LRU decides
+        victims = [(sig(self._kv_refill_s_per_byte(sid, e)), e.last_used, 0, sid) for sid, e in self.kv_dev.items()
+                   if not e.in_use and e.protect_until <= self.now]
+        victims += [(sig(self.cost.weight_load_s(self.shapes[m]) / self.shapes[m].weight_bytes),
+                     self._weights_lru.get(m, 0.0), 1, m) for m, s in self.weights.items() if s == WeightState.RESIDENT]
+        for _, _, kind, key in sorted(victims):
+            if kind == 0:
+                self._drop_dev_kv(key)
+            else:
+                self.weights[key] = WeightState.HOST
             if free() >= need:
                 return True
         if allow_protected:
