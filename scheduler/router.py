@@ -4,6 +4,7 @@ talaria score (weights in ``RouterWeights``):
     residency * exp(-switch_s / switch_scale_s)
   + locality  * min(1, (device_tokens + host_factor * host_tokens) / prompt_tokens)
   - pressure  * ((running + waiting + routed_not_admitted) / queue_ref + kv_utilisation)
+kv_utilisation = (pages used + pages of idle KV protected for *other* sessions' returns) / pages.
 where switch_s is the instance's own estimate of switching to the call's model (0 when active).
 Ties break by instance order, so ranking is deterministic.
 """
@@ -17,9 +18,11 @@ from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, Session
 
 
-def kv_utilisation(inst: InstanceAPI) -> float:
+def kv_utilisation(inst: InstanceAPI, session: str | None = None) -> float:
+    """Share of the instance's KV pages used or kept for other sessions' likely returns (the
+    placed call's own session's protected KV is what it will reuse, so it does not count)."""
     total = inst.kv_pages_total()
-    return 1.0 if total <= 0 else (inst.kv_pages_used() + inst.kv_pages_reserved()) / total
+    return 1.0 if total <= 0 else (inst.kv_pages_used() + inst.kv_pages_reserved(session)) / total
 
 
 def queue_len(inst: InstanceAPI, routed: int) -> int:
@@ -32,7 +35,7 @@ def talaria_score(policy: PolicyConfig, call: Call, inst: InstanceAPI, routed: i
     loc = inst.cached_prefix(call.session, call.model)
     host = loc.host_tokens if policy.host_kv else 0
     locality = min(1.0, (loc.device_tokens + w.host_factor * max(0, host - loc.device_tokens)) / max(1, call.prompt_tokens))
-    pressure = queue_len(inst, routed) / w.queue_ref + kv_utilisation(inst)
+    pressure = queue_len(inst, routed) / w.queue_ref + kv_utilisation(inst, call.session)
     return w.residency * residency + w.locality * locality - w.pressure * pressure
 
 
@@ -41,7 +44,7 @@ def kv_aware_score(policy: PolicyConfig, call: Call, inst: InstanceAPI, routed: 
     loc = inst.cached_prefix(call.session, call.model)
     prefix = min(1.0, max(loc.device_tokens, loc.host_tokens if policy.host_kv else 0) / max(1, call.prompt_tokens))
     queue = min(1.0, queue_len(inst, routed) / policy.weights.queue_ref)
-    return 3.0 * prefix + 2.0 * (1.0 - queue) + 2.0 * (1.0 - kv_utilisation(inst))
+    return 3.0 * prefix + 2.0 * (1.0 - queue) + 2.0 * (1.0 - kv_utilisation(inst, call.session))
 
 
 def rank(policy: PolicyConfig, call: Call, session: Session, instances: Sequence[InstanceAPI],

@@ -56,6 +56,23 @@ def test_router_ranks_by_residency_locality_pressure():
     assert rank(get_policy("sticky"), call, sessions["s"], [cold, warm, local], {})[0].name == "cold"
 
 
+def test_returning_session_not_charged_for_its_own_reserved_kv():
+    # the session's 1100-token prefix is protected on `local` (reserved for its return): for its own
+    # next call that is locality, not pressure; for another session it is pressure (1100 of 20000 pages)
+    local = _inst("local")
+    local.switch_model("m1")
+    t = _run(local)
+    local.admit(Call("s", 0, "m1", 1000, 100, 0.0, 0.0))
+    t = _run(local, t)
+    local.protect_kv("s", t + 10.0)
+    pol = get_policy("talaria")
+    pages = local.kv_pages_total()
+    assert local.kv_pages_reserved() == local.pages_for("m1", 1100) and local.kv_pages_reserved("s") == 0
+    assert talaria_score(pol, Call("s", 1, "m1", 2000, 10, 0.0), local, 0) == pytest.approx(2.0 + 1100 / 2000)
+    other = talaria_score(pol, Call("x", 0, "m1", 2000, 10, 0.0, 0.0), local, 0)
+    assert other == pytest.approx(2.0 - local.pages_for("m1", 1100) / pages)
+
+
 class _Stub:
     """Just enough of InstanceAPI for the budget: 1000 pages, some used, some running."""
 

@@ -143,9 +143,11 @@ class SimInstance:
         need = sum(self.pages_for(r.call.model, r.call.context_after) for r in self.waiting)
         return held + need
 
-    def kv_pages_reserved(self) -> int:
-        return sum(self.pages_for(e.model, e.tokens) for e in self.kv_dev.values()
-                   if not e.in_use and e.protect_until > self.now)
+    def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
+        """Pages of idle KV protected for sessions likely to return, other than `exclude_session`
+        (a returning session's own protected KV is what it will use, not pressure against it)."""
+        return sum(self.pages_for(e.model, e.tokens) for sid, e in self.kv_dev.items()
+                   if not e.in_use and e.protect_until > self.now and sid != exclude_session)
 
     def kv_pages_free(self) -> int:
         return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
