@@ -66,7 +66,7 @@ def bench_ours(path, batch: int, ctx: int, steps: int) -> float:
         path, make_mesh(jax.devices()[:1]), progress=False)
     page = 16
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
-                                     max_model_len=-(-(ctx + steps + 8) // page) * page, pages_per_block=8))
+                                     max_model_len=-(-(ctx + steps + 8) // page) * page))
     rng = np.random.RandomState(0)
     for _ in range(batch):
         rid = eng.add_request(rng.randint(0, 32000, ctx).tolist(),

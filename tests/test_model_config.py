@@ -7,8 +7,8 @@ from talaria_jax.models.config import ModelConfig, available_models, load_model_
 KIB = 1024
 # KV bytes per token in bf16, REFERENCES.md table.
 PUBLISHED_KV = {"qwen3-235b-a22b": 188 * KIB, "glm-4.5-air": 184 * KIB, "gpt-oss-120b": 36 * KIB,
-                "llama-3.1-405b": 504 * KIB}
-REAL = ["qwen3-235b-a22b", "glm-4.5-air", "gpt-oss-120b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen3-8b"]
+                "llama-3.1-405b": 504 * KIB, "glm-4.5": 368 * KIB}
+REAL = ["qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen3-8b"]
 
 
 def test_all_configs_present():

@@ -54,7 +54,7 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
 
 class Runner:
     def __init__(self, model: ShardedModel, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
-                 max_tokens_per_step: int, pages_per_block: int = 8):
+                 max_tokens_per_step: int, pages_per_block: int = 4):
         self.model = model
         self.spec = spec
         self.max_seqs = max_seqs

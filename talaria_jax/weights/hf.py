@@ -20,7 +20,7 @@ from talaria_jax.models.config import ModelConfig, MoEConfig, RopeScaling
 from talaria_jax.models.model import ShardedModel, abstract_model
 from talaria_jax.sharding import make_mesh
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "glm4_moe")
 
 
 class CheckpointError(ValueError):
@@ -28,7 +28,7 @@ class CheckpointError(ValueError):
 
 
 def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> ModelConfig:
-    """Our ModelConfig from an HF config.json dict (model_type llama, qwen3 or qwen3_moe)."""
+    """Our ModelConfig from an HF config.json dict (model_type llama, qwen3, qwen3_moe or glm4_moe)."""
     mt = hf.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"config.json model_type {mt!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
@@ -41,6 +41,7 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> 
     elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
         raise CheckpointError(f"config.json rope_scaling type {rs.get('rope_type')!r} is not supported (llama3 is)")
     theta = hf.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
+    partial_rotary = hf.get("partial_rotary_factor") or (rs or {}).get("partial_rotary_factor") or 1.0
     moe = None
     if mt == "qwen3_moe":
         dense = sorted(hf.get("mlp_only_layers") or [])
@@ -50,12 +51,22 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> 
         moe = MoEConfig(num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                         expert_ffn_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                         first_dense_layers=len(dense))
+    elif mt == "glm4_moe":
+        if hf.get("n_group", 1) != 1 or hf.get("topk_group", 1) != 1:
+            raise CheckpointError(f"glm4_moe: group-limited routing (n_group={hf.get('n_group')}, "
+                                  f"topk_group={hf.get('topk_group')}) is not supported; n_group=1 is")
+        moe = MoEConfig(num_experts=hf.get("n_routed_experts") or hf["num_local_experts"],
+                        top_k=hf["num_experts_per_tok"], expert_ffn_size=hf["moe_intermediate_size"],
+                        num_shared_experts=hf.get("n_shared_experts", 1), norm_topk_prob=bool(hf.get("norm_topk_prob")),
+                        router_scoring="sigmoid", routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                        first_dense_layers=hf.get("first_k_dense_replace", 1))
     return ModelConfig(
         name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_size=hf["intermediate_size"],
         rope_theta=float(theta), rope_scaling=rope_scaling, norm_eps=float(hf["rms_norm_eps"]),
-        qk_norm=mt in ("qwen3", "qwen3_moe"), attention_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=mt in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")), partial_rotary_factor=float(partial_rotary),
+        attention_bias=bool(hf.get("attention_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe,
         max_position=hf.get("max_position_embeddings", 32768), dtype=dtype, weight_dtype=dtype, kv_dtype=dtype,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")))
@@ -104,6 +115,8 @@ def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], Callable[..., np.nd
         if cfg.is_moe_layer(i):
             x = cfg.moe.num_experts
             m[f"{op}.ffn.router"] = ([f"{hp}.mlp.gate.weight"], t)
+            if cfg.moe.router_scoring == "sigmoid":
+                m[f"{op}.ffn.score_bias"] = ([f"{hp}.mlp.gate.e_score_correction_bias"], ident)
             for p in ("gate_proj", "up_proj", "down_proj"):
                 names = [f"{hp}.mlp.experts.{e}.{p}.weight" for e in range(x)]
                 m[f"{op}.ffn.{p}"] = (names, lambda *ws: np.stack([w.T for w in ws]))

@@ -1,4 +1,4 @@
-"""Builds tiny random HF models (Llama with Llama-3 RoPE scaling, Qwen3, Qwen3-MoE) with a fixed
+"""Builds tiny random HF models (Llama with Llama-3 RoPE scaling, Qwen3, Qwen3-MoE, GLM-4.5-style MoE) with a fixed
 seed, saves each as safetensors + config.json and golden logits / greedy continuations for a fixed
 prompt batch. Needs torch + transformers (`make hf`); run with `make golden`.
 
@@ -28,6 +28,12 @@ CONFIGS = {
     "hf-tiny-qwen3-moe": dict(model_type="qwen3_moe", rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
                               mlp_only_layers=[0]),
+    # GLM-4.5: sigmoid router with a score-correction bias, a shared expert, a dense first layer,
+    # half-rotary RoPE, q/k/v biases and qk-norm.
+    "hf-tiny-glm4-moe": dict(model_type="glm4_moe", rope_theta=1000000.0, partial_rotary_factor=0.5,
+                             attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                             norm_topk_prob=True, routed_scaling_factor=2.5, n_group=1, topk_group=1),
 }
 
 
@@ -46,6 +52,13 @@ def build_hf_model(name: str, seed: int = 0):
     cls_cfg = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cls_cfg, dtype=torch.float32)
+    # HF initialises biases to 0 and norms to 1; perturb them so that parity exercises them too.
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("bias") or name.endswith("e_score_correction_bias"):
+                t.normal_(0.0, 0.1)
+            elif "norm" in name:
+                t.normal_(1.0, 0.1)
     return model.eval()
 
 
