@@ -1,16 +1,27 @@
-"""Hardware and model-shape configs for the simulator: YAML files loaded into frozen dataclasses.
+"""Hardware and model-shape configs for the simulator.
 
-Every field must be present, numeric and inside its limits; a bad file raises ``ConfigError``
-naming the file, the field and the limit.
+A hardware YAML loads into a frozen ``HardwareConfig``: every field must be present, numeric and
+inside its limits. Model shapes are not written here: configs/hardware/models.yaml lists served
+variants (a model config and a weight precision) and ``ModelShape.from_config`` derives each shape
+from its ``ModelConfig`` (configs/models/). A bad file raises ``ConfigError`` naming the file, the
+field and the limit.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import pathlib
-from typing import Any
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from talaria_jax import config_io
+
+if TYPE_CHECKING:
+    from talaria_jax.models.config import ModelConfig
 
 CONFIG_ROOT = pathlib.Path(__file__).resolve().parents[2] / "configs"
 GB = 1e9
@@ -54,23 +65,95 @@ class HardwareConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What the cost model needs to know about one model variant (configs/hardware/models.yaml)."""
+    """What the cost model needs to know about one served model variant. Built from the variant's
+    ``ModelConfig`` (configs/models/) by ``from_config``; ``talaria_jax.sim.toys`` builds hand-computable ones."""
 
     name: str
-    weights_gb: float
-    active_params_b: float
+    weight_bytes: float      # all weights in the served precision(s)
+    active_params_b: float   # parameters touched per token, billions (2 FLOPs each per token)
     layers: int
-    full_attn_layers: int
-    kv_bytes_per_token: int
-    attn_dim: int
+    full_attn_layers: int    # layers attending to the whole context (the rest hold a bounded window)
+    kv_bytes_per_token: int  # physical over all TP ranks, full-attention layers only
+    attn_dim: int            # query heads x head dim (attention FLOPs grow with this times context)
     hidden: int
     num_experts: int
     top_k: int
-    expert_fraction: float
+    expert_fraction: float   # share of weight bytes that are routed experts (decode reads only the touched ones)
+    tp: int                  # tensor-parallel degree kv_bytes_per_token is physical at
 
     @property
-    def weight_bytes(self) -> float:
-        return self.weights_gb * GB
+    def weights_gb(self) -> float:
+        return self.weight_bytes / GB
+
+    @classmethod
+    def from_config(cls, cfg: "ModelConfig", weight_dtype: str, tp: int, *, expert_dtype: str | None = None,
+                    name: str | None = None) -> "ModelShape":
+        """The shape of `cfg` served with weights in `weight_dtype` (routed experts in `expert_dtype`,
+        default the same) by one instance of tensor-parallel degree `tp`.
+
+        Every figure is ModelConfig arithmetic: weight bytes = parameters x bytes per weight of the
+        precision, active parameters = ``active_param_count()``, full-attention layers = layers with no
+        sliding window, KV bytes = ``kv_bytes_per_token()`` with kv heads replicated up to `tp` when
+        there are fewer kv heads than ranks (each rank holds at least one, REFERENCES.md: Qwen3-235B's
+        188 KiB is 376 KiB physical at TP=8). Raises config_io.ConfigError for an unknown precision."""
+        if tp < 1:
+            raise ConfigError(f"{cfg.name}: tp={tp} must be >= 1")
+        mc = _model_config_module()
+        expert_dtype = expert_dtype or weight_dtype
+        for field, dtype in (("weight_dtype", weight_dtype), ("expert_dtype", expert_dtype)):
+            if dtype not in mc._DTYPE_BYTES:
+                raise ConfigError(f"{cfg.name}: field '{field}'={dtype!r} not in {sorted(mc._DTYPE_BYTES)}")
+        served = cfg.replace(weight_dtype=weight_dtype)
+        routed = routed_expert_params(cfg)
+        if expert_dtype == weight_dtype:
+            weight_bytes = served.weight_bytes()
+        else:
+            weight_bytes = int((served.param_count() - routed) * mc._DTYPE_BYTES[weight_dtype]
+                               + routed * mc._DTYPE_BYTES[expert_dtype])
+        kv_per_rank = math.ceil(cfg.num_kv_heads / tp)
+        return cls(
+            name=name or cfg.name, weight_bytes=float(weight_bytes), active_params_b=cfg.active_param_count() / 1e9,
+            layers=cfg.num_layers, full_attn_layers=sum(1 for l in range(cfg.num_layers) if cfg.window(l) == 0),
+            kv_bytes_per_token=cfg.kv_bytes_per_token() * tp * kv_per_rank // cfg.num_kv_heads,
+            attn_dim=cfg.q_size, hidden=cfg.hidden_size, num_experts=cfg.moe.num_experts if cfg.moe else 0,
+            top_k=cfg.moe.top_k if cfg.moe else 0,
+            expert_fraction=routed * mc._DTYPE_BYTES[expert_dtype] / weight_bytes, tp=tp)
+
+
+# SwiGLU experts: gate, up and down projections, hidden x expert_ffn_size each (as ModelConfig._ffn_params).
+_EXPERT_MATRICES = 3
+
+
+def routed_expert_params(cfg: "ModelConfig") -> int:
+    """Parameters of all routed experts (shared experts and routers excluded): the weights a decode
+    step reads only for the experts its tokens touch."""
+    if cfg.moe is None:
+        return 0
+    per_expert = _EXPERT_MATRICES * cfg.hidden_size * cfg.moe.expert_ffn_size
+    return sum(cfg.moe.num_experts * per_expert for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer))
+
+
+_MODEL_CONFIG_PY = pathlib.Path(__file__).resolve().parents[1] / "models" / "config.py"
+
+
+def _model_config_module() -> types.ModuleType:
+    """``talaria_jax.models.config`` (pure Python). ``talaria_jax/models/__init__.py`` also imports the
+    JAX decoder, so unless that package is already loaded the module is loaded from its file, without
+    the package: the simulator imports no JAX (tests/test_sim_shapes.py runs it in a fresh process)."""
+    mod = sys.modules.get("talaria_jax.models.config") or sys.modules.get(_PRIVATE_CONFIG_MODULE)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(_PRIVATE_CONFIG_MODULE, _MODEL_CONFIG_PY)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[_PRIVATE_CONFIG_MODULE] = mod  # dataclasses and get_type_hints look the module up here
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[_PRIVATE_CONFIG_MODULE]
+            raise
+    return mod
+
+
+_PRIVATE_CONFIG_MODULE = "talaria_jax.sim._model_config"
 
 
 # (field, lower bound, upper bound); bounds are sanity limits, not physics.
@@ -80,11 +163,6 @@ _HW_LIMITS: dict[str, tuple[float, float]] = {
     "prefill_efficiency": (0.01, 1.0), "nvlink_gbps": (0.1, 1e5), "allreduce_latency_us": (0, 1e5),
     "pcie_h2d_gbps": (0.1, 1e4), "pcie_d2h_gbps": (0.1, 1e4), "weight_load_efficiency": (0.01, 1.0),
     "d2d_gbps": (1, 1e5), "host_memory_gb": (1, 1e6), "host_reserve_gb": (0, 1e6),
-}
-_MODEL_LIMITS: dict[str, tuple[float, float]] = {
-    "weights_gb": (0.001, 1e5), "active_params_b": (0.001, 1e5), "layers": (1, 1000),
-    "full_attn_layers": (0, 1000), "kv_bytes_per_token": (1, 1e8), "attn_dim": (1, 1e6),
-    "hidden": (1, 1e6), "num_experts": (0, 1e5), "top_k": (0, 1e5), "expert_fraction": (0.0, 1.0),
 }
 
 
@@ -125,18 +203,45 @@ def load_hardware(path: str | pathlib.Path) -> HardwareConfig:
     return _checked("hardware", str(p), raw, HardwareConfig, _HW_LIMITS, {"name": str(name)})
 
 
-def load_models(path: str | pathlib.Path = CONFIG_ROOT / "hardware" / "models.yaml") -> dict[str, ModelShape]:
-    """Loads the model-shape table; keys are the model names used in traces."""
+DEFAULT_MODELS_TABLE = CONFIG_ROOT / "hardware" / "models.yaml"
+_VARIANT_FIELDS = {"config": True, "weight_dtype": True, "expert_dtype": False}  # field: required
+
+
+def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None = None) -> dict[str, ModelShape]:
+    """Loads the served-variant table (configs/hardware/models.yaml): each variant names a model config
+    under configs/models/ and a weight precision; its ``ModelShape`` is derived from that config at
+    tensor-parallel degree `tp` (default: the file's ``tensor_parallel``). Keys are the variant names
+    used in traces. A bad entry raises ``ConfigError`` naming the file, the variant and the field."""
     p = _resolve(path, "hardware")
     raw = yaml.safe_load(p.read_text())
-    if not isinstance(raw, dict) or not isinstance(raw.get("models"), dict):
-        raise ConfigError(f"{p}: top-level field 'models' must be a mapping")
+    if not isinstance(raw, dict) or not isinstance(raw.get("variants"), dict):
+        raise ConfigError(f"{p}: top-level field 'variants' must be a mapping of variant name to "
+                          f"{{config, weight_dtype}}")
+    if tp is None:
+        tp = raw.get("tensor_parallel")
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"{p}: field 'tensor_parallel' must be an int >= 1, got {tp!r}")
+    mc = _model_config_module()
     out = {}
-    for name, entry in raw["models"].items():
-        shape = _checked("model", f"{p}: models.{name}", entry, ModelShape, _MODEL_LIMITS, {"name": str(name)})
-        if shape.full_attn_layers > shape.layers:
-            raise ConfigError(f"{p}: models.{name}: 'full_attn_layers' must be <= layers={shape.layers}")
-        if shape.top_k > shape.num_experts:
-            raise ConfigError(f"{p}: models.{name}: 'top_k' must be <= num_experts={shape.num_experts}")
-        out[str(name)] = shape
+    for name, entry in raw["variants"].items():
+        where = f"{p}: variants.{name}"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: must be a mapping with fields {sorted(_VARIANT_FIELDS)}, got {entry!r}")
+        unknown = sorted(set(entry) - set(_VARIANT_FIELDS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(_VARIANT_FIELDS)}")
+        for field, required in _VARIANT_FIELDS.items():
+            if required and field not in entry:
+                raise ConfigError(f"{where}: missing field '{field}'")
+            if field in entry and not (isinstance(entry[field], str) and entry[field]):
+                raise ConfigError(f"{where}: field '{field}' must be a non-empty string, got {entry[field]!r}")
+        try:
+            cfg = mc.load_model_config(entry["config"])
+        except config_io.ConfigError as e:
+            raise ConfigError(f"{where}: field 'config'={entry['config']!r}: {e}") from None
+        try:
+            out[str(name)] = ModelShape.from_config(cfg, entry["weight_dtype"], tp,
+                                                    expert_dtype=entry.get("expert_dtype"), name=str(name))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
     return out

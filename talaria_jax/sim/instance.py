@@ -67,6 +67,9 @@ class SimInstance:
         for m in models:
             if m not in shapes:
                 raise ValueError(f"instance {name}: model {m!r} has no shape in the models table")
+            if shapes[m].tp != hw.num_gpus:
+                raise ValueError(f"instance {name}: the shape of {m!r} is for TP={shapes[m].tp} but hardware {hw.name!r} "
+                                 f"has num_gpus={hw.num_gpus} (load_models(tp=...) or the table's tensor_parallel)")
         self.name = name
         self.hw, self.cost = hw, CostModel(hw)
         self.shapes = shapes

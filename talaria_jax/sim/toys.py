@@ -1,5 +1,5 @@
 """Hand-computable hardware and models (1 GPU, round numbers): the simulator's mock engine for tests."""
-from talaria_jax.sim.hardware import GIB, HardwareConfig, ModelShape
+from talaria_jax.sim.hardware import GB, GIB, HardwareConfig, ModelShape
 
 # 30 GB usable HBM; 1 TFLOP/s; 100 GB/s HBM; 10 GB/s PCIe; 100 GB/s D2D; no all-reduce (1 GPU)
 TOY_HW = HardwareConfig(
@@ -10,10 +10,10 @@ TOY_HW = HardwareConfig(
 
 
 def toy_model(name: str, weights_gb: float = 10.0) -> ModelShape:
-    """Dense, 1B active (2 GFLOP/token), 1 layer, 1 MB of KV per token, attention dim 1000."""
-    return ModelShape(name=name, weights_gb=weights_gb, active_params_b=1.0, layers=1, full_attn_layers=1,
+    """Dense, 1B active (2 GFLOP/token), 1 layer, 1 MB of KV per token, attention dim 1000, on 1 GPU."""
+    return ModelShape(name=name, weight_bytes=weights_gb * GB, active_params_b=1.0, layers=1, full_attn_layers=1,
                       kv_bytes_per_token=1_000_000, attn_dim=1000, hidden=1000, num_experts=0, top_k=0,
-                      expert_fraction=0.0)
+                      expert_fraction=0.0, tp=1)
 
 
 TOY_SHAPES = {m: toy_model(m) for m in ("m1", "m2", "m3")}
