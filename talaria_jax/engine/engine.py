@@ -65,7 +65,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: `in` and `remove` on queues must not compare fields
 class _Request:
     id: str
     prompt: list[int]

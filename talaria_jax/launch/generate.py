@@ -1,4 +1,4 @@
-"""talaria-generate: greedy generation with one model, the foundation's demo.
+"""talaria-generate: generation with one model through the paged engine (`make demo`).
 
 Defaults run on one CPU with no downloads (the embedded tiny-dense model, random weights, byte
 tokenizer). `--checkpoint` takes an HF safetensors directory or an Orbax checkpoint directory.
@@ -18,13 +18,15 @@ _PROMPT = flags.DEFINE_multi_string("prompt", ["The agent called the tool and"],
 _NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.", lower_bound=1)
 _TP = flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices used).", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights when no checkpoint is given.")
+_TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
 
 
 def main(argv):
     del argv
     import jax
 
-    from talaria_jax.models import greedy_generate, init_model, load_model_config
+    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
+    from talaria_jax.models import init_model, load_model_config
     from talaria_jax.sharding import make_mesh
     from talaria_jax.tokenizer import load_tokenizer
     from talaria_jax.weights import load_hf_checkpoint, restore
@@ -41,13 +43,17 @@ def main(argv):
         model = restore(ckpt, mesh)
     tok = load_tokenizer(ckpt, model.cfg.bos_token_id, model.cfg.eos_token_id)
     prompts = [tok.encode(p, add_bos=tok.bos_id is not None) for p in _PROMPT.value]
+    engine = Engine(model, EngineConfig(max_seqs=max(1, len(prompts)), max_tokens_per_step=256,
+                                        max_model_len=min(model.cfg.max_position, 2048)), tokenizer=tok)
     t0 = time.perf_counter()
-    outs = greedy_generate(model, prompts, _NEW.value)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=_NEW.value, temperature=_TEMP.value, seed=_SEED.value))
     dt = time.perf_counter() - t0
     print(f"model {model.cfg.name}: {model.cfg.param_count() / 1e6:.1f}M params on mesh {dict(mesh.shape)}")
-    for text, ids in zip(_PROMPT.value, outs):
-        print(f"prompt: {text!r}\n  tokens: {ids}\n  text:   {tok.decode(ids)!r}")
-    print(f"{len(outs) * _NEW.value} tokens in {dt:.2f}s (full-sequence reference path, includes compilation)")
+    for text, out in zip(_PROMPT.value, outs):
+        print(f"prompt: {text!r}\n  tokens: {out.token_ids}\n  text:   {out.text!r}  ({out.finish_reason})")
+    s = engine.stats
+    print(f"{sum(len(o.token_ids) for o in outs)} tokens in {dt:.2f}s over {s.steps} engine steps, "
+          f"{engine.runner.compilations} compilations (included)")
 
 
 def run():

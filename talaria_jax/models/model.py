@@ -33,8 +33,7 @@ class ShardedModel:
 
     def param_arrays(self) -> dict[str, jax.Array]:
         """Flat {'blocks.0.attn.q_proj': array} view of the parameters."""
-        return {".".join(map(str, k)): v for k, v in nnx.to_flat_state(self.state)
-                if isinstance(v, nnx.Variable) for v in [v[...]]}
+        return {".".join(map(str, k)): var.get_value() for k, var in nnx.to_flat_state(self.state)}
 
 
 def abstract_model(cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any, Any]:
