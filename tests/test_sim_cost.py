@@ -1,4 +1,6 @@
 """The roofline cost model on hand-computable numbers, and its calibration to published figures."""
+import dataclasses
+
 import pytest
 
 from talaria_jax.sim.cost import CostModel
@@ -21,6 +23,13 @@ def test_decode_step_is_memory_bound_by_hand():
     # (10 GB weights + 1000 tokens x 1 MB KV) / 100 GB/s
     assert C.decode_step_s(M, 1, 1000) == pytest.approx(0.11)
     assert C.decode_step_s(M, 0, 0) == 0.0
+
+
+def test_decode_reads_kv_of_full_attention_layers_once():
+    # kv_bytes_per_token counts full-attention layers only (gpt-oss: 36 KiB of 72), so a model whose
+    # other layer has a short window reads the same (10 GB + 1000 x 1 MB) / 100 GB/s = 0.11 s
+    w = dataclasses.replace(M, layers=2, full_attn_layers=1)
+    assert C.decode_step_s(w, 1, 1000) == pytest.approx(0.11)
 
 
 def test_copies_by_hand():

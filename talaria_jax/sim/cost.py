@@ -61,7 +61,9 @@ class CostModel:
         if batch <= 0:
             return 0.0
         weights = m.weight_bytes * ((1.0 - m.expert_fraction) + m.expert_fraction * self.expert_touch_fraction(m, batch))
-        kv = context_tokens * m.kv_bytes_per_token * m.full_attn_layers / m.layers
+        # kv_bytes_per_token already counts only full-attention layers; sliding-window layers read at
+        # most their window per sequence (gpt-oss: 128 tokens x 18 layers x 2 KiB = 4.7 MB), left out
+        kv = context_tokens * m.kv_bytes_per_token
         memory = (weights + kv) / self._hbm_rate()
         flops = 2.0 * m.active_params_b * 1e9 * batch + 4.0 * m.full_attn_layers * m.attn_dim * context_tokens
         compute = flops / self._matmul_rate()
