@@ -5,8 +5,7 @@ import sys
 import pytest
 
 from talaria_jax.models.config import load_model_config
-from talaria_jax.sim.hardware import (CONFIG_ROOT, ConfigError, ModelShape, load_hardware, load_models,
-                                      routed_expert_params)
+from talaria_jax.sim.hardware import CONFIG_ROOT, ConfigError, ModelShape, load_hardware, load_models
 from talaria_jax.sim.instance import SimInstance
 from talaria_jax.sim.traces import read_jsonl
 
@@ -39,7 +38,7 @@ def test_uniform_precision_variants_equal_config_arithmetic(variant):
     assert s.weight_bytes == cfg.weight_bytes()
     assert s.active_params_b * 1e9 == pytest.approx(cfg.active_param_count(), rel=1e-12)
     assert (s.layers, s.hidden, s.attn_dim) == (cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
-    assert s.expert_fraction == routed_expert_params(cfg) / cfg.param_count()
+    assert s.expert_fraction == cfg.routed_expert_params() / cfg.param_count()
     if cfg.moe is not None:
         assert (s.num_experts, s.top_k) == (cfg.moe.num_experts, cfg.moe.top_k)
 
@@ -50,7 +49,7 @@ def test_routed_expert_count_agrees_with_config_counts(name):
     cfg = load_model_config(name)
     e, k = cfg.moe.num_experts, cfg.moe.top_k
     untied = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
-    assert cfg.param_count() - cfg.active_param_count() == untied + routed_expert_params(cfg) * (e - k) // e
+    assert cfg.param_count() - cfg.active_param_count() == untied + cfg.routed_expert_params() * (e - k) // e
 
 
 def test_kv_heads_replicate_up_to_tp():
@@ -63,7 +62,7 @@ def test_kv_heads_replicate_up_to_tp():
 
 def test_gpt_oss_experts_mxfp4_rest_bf16():
     cfg, g = load_model_config("gpt-oss-120b"), SHAPES["gpt-oss-120b"]
-    routed = routed_expert_params(cfg)
+    routed = cfg.routed_expert_params()
     assert g.weight_bytes == int((cfg.param_count() - routed) * 2 + routed * 0.53125)
     assert g.weight_bytes == pytest.approx(61 * 2**30, rel=0.01)  # REFERENCES.md: 61 GiB
     assert g.expert_fraction == pytest.approx(routed * 0.53125 / g.weight_bytes)
@@ -80,9 +79,9 @@ def _table(tmp_path, body):
 def test_bad_variant_names_variant_and_field(tmp_path):
     with pytest.raises(ConfigError, match=r"variants\.q-nope: field 'config'='nope': no model config 'nope'"):
         load_models(_table(tmp_path, "  q-nope: {config: nope, weight_dtype: fp8}\n"))
-    with pytest.raises(ConfigError, match=r"variants\.q-fp4: .*field 'weight_dtype'='fp4' not in \["):
+    with pytest.raises(ConfigError, match=r"variants\.q-fp4: .*field 'weight_dtype'='fp4': precision 'fp4' not in \["):
         load_models(_table(tmp_path, "  q-fp4: {config: qwen3-235b-a22b, weight_dtype: fp4}\n"))
-    with pytest.raises(ConfigError, match=r"variants\.q: .*field 'expert_dtype'='int3' not in \["):
+    with pytest.raises(ConfigError, match=r"variants\.q: .*field 'expert_dtype'='int3': precision 'int3' not in \["):
         load_models(_table(tmp_path, "  q: {config: qwen3-235b-a22b, weight_dtype: fp8, expert_dtype: int3}\n"))
     with pytest.raises(ConfigError, match=r"variants\.q: missing field 'weight_dtype'"):
         load_models(_table(tmp_path, "  q: {config: qwen3-235b-a22b}\n"))
@@ -102,7 +101,7 @@ def test_shape_tp_must_match_hardware():
 
 
 def test_loading_shapes_imports_no_jax():
-    # talaria_jax.models/__init__ imports the JAX decoder; the simulator reads only the pure config module
+    # talaria_jax.models loads its JAX decoder lazily; the simulator reads only the pure config module
     code = ("import sys; from talaria_jax.sim import load_models; load_models(); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax') or m.startswith('talaria_jax.engine')]; "
             "assert not bad, bad")

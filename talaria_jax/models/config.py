@@ -13,7 +13,17 @@ from talaria_jax import config_io
 
 MODEL_CONFIG_DIR = config_io.CONFIG_DIR / "models"
 
+# Bytes per stored weight; mxfp4 is 4-bit values plus one 8-bit scale per 32 (OCP MX format).
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1, "mxfp4": 0.53125}
+# SwiGLU FFNs have three matrices: gate, up and down.
+_FFN_MATRICES = 3
+
+
+def bytes_per_weight(dtype: str) -> float:
+    """Bytes per stored weight of a precision name; unknown names raise ConfigError listing the known."""
+    if dtype not in _DTYPE_BYTES:
+        raise config_io.ConfigError(f"precision {dtype!r} not in {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +133,10 @@ class ModelConfig:
     def _ffn_params(self, layer: int) -> tuple[int, int]:
         """(total, active per token) parameters of one layer's FFN."""
         if not self.is_moe_layer(layer):
-            p = 3 * self.hidden_size * self.ffn_size
+            p = _FFN_MATRICES * self.hidden_size * self.ffn_size
             return p, p
         m = self.moe
-        expert = 3 * self.hidden_size * m.expert_ffn_size
+        expert = _FFN_MATRICES * self.hidden_size * m.expert_ffn_size
         router = self.hidden_size * m.num_experts
         shared = m.num_shared_experts * expert
         return m.num_experts * expert + shared + router, m.top_k * expert + shared + router
@@ -145,6 +155,14 @@ class ModelConfig:
         for layer in range(self.num_layers):
             total += self._attn_params() + self._ffn_params(layer)[1]
         return total
+
+    def routed_expert_params(self) -> int:
+        """Parameters of all routed experts (not shared experts or routers): the weights a decode step
+        reads only for the experts its tokens touch."""
+        if self.moe is None:
+            return 0
+        per_layer = self.moe.num_experts * _FFN_MATRICES * self.hidden_size * self.moe.expert_ffn_size
+        return per_layer * sum(1 for layer in range(self.num_layers) if self.is_moe_layer(layer))
 
     def kv_bytes_per_token(self, full_attention: bool = False) -> int:
         """2 x layers x kv_heads x head_dim x bytes (REFERENCES.md). Sliding-window layers hold a

@@ -9,19 +9,14 @@ field and the limit.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import pathlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from talaria_jax import config_io
-
-if TYPE_CHECKING:
-    from talaria_jax.models.config import ModelConfig
+from talaria_jax.models.config import ModelConfig, bytes_per_weight, load_model_config
 
 CONFIG_ROOT = pathlib.Path(__file__).resolve().parents[2] / "configs"
 GB = 1e9
@@ -86,7 +81,7 @@ class ModelShape:
         return self.weight_bytes / GB
 
     @classmethod
-    def from_config(cls, cfg: "ModelConfig", weight_dtype: str, tp: int, *, expert_dtype: str | None = None,
+    def from_config(cls, cfg: ModelConfig, weight_dtype: str, tp: int, *, expert_dtype: str | None = None,
                     name: str | None = None) -> "ModelShape":
         """The shape of `cfg` served with weights in `weight_dtype` (routed experts in `expert_dtype`,
         default the same) by one instance of tensor-parallel degree `tp`.
@@ -98,18 +93,18 @@ class ModelShape:
         188 KiB is 376 KiB physical at TP=8). Raises config_io.ConfigError for an unknown precision."""
         if tp < 1:
             raise ConfigError(f"{cfg.name}: tp={tp} must be >= 1")
-        mc = _model_config_module()
         expert_dtype = expert_dtype or weight_dtype
         for field, dtype in (("weight_dtype", weight_dtype), ("expert_dtype", expert_dtype)):
-            if dtype not in mc._DTYPE_BYTES:
-                raise ConfigError(f"{cfg.name}: field '{field}'={dtype!r} not in {sorted(mc._DTYPE_BYTES)}")
-        served = cfg.replace(weight_dtype=weight_dtype)
-        routed = routed_expert_params(cfg)
+            try:
+                bytes_per_weight(dtype)
+            except config_io.ConfigError as e:
+                raise ConfigError(f"{cfg.name}: field '{field}'={dtype!r}: {e}") from None
+        routed = cfg.routed_expert_params()
         if expert_dtype == weight_dtype:
-            weight_bytes = served.weight_bytes()
+            weight_bytes = cfg.replace(weight_dtype=weight_dtype).weight_bytes()
         else:
-            weight_bytes = int((served.param_count() - routed) * mc._DTYPE_BYTES[weight_dtype]
-                               + routed * mc._DTYPE_BYTES[expert_dtype])
+            weight_bytes = int((cfg.param_count() - routed) * bytes_per_weight(weight_dtype)
+                               + routed * bytes_per_weight(expert_dtype))
         kv_per_rank = math.ceil(cfg.num_kv_heads / tp)
         return cls(
             name=name or cfg.name, weight_bytes=float(weight_bytes), active_params_b=cfg.active_param_count() / 1e9,
@@ -117,43 +112,7 @@ class ModelShape:
             kv_bytes_per_token=cfg.kv_bytes_per_token() * tp * kv_per_rank // cfg.num_kv_heads,
             attn_dim=cfg.q_size, hidden=cfg.hidden_size, num_experts=cfg.moe.num_experts if cfg.moe else 0,
             top_k=cfg.moe.top_k if cfg.moe else 0,
-            expert_fraction=routed * mc._DTYPE_BYTES[expert_dtype] / weight_bytes, tp=tp)
-
-
-# SwiGLU experts: gate, up and down projections, hidden x expert_ffn_size each (as ModelConfig._ffn_params).
-_EXPERT_MATRICES = 3
-
-
-def routed_expert_params(cfg: "ModelConfig") -> int:
-    """Parameters of all routed experts (shared experts and routers excluded): the weights a decode
-    step reads only for the experts its tokens touch."""
-    if cfg.moe is None:
-        return 0
-    per_expert = _EXPERT_MATRICES * cfg.hidden_size * cfg.moe.expert_ffn_size
-    return sum(cfg.moe.num_experts * per_expert for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer))
-
-
-_MODEL_CONFIG_PY = pathlib.Path(__file__).resolve().parents[1] / "models" / "config.py"
-
-
-def _model_config_module() -> types.ModuleType:
-    """``talaria_jax.models.config`` (pure Python). ``talaria_jax/models/__init__.py`` also imports the
-    JAX decoder, so unless that package is already loaded the module is loaded from its file, without
-    the package: the simulator imports no JAX (tests/test_sim_shapes.py runs it in a fresh process)."""
-    mod = sys.modules.get("talaria_jax.models.config") or sys.modules.get(_PRIVATE_CONFIG_MODULE)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(_PRIVATE_CONFIG_MODULE, _MODEL_CONFIG_PY)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[_PRIVATE_CONFIG_MODULE] = mod  # dataclasses and get_type_hints look the module up here
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[_PRIVATE_CONFIG_MODULE]
-            raise
-    return mod
-
-
-_PRIVATE_CONFIG_MODULE = "talaria_jax.sim._model_config"
+            expert_fraction=routed * bytes_per_weight(expert_dtype) / weight_bytes, tp=tp)
 
 
 # (field, lower bound, upper bound); bounds are sanity limits, not physics.
@@ -221,7 +180,6 @@ def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None 
         tp = raw.get("tensor_parallel")
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"{p}: field 'tensor_parallel' must be an int >= 1, got {tp!r}")
-    mc = _model_config_module()
     out = {}
     for name, entry in raw["variants"].items():
         where = f"{p}: variants.{name}"
@@ -236,7 +194,7 @@ def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None 
             if field in entry and not (isinstance(entry[field], str) and entry[field]):
                 raise ConfigError(f"{where}: field '{field}' must be a non-empty string, got {entry[field]!r}")
         try:
-            cfg = mc.load_model_config(entry["config"])
+            cfg = load_model_config(entry["config"])
         except config_io.ConfigError as e:
             raise ConfigError(f"{where}: field 'config'={entry['config']!r}: {e}") from None
         try:
