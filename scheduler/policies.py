@@ -40,7 +40,13 @@ class PolicyConfig:
     reservations: bool = True  # soft reservations: charge likely returns to the admission budget
     drop_kv_on_switch: bool = False  # sleep-mode level 1: device KV of the outgoing model is discarded
     kv_ttl_s: float = 0.0  # Continuum-style pin of a finished call's KV (0 = off)
-    slot_s: float = 20.0  # slot length (a quantum for on_demand): ~8 full-weight switches, so switching stays under ~15% of time
+    slot_s: float = 20.0  # longest slot (a quantum for on_demand): ~8 full-weight switches, so switching stays under ~15% of time
+    # round multiplexer: a slot lasts switches_per_slot x the switches of the round it starts (to each
+    # other waiting model, estimated when one first waits), within [min_slot_s, slot_s]. 10 keeps switching
+    # under ~1/11 of a round and every slot before a full PCIe load of a >100B model (2.05-2.73 s on
+    # h200x8) at slot_s; a round of free activations of resident models gets min_slot_s. None = fixed slot_s.
+    switches_per_slot: float | None = 10.0
+    min_slot_s: float = _TOOL_GAP_P75_S  # a slot still covers a likely tool gap, so SP serves the return
     reserve_horizon_s: float = _TOOL_GAP_P90_S  # a reservation lapses after the p90 tool gap
     reserve_growth_tokens: int = 1000  # expected observation + output appended per turn (REFERENCES: 0.5-1K median obs)
     hold_s: float = _TOOL_GAP_P75_S  # hold a drained slot this long for a reserved session's return
@@ -53,6 +59,10 @@ class PolicyConfig:
             raise ValueError(f"policy {self.name}: multiplexer={self.multiplexer!r} not in round|on_demand")
         if self.slot_s <= 0:
             raise ValueError(f"policy {self.name}: slot_s={self.slot_s} must be > 0")
+        if self.switches_per_slot is not None and self.switches_per_slot <= 0:
+            raise ValueError(f"policy {self.name}: switches_per_slot={self.switches_per_slot} must be > 0 or None")
+        if not 0 <= self.min_slot_s <= self.slot_s:
+            raise ValueError(f"policy {self.name}: min_slot_s={self.min_slot_s} must be in [0, slot_s={self.slot_s}]")
 
 
 _SERVERLESS = dict(multiplexer="on_demand", sp=False, host_kv=False, staging=False, reservations=False,

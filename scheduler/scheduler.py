@@ -35,7 +35,8 @@ class Scheduler:
         self.sessions = sessions
         self.state: dict[str, _InstanceState] = {}
         for inst in self.instances:
-            self.state[inst.name] = _InstanceState(RoundMultiplexer(inst.models(), policy.slot_s),
+            self.state[inst.name] = _InstanceState(RoundMultiplexer(inst.models(), policy.slot_s, policy.switches_per_slot,
+                                                                    policy.min_slot_s),
                                                    AdmissionBudget(policy.reserve_horizon_s))
         self.placement: dict[tuple[str, int], str] = {}
 
@@ -97,10 +98,14 @@ class Scheduler:
         return n
 
     def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str) -> None:
-        if not self.policy.staging:
+        """Once another model waits: bounds `model`'s open slot by the switches of the round it
+        starts (to each other waiting model, estimated before staging starts), then stages the next."""
+        demand = self.demand(inst)
+        nxt = st.mux.after(model, demand)
+        if nxt is None:
             return
-        nxt = st.mux.after(model, self.demand(inst))
-        if nxt is not None:
+        st.mux.bound(sum(inst.estimate_switch_s(m) for m in demand - {model}))
+        if self.policy.staging:
             inst.stage_model(nxt)
 
     def _open_slot(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> None:

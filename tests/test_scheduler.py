@@ -194,3 +194,64 @@ def test_scheduler_imports_neither_engine_nor_sim_nor_jax():
             assert not re.search(r"^\s*(import|from)\s+(jax|flax)\b", text, re.M), p
         else:
             assert not bad.search(text), p
+
+
+def test_slot_length_follows_the_switch_it_amortises():
+    mux = RoundMultiplexer(("m1", "m2"), slot_s=20.0, switches_per_slot=10.0, min_slot_s=2.2)
+    assert [mux.slot_length(s) for s in (0.0, 0.1, 1.0, 2.73)] == pytest.approx([2.2, 2.2, 10.0, 20.0])
+    mux.open("m1", 5.0)
+    assert mux.is_open(7.1) and mux.slot.deadline_s == 25.0  # nobody else waits yet: slot_s
+    mux.bound(0.0)  # another model waits and is resident: its activation is free
+    assert mux.is_open(7.1) and not mux.is_open(7.2)
+    mux.bound(5.0)  # bounded once, by the estimate taken before staging
+    assert mux.slot.deadline_s == pytest.approx(7.2)
+    fixed = RoundMultiplexer(("m1", "m2"), slot_s=20.0)
+    fixed.open("m1", 5.0)
+    fixed.bound(0.0)
+    assert fixed.slot.deadline_s == 25.0
+
+
+def test_scheduler_bounds_slot_by_the_round_switch_cost():
+    # toy: m2 in host memory costs a 1.0 s load, so m1's slot is 10 x 1.0 s; resident m2 is free: 2.2 s
+    for resident, length in ((False, 10.0), (True, 2.2)):
+        inst = _inst("i")
+        if resident:  # load m2, then m1: m2 stays resident (20 GB of weights in 30 GB)
+            for m in ("m2", "m1"):
+                inst.switch_model(m)
+                _run(inst)
+        calls = [Call("a", 0, "m1", 1000, 10, 0.0, 0.0), Call("b", 0, "m2", 1000, 10, 0.0, 0.0)]
+        sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+        sched.on_arrival(calls[0], 0.0)
+        sched.plan(inst, 0.0)
+        if not resident:  # m1 was loaded by the switch issued above
+            _run(inst)
+            sched.plan(inst, 1.0)
+        slot = sched.state["i"].mux.slot
+        assert slot.model == "m1" and slot.deadline_s == slot.opened_s + 20.0
+        sched.on_arrival(calls[1], slot.opened_s + 0.5)
+        sched.plan(inst, slot.opened_s + 0.5)
+        assert slot.deadline_s == pytest.approx(slot.opened_s + length), resident
+
+
+# m2 warms up (w0) so that it stays resident next to m1; a and c run on m1; b (m2) arrives while m1's
+# slot is open and m2 is resident, so that slot is bounded to 2.2 s; a1 returns at ~8.5 s while c's long
+# decode keeps the slot busy: after the bound SP no longer admits it and b goes first.
+_CORES_TRACE = [Call("w", 0, "m2", 1000, 1, 0.0, 0.0),
+                Call("a", 0, "m1", 1000, 10, 0.1, 0.5), Call("a", 1, "m1", 1100, 10, 0.0),
+                Call("c", 0, "m1", 1000, 100, 0.0, 0.5),
+                Call("b", 0, "m2", 1000, 10, 0.0, 4.0)]
+
+
+def test_free_switch_shortens_the_slot_so_a_waiting_model_goes_first():
+    import dataclasses
+    res = replay(_CORES_TRACE, get_policy("talaria"), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+    done = {(r.session, r.turn): r.done_s for r in res.records}
+    assert done[("b", 0)] < done[("a", 1)]
+    assert [m for _, m, _ in res.instances[0].stats.switch_log] == ["m2", "m1", "m2", "m1"]
+    assert [d for _, _, d in res.instances[0].stats.switch_log][2:] == [0.0, 0.0]  # resident: free activations
+    # the fixed 20 s slot (the mechanism off) keeps admitting a's return by SP, and b waits for it
+    fixed = dataclasses.replace(get_policy("talaria"), switches_per_slot=None)
+    res = replay(_CORES_TRACE, fixed, TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+    done = {(r.session, r.turn): r.done_s for r in res.records}
+    assert done[("a", 1)] < done[("b", 0)]
+    assert [m for _, m, _ in res.instances[0].stats.switch_log] == ["m2", "m1", "m2"]

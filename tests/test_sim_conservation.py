@@ -55,3 +55,16 @@ def test_talaria_ahead_of_every_rival_on_the_default_trace():
 def test_default_models_cannot_all_stay_resident():
     total = sum(SHAPES[m].weight_bytes for m in {c.model for c in CALLS})
     assert total > HW.usable_hbm_bytes  # the scenario forces switching (configs/traces/README.md)
+
+
+def test_tool_time_jitter_is_common_to_every_policy():
+    # a seed draws each call's tool-time jitter by call, not in completion order, so every policy
+    # replayed with that seed waits the same tool time after each call (common random numbers)
+    def gaps(name):
+        recs = {(r.session, r.turn): r for r in replay(CALLS, get_policy(name), HW, SHAPES, seed=2).records}
+        return {k: recs[(k[0], k[1] + 1)].issued_s - r.done_s for k, r in recs.items() if (k[0], k[1] + 1) in recs}
+    g = {name: gaps(name) for name in ("talaria", "round")}
+    assert g["talaria"].keys() == g["round"].keys() and len(g["talaria"]) == len(CALLS) - 30
+    assert all(abs(g["talaria"][k] - g["round"][k]) < 1e-6 for k in g["talaria"])
+    nominal = {c.key: c.tool_gap_s for c in CALLS}
+    assert any(abs(v - nominal[k]) > 1e-3 for k, v in g["talaria"].items())  # jitter is on

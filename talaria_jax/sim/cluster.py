@@ -74,7 +74,12 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
     for s in sessions:
         for a, b in zip(s.calls, s.calls[1:]):
             prefix[b.key] = a.context_after
+    # tool-time jitter is drawn per call, in trace order, before the replay: every policy replayed
+    # with the same seed sees the same tool time after each call (common random numbers), so policy
+    # differences are not draws assigned by completion order
     rng = np.random.default_rng(seed)
+    gap_factor = dict(zip((c.key for c in calls), np.exp(rng.normal(0.0, gap_jitter_sigma, len(calls))))) \
+        if gap_jitter_sigma else {}
     insts = [SimInstance(f"i{k}", hw, shapes, models, host_kv=policy.host_kv, staging=policy.staging,
                          drop_kv_on_switch=policy.drop_kv_on_switch, reusable_prefix=lambda c: prefix.get(c.key, 0),
                          jitter_sigma=jitter_sigma, rng=np.random.default_rng([seed, k]))
@@ -101,7 +106,7 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
                 nxt = sessions.complete(c, inst.name, now)
                 sched.on_finish(c, inst, now)
                 if nxt is not None:
-                    gap = c.tool_gap_s * (float(np.exp(rng.normal(0, gap_jitter_sigma))) if gap_jitter_sigma else 1.0)
+                    gap = c.tool_gap_s * float(gap_factor.get(c.key, 1.0))
                     heapq.heappush(heap, (now + gap, next(seq), _ARRIVAL, nxt))
         # _WAKE carries nothing: it only makes the planning below run at that time
         for inst in insts:
