@@ -18,6 +18,8 @@ from talaria_jax.models.config import ModelConfig
 from talaria_jax.sharding import spec_for
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+# Config precision names that are not jnp dtype names.
+_JNP_DTYPES = {"fp8": "float8_e4m3fn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,18 +41,31 @@ class PoolSpec:
         return self.num_pages * self.page_size
 
 
-def pool_spec(cfg: ModelConfig, page_size: int, *, num_pages: int | None = None,
-              memory_bytes: int | None = None) -> PoolSpec:
-    """A pool for `cfg` with either `num_pages` or as many pages as fit in `memory_bytes`."""
+def kv_shards(spec: PoolSpec, mesh: Mesh) -> int:
+    """Ways the kv heads are split on `mesh`: each device holds 1/kv_shards of every page."""
+    pspec = spec_for(KV_AXES, (1, spec.page_size, spec.kv_heads, spec.head_dim), mesh)
+    return mesh.shape[pspec[2]] if pspec[2] else 1
+
+
+def pool_spec(cfg: ModelConfig, page_size: int, mesh: Mesh, *, num_pages: int | None = None,
+              memory_bytes_per_device: int | None = None) -> PoolSpec:
+    """A pool for `cfg` on `mesh` with exactly one of `num_pages` or as many pages as fit in
+    `memory_bytes_per_device` (KV bytes each device may hold: a page costs a device its share of the
+    kv heads, the whole page where kv heads are replicated). K/V are stored in cfg.kv_dtype."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    spec = PoolSpec(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    if (num_pages is None) == (memory_bytes_per_device is None):
+        raise ValueError("give exactly one of num_pages or memory_bytes_per_device")
+    dtype = _JNP_DTYPES.get(cfg.kv_dtype, cfg.kv_dtype)
+    spec = PoolSpec(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     if num_pages is None:
-        if memory_bytes is None:
-            raise ValueError("pool_spec needs num_pages or memory_bytes")
-        num_pages = memory_bytes // spec.page_bytes
+        per_device = spec.page_bytes // kv_shards(spec, mesh)
+        num_pages = memory_bytes_per_device // per_device
+        if num_pages < 1:
+            raise ValueError(f"KV budget of {memory_bytes_per_device} bytes per device holds no page "
+                             f"({per_device} bytes per device each)")
     if num_pages < 1:
-        raise ValueError(f"KV memory budget {memory_bytes} bytes holds no page of {spec.page_bytes} bytes")
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     return dataclasses.replace(spec, num_pages=int(num_pages))
 
 

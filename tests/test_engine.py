@@ -1,13 +1,14 @@
 """The paged engine against the full-sequence reference; donation, recompiles, preemption, abort, seeds."""
+import dataclasses
 import warnings
 
 import jax
 import numpy as np
 import pytest
 
-from talaria_jax.engine.engine import Engine, EngineConfig, RequestError
+from talaria_jax.engine.engine import Engine, EngineConfig, RequestError, StepError
 from talaria_jax.engine.sampling import SamplingError, SamplingParams
-from talaria_jax.kvcache.pool import buffer_pointers
+from talaria_jax.kvcache.pool import buffer_pointers, pool_spec
 from talaria_jax.models import greedy_generate, init_model, load_model_config
 from talaria_jax.sharding import make_mesh
 
@@ -65,9 +66,14 @@ def _steady(eng, steps, rng):
         eng.step()
 
 
-def test_pool_buffers_stable_and_donation_usable(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128))
+def test_pool_buffers_stable_and_donation_usable():
+    # TP=4: 4 kv heads split over 4 devices, so every device holds its own shard of each page.
+    model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:4], tp=4), seed=1)
+    eng = Engine(model, EngineConfig(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128))
+    k = eng.runner.kv[0][0]
+    assert k.sharding.spec[2] == "tp" and k.addressable_shards[0].data.shape[2] == 1
     before = buffer_pointers(eng.runner.kv)
+    assert len(before) == 4 * 2 * model.cfg.num_layers
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Some donated buffers were not usable")
         _steady(eng, 100, np.random.RandomState(0))
@@ -88,7 +94,7 @@ def test_steady_workload_no_recompiles(dense1):
 
 
 def test_small_pool_preempts_and_completes(dense1, reference):
-    # 10 pages of 4 tokens: the 5 prompts (95 tokens + 60 new) cannot all fit at once.
+    # 16 pages of 4 tokens (64 slots): the 5 prompts (95 tokens + 60 new) cannot all fit at once.
     eng = Engine(dense1, EngineConfig(page_size=4, num_pages=16, max_seqs=5, max_tokens_per_step=32,
                                       max_model_len=64, pages_per_block=2))
     outs = eng.generate(prompts(), GREEDY, progress=False)
@@ -110,9 +116,10 @@ def test_abort_frees_pages(dense1):
     out = eng.abort(gone)
     assert out.finish_reason == "abort" and len(out.token_ids) >= 1
     assert eng.allocator.num_free == free_before + held
+    finished = {}
     while eng.has_unfinished():
-        eng.step()
-    assert eng.requests[keep].finish_reason == "length"
+        finished.update({o.request_id: o.finish_reason for o in eng.step() if o.finished})
+    assert finished == {keep: "length"} and eng.stats.aborted == 1
     assert eng.allocator.num_free == eng.allocator.num_pages
 
 
@@ -142,4 +149,79 @@ def test_bad_requests_are_rejected_and_engine_keeps_going(dense1):
         eng.add_request([1], SamplingParams(top_p=0.0))
     while eng.has_unfinished():
         eng.step()
-    assert eng.requests[ok].finish_reason == "length" and len(eng.requests) == 1
+    assert eng.stats.finished == 1 and not eng.requests  # finished requests leave once reported
+    with pytest.raises(RequestError, match=r"prompt 1: prompt token 0 is 9999"):
+        eng.generate([[1, 2], [9999]], GREEDY, progress=False)
+    assert not eng.waiting and not eng.requests  # nothing of the failed batch was queued
+    with pytest.raises(RequestError, match="prompt token 1 is 1.5, not an integer"):
+        eng.add_request([1, 1.5], GREEDY)
+
+
+def test_sampled_seeded_requests_survive_preemption(dense1):
+    ps = prompts(5, (9, 14, 22, 5, 17))
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=100 + i, ignore_eos=True) for i in range(5)]
+    roomy = Engine(dense1, EngineConfig(page_size=4, max_seqs=5, max_tokens_per_step=32, max_model_len=64))
+    tight = Engine(dense1, EngineConfig(page_size=4, num_pages=12, max_seqs=5, max_tokens_per_step=32,
+                                        max_model_len=48))
+    want = [o.token_ids for o in roomy.generate(ps, params, progress=False)]
+    got = [o.token_ids for o in tight.generate(ps, params, progress=False)]
+    assert tight.stats.preemptions > 0 and got == want
+
+
+def test_sliding_window_layers_match_reference():
+    cfg = load_model_config("tiny-dense").replace(sliding_windows=(6, 0, 6, 0))
+    model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=5)
+    ps = prompts(6, (4, 19, 11))
+    ref = greedy_generate(model, ps, 8)
+    eng = Engine(model, EngineConfig(page_size=4, max_seqs=3, max_tokens_per_step=16, max_model_len=64))
+    assert [o.token_ids for o in eng.generate(ps, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                                              progress=False)] == ref
+
+
+def test_failed_step_requeues_everything_and_recovers(dense1, reference):
+    eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=5, max_tokens_per_step=32, max_model_len=128))
+    for p in prompts():
+        eng.add_request(p, GREEDY)
+    for _ in range(3):
+        eng.step()
+    real = eng.runner._step
+
+    def broken(*a, **k):
+        eng.runner._step = real
+        raise RuntimeError("injected device failure")
+
+    eng.runner._step = broken
+    with pytest.raises(StepError, match="injected device failure"):
+        eng.step()
+    assert not eng.running and len(eng.waiting) == 5 and eng.allocator.num_free == eng.allocator.num_pages
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert [outs[f"req-{i}"] for i in range(5)] == reference
+
+
+def test_extra_eos_ids_stop(dense1):
+    first = greedy_generate(dense1, [prompts()[0]], 1)[0][0]
+    model = dataclasses.replace(dense1, cfg=dense1.cfg.replace(eos_token_id=None, extra_eos_token_ids=(first,)))
+    eng = Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    out = eng.generate([prompts()[0]], SamplingParams(max_tokens=5, temperature=0.0), progress=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == [first] and out.text == ""
+
+
+def test_unseeded_sampling_is_reproducible_across_engines(dense1):
+    cfg = EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64, seed=3)
+    p = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    a = Engine(dense1, cfg).generate([prompts()[0]], p, progress=False)[0].token_ids
+    b = Engine(dense1, cfg).generate([prompts()[0]], p, progress=False)[0].token_ids
+    assert a == b
+
+
+def test_kv_budget_is_per_device():
+    cfg = load_model_config("tiny-dense")
+    one = pool_spec(cfg, 8, make_mesh(jax.devices()[:1]), memory_bytes_per_device=1 << 20)
+    four = pool_spec(cfg, 8, make_mesh(jax.devices()[:4], tp=4), memory_bytes_per_device=1 << 20)
+    eight = pool_spec(cfg, 8, make_mesh(jax.devices(), tp=8), memory_bytes_per_device=1 << 20)
+    assert four.num_pages == 4 * one.num_pages  # kv heads split 4 ways
+    assert eight.num_pages == one.num_pages  # 4 kv heads on 8 ranks: replicated, whole pages per device
+    with pytest.raises(ValueError, match="holds no page"):
+        pool_spec(cfg, 8, make_mesh(jax.devices()[:1]), memory_bytes_per_device=10)

@@ -61,3 +61,33 @@ def test_live_against_transformers(name, tmp_path):
     hf_model.save_pretrained(tmp_path / name)  # a fresh export, not the stored asset
     ours = load_hf_checkpoint(tmp_path / name, progress=False)
     assert rel_err(our_logits(ours, prompts[:1])[0], hf_logits[0]) <= RTOL
+
+
+def test_paged_engine_greedy_matches_golden(loaded):
+    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
+
+    name, model, prompts, golden = loaded
+    eng = Engine(model, EngineConfig(page_size=4, max_seqs=3, max_tokens_per_step=16, max_model_len=64))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), progress=False)
+    assert [o.token_ids for o in outs] == golden["greedy"].tolist(), name
+
+
+def test_unsupported_hf_fields_are_refused(tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from talaria_jax.weights import CheckpointError
+
+    d = tmp_path / "m"
+    shutil.copytree(ASSETS / "hf-tiny-llama", d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, hidden_act="gelu")))
+    with pytest.raises(CheckpointError, match="hidden_act='gelu'"):
+        load_hf_checkpoint(d, progress=False)
+    (d / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=[2, 7])))
+    tensors = load_file(d / "model.safetensors")
+    assert load_hf_checkpoint(d, progress=False).cfg.eos_ids == (2, 7)
+    save_file(dict(tensors, **{"model.layers.0.mlp.up_proj.bias": np.zeros(128, np.float32)}), d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"bias tensors the config does not use.*up_proj\.bias"):
+        load_hf_checkpoint(d, progress=False)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig
-from talaria_jax.engine.sampling import SamplingBatch, SamplingParams, sample
+from talaria_jax.engine.sampling import SamplingBatch, SamplingError, SamplingParams, sample
 from talaria_jax.models import init_model, load_model_config
 from talaria_jax.models.model import forward
 from talaria_jax.sharding import make_mesh
@@ -49,9 +49,8 @@ def test_sampling_frequencies_follow_the_distribution():
     assert np.allclose(counts / 600, [0.5, 0.3, 0.2], atol=0.07)
 
 
-def test_logprobs_are_model_log_softmax():
-    cfg = load_model_config("tiny-dense")
-    model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=4)
+def test_logprobs_are_model_log_softmax(small):
+    model = small
     eng = Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
     prompt = [5, 6, 7, 8, 9]
     out = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True),
@@ -65,12 +64,37 @@ def test_logprobs_are_model_log_softmax():
         assert [t for t, _ in top] == list(np.argsort(-row)[:3])
 
 
-def test_stream_yields_tokens_in_order():
-    model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=4)
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+@pytest.fixture(scope="module")
+def small():
+    return init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=4)
+
+
+def test_interleaved_streams_each_get_every_token(small):
+    eng = Engine(small, EngineConfig(page_size=8, max_seqs=3, max_tokens_per_step=32, max_model_len=64))
     other = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    chunks = list(eng.stream([4, 5, 6], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
-    assert sum(len(c.new_token_ids) for c in chunks) == 6
-    assert [t for c in chunks for t in c.new_token_ids] == chunks[-1].token_ids
-    assert chunks[-1].finish_reason == "length"
-    assert eng.requests[other].finish_reason == "length"
+    a = eng.stream([4, 5, 6], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    b = eng.stream([7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    chunks = {"a": [], "b": []}
+    live = {"a": a, "b": b}
+    while live:
+        for name, it in list(live.items()):
+            try:
+                chunks[name].append(next(it))
+            except StopIteration:
+                del live[name]
+    for name, n in (("a", 6), ("b", 4)):
+        got = chunks[name]
+        assert [t for c in got for t in c.new_token_ids] == got[-1].token_ids and len(got[-1].token_ids) == n
+        assert got[-1].finish_reason == "length" and all(c.finish_reason is None for c in got[:-1])
+    assert other not in eng.requests and not eng.has_unfinished()
+
+
+def test_stream_checks_input_at_call_and_close_aborts(small):
+    eng = Engine(small, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    with pytest.raises(SamplingError, match="max_tokens"):
+        eng.stream([1], SamplingParams(max_tokens=0))  # raised here, not at the first next()
+    it = eng.stream([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    next(it)
+    it.close()
+    assert not eng.has_unfinished() and eng.allocator.num_free == eng.allocator.num_pages
+    assert eng.stats.aborted == 1

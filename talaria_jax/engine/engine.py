@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -29,21 +30,28 @@ class RequestError(ValueError):
     """A request the engine cannot take; the message names the field and the limit."""
 
 
+class StepError(RuntimeError):
+    """A step failed on the device. The pool was reallocated and every running request requeued
+    for recompute, so no request is lost; the step can be retried."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    num_pages: int | None = None          # or kv_memory_bytes; default: room for max_seqs full sequences
-    kv_memory_bytes: int | None = None
+    num_pages: int | None = None          # or kv_memory_bytes_per_device; default: room for max_seqs full sequences
+    kv_memory_bytes_per_device: int | None = None
     max_seqs: int = 16
     max_tokens_per_step: int = 256       # token budget per step (prefill chunk size bound)
     max_model_len: int = 2048
     pages_per_block: int = 4            # attention block width in pages (4 x 16 tokens was fastest on CPU)
-    seed: int = 0                         # seeds requests that carry no seed of their own
+    seed: int = 0                         # seeds requests that carry no seed of their own (stable across runs)
 
     def validate(self) -> None:
         for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
+            raise ValueError("EngineConfig: set num_pages or kv_memory_bytes_per_device, not both")
         if self.max_tokens_per_step < self.max_seqs:
             raise ValueError(f"EngineConfig.max_tokens_per_step ({self.max_tokens_per_step}) must be >= "
                              f"max_seqs ({self.max_seqs}) so every running sequence can decode each step")
@@ -58,7 +66,7 @@ class RequestOutput:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)  # produced since the caller's last output
 
     @property
     def finished(self) -> bool:
@@ -78,7 +86,6 @@ class _Request:
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     finish_reason: str | None = None
-    emitted: int = 0  # output tokens already reported by step()
 
     @property
     def num_tokens(self) -> int:
@@ -94,8 +101,9 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
-    finished: int = 0
+    finished: int = 0  # stopped by a stop token or a length limit
     aborted: int = 0
+    step_failures: int = 0
 
 
 class Engine:
@@ -108,53 +116,62 @@ class Engine:
         self.tokenizer = tokenizer or ByteTokenizer()
         max_pages_per_seq = -(-config.max_model_len // config.page_size)
         num_pages = config.num_pages
-        if num_pages is None and config.kv_memory_bytes is None:
+        if num_pages is None and config.kv_memory_bytes_per_device is None:
             num_pages = config.max_seqs * max_pages_per_seq
-        self.pool_spec = pool_spec(self.cfg, config.page_size, num_pages=num_pages,
-                                   memory_bytes=config.kv_memory_bytes)
+        self.pool_spec = pool_spec(self.cfg, config.page_size, model.mesh, num_pages=num_pages,
+                                   memory_bytes_per_device=config.kv_memory_bytes_per_device)
         self.allocator = PageAllocator(self.pool_spec.num_pages)
         self.runner = Runner(model, self.pool_spec, max_seqs=config.max_seqs, max_pages_per_seq=max_pages_per_seq,
                              max_tokens_per_step=config.max_tokens_per_step, pages_per_block=config.pages_per_block)
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}  # in flight; finished ones leave once reported
         self.stats = EngineStats()
-        self._ids = itertools.count()
+        self._arrivals = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
-        """Queues a request; bad input raises RequestError/SamplingError and changes nothing."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        """Queues a request; bad input raises RequestError/SamplingError and changes nothing.
+        A string prompt is encoded without BOS (prepend it yourself if the model wants one)."""
+        req = self._make_request(prompt, params, request_id)
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return req.id
+
+    def _make_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None) -> _Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params.validate(self.cfg.vocab_size)
         if not ids:
             raise RequestError("prompt is empty")
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.cfg.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"prompt token {bad} is {ids[bad]}, outside the vocabulary [0, {self.cfg.vocab_size})")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise RequestError(f"prompt token {i} is {t!r}, not an integer token id")
+            if not 0 <= t < self.cfg.vocab_size:
+                raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.cfg.vocab_size})")
         limit = min(self.config.max_model_len, self.pool_spec.num_slots)
         if len(ids) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"context limit of {limit} tokens")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests and not self.requests[rid].finish_reason:
-            raise RequestError(f"request_id {rid!r} is already running")
-        arrival = next(self._ids)
-        seed = params.seed if params.seed is not None else hash((self.config.seed, rid, arrival)) & (2**63 - 1)
-        req = _Request(rid, ids, params, seed, arrival, SequencePages(self.config.page_size))
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return rid
+        if request_id is not None and request_id in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in flight")
+        arrival = next(self._arrivals)
+        rid = request_id
+        while rid is None or rid in self.requests:
+            rid = f"req-{arrival}" if rid is None else f"{rid}+"
+        seed = params.seed if params.seed is not None else _stable_seed(self.config.seed, arrival)
+        return _Request(rid, [int(t) for t in ids], params, seed, arrival, SequencePages(self.config.page_size))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stops a request; its pages are freed and its partial output is returned."""
+        """Stops a request; its pages are freed and its partial output is returned (None if it is not
+        in flight)."""
         req = self.requests.get(request_id)
         if req is None or req.finish_reason:
             return None
         if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, "abort")
-        self.stats.aborted += 1
+        del self.requests[req.id]
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -225,7 +242,15 @@ class Engine:
                 rows.append(req)
             t += n
         b.num_blocks = -(-max_pages // self.runner.pages_per_block)
-        out = self.runner.step(b)
+        try:
+            out = self.runner.step(b)
+        except Exception as e:  # the donated pool may be gone: start it afresh and recompute every sequence
+            self.stats.step_failures += 1
+            self.runner.reset_pool()
+            for req in reversed(self.running[:]):  # appendleft in reverse keeps their order at the queue head
+                self._preempt(req)
+            raise StepError(f"engine step failed ({type(e).__name__}: {e}); {len(self.waiting)} requests "
+                            f"requeued for recompute") from e
         self.stats.steps += 1
         for req, n in batch:
             if req.num_computed + n > len(req.prompt):
@@ -243,12 +268,13 @@ class Engine:
             reason = self._stop_reason(req, tok)
             if reason:
                 self._finish(req, reason)
-            results.append(self._output(req))
+                del self.requests[req.id]
+            results.append(self._output(req, new=[tok]))
         return results
 
     def _stop_reason(self, req: _Request, tok: int) -> str | None:
         p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.cfg.eos_token_id):
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_ids):
             return "stop"
         if len(req.output) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return "length"
@@ -259,46 +285,67 @@ class Engine:
         req.seq.release(self.allocator)
         if req in self.running:
             self.running.remove(req)
-        self.stats.finished += 1
+        if reason == "abort":
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
 
-    def _output(self, req: _Request) -> RequestOutput:
-        new = req.output[req.emitted:]
-        req.emitted = len(req.output)
-        stops = set(req.params.stop_token_ids) | ({self.cfg.eos_token_id} if not req.params.ignore_eos else set())
+    def _output(self, req: _Request, new: list[int] | None = None) -> RequestOutput:
+        stops = set(req.params.stop_token_ids) | (set(self.cfg.eos_ids) if not req.params.ignore_eos else set())
         text_ids = req.output[:-1] if req.finish_reason == "stop" and req.output and req.output[-1] in stops \
             else req.output
         return RequestOutput(req.id, list(req.prompt), list(req.output), self.tokenizer.decode(text_ids),
-                             list(req.logprobs), list(req.top_logprobs), req.finish_reason, new)
+                             list(req.logprobs), list(req.top_logprobs), req.finish_reason, list(new or []))
 
     # ---- library API ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
                  = SamplingParams(), progress: bool = True) -> list[RequestOutput]:
-        """Runs all prompts to completion; outputs in prompt order."""
+        """Runs all prompts to completion; outputs in prompt order. Any invalid prompt raises before
+        anything is queued."""
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(rids), desc="generate", disable=not progress or len(rids) < 2, leave=False) as bar:
-            while len(done) < len(rids) and self.has_unfinished():
-                for o in self.step():
-                    if o.finished and o.request_id in rids:
-                        done[o.request_id] = o
-                        bar.update(1)
-        for rid in rids:  # requests finished outside step() (e.g. aborted)
-            done.setdefault(rid, self._output(self.requests[rid]))
-        return [done[r] for r in rids]
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                reqs.append(self._make_request(p, sp, None))
+            except ValueError as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        for req in reqs:
+            self.requests[req.id] = req
+            self.waiting.append(req)
+        with tqdm(total=len(reqs), desc="generate", disable=not progress or len(reqs) < 2, leave=False) as bar:
+            while any(not r.finish_reason for r in reqs) and self.has_unfinished():
+                bar.update(sum(o.finished for o in self.step() if o.request_id in {r.id for r in reqs}))
+        return [self._output(r) for r in reqs]
 
     def stream(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
                request_id: str | None = None) -> Iterator[RequestOutput]:
-        """Yields this request's output each time it gains tokens (other requests advance too)."""
+        """Queues the request now (bad input raises here) and returns an iterator that yields its
+        output whenever it gains tokens, ending with the finished output. Other requests advance
+        too; several streams may be interleaved. Closing the iterator early aborts the request."""
         rid = self.add_request(prompt, params, request_id)
-        req = self.requests[rid]
-        while not req.finish_reason:
-            for o in self.step():
-                if o.request_id == rid:
-                    yield o
-            if not self.has_unfinished() and not req.finish_reason:
-                break
-        if req.emitted < len(req.output) or req.finish_reason == "abort":
-            yield self._output(req)
+        return self._stream(self.requests[rid])
+
+    def _stream(self, req: _Request) -> Iterator[RequestOutput]:
+        seen = 0
+        try:
+            while not req.finish_reason:
+                if len(req.output) == seen:
+                    if not self.has_unfinished():
+                        break
+                    self.step()
+                if len(req.output) > seen and not req.finish_reason:
+                    out, seen = self._output(req, new=req.output[seen:]), len(req.output)
+                    yield out  # other callers may step while we are suspended here
+            yield self._output(req, new=req.output[seen:])
+        finally:
+            if not req.finish_reason:
+                self.abort(req.id)
+
+
+def _stable_seed(engine_seed: int, arrival: int) -> int:
+    """A per-request seed from the engine seed and the arrival index, the same in every process
+    (Python's hash() of strings is salted per process)."""
+    digest = hashlib.blake2b(f"{engine_seed}:{arrival}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -68,6 +68,10 @@ class Runner:
         self._step = jax.jit(self._step_fn, static_argnums=0, donate_argnames=("kv",),
                              out_shardings=(pool_shardings(spec, model.mesh), rep, rep, rep, rep))
 
+    def reset_pool(self) -> None:
+        """A fresh zeroed pool (after a failed step may have consumed the donated one)."""
+        self.kv = allocate_pool(self.spec, self.model.mesh)
+
     def bucket(self, n: int) -> int:
         for b in self.buckets:
             if n <= b:

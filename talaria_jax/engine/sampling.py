@@ -79,7 +79,8 @@ def _filtered(scaled, top_k, top_p):
     probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
     # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
     mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep_sorted = (mass_before < top_p[:, None]) & (jnp.arange(v)[None, :] < k[:, None])
+    # Rows with top_p = 1 keep everything (an fp32 cumsum can reach 1.0 before the tail ends).
+    keep_sorted = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)) & (jnp.arange(v)[None, :] < k[:, None])
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(scaled >= jnp.maximum(cutoff, kth), scaled, -jnp.inf)
 

@@ -17,7 +17,8 @@ _CKPT = flags.DEFINE_string("checkpoint", None, "HF safetensors dir or Orbax che
 _PROMPT = flags.DEFINE_multi_string("prompt", ["The agent called the tool and"], "Prompt text (repeatable).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.", lower_bound=1)
 _TP = flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices used).", lower_bound=1)
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights when no checkpoint is given.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights (no checkpoint) and of the engine's sampling.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype for --checkpoint (bf16 on GPU).")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
 
 
@@ -38,15 +39,16 @@ def main(argv):
     if ckpt is None:
         model = init_model(load_model_config(_MODEL.value), mesh, seed=_SEED.value)
     elif (ckpt / "config.json").exists():
-        model = load_hf_checkpoint(ckpt, mesh)
+        model = load_hf_checkpoint(ckpt, mesh, dtype=_DTYPE.value)
     else:
         model = restore(ckpt, mesh)
     tok = load_tokenizer(ckpt, model.cfg.bos_token_id, model.cfg.eos_token_id)
     prompts = [tok.encode(p, add_bos=tok.bos_id is not None) for p in _PROMPT.value]
-    engine = Engine(model, EngineConfig(max_seqs=max(1, len(prompts)), max_tokens_per_step=256,
-                                        max_model_len=min(model.cfg.max_position, 2048)), tokenizer=tok)
+    engine = Engine(model, EngineConfig(max_seqs=len(prompts), max_tokens_per_step=max(256, len(prompts)),
+                                        max_model_len=min(model.cfg.max_position, 2048), seed=_SEED.value),
+                    tokenizer=tok)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=_NEW.value, temperature=_TEMP.value, seed=_SEED.value))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=_NEW.value, temperature=_TEMP.value))
     dt = time.perf_counter() - t0
     print(f"model {model.cfg.name}: {model.cfg.param_count() / 1e6:.1f}M params on mesh {dict(mesh.shape)}")
     for text, out in zip(_PROMPT.value, outs):

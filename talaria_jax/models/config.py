@@ -1,8 +1,8 @@
 """Decoder configs (dense and MoE) as frozen dataclasses, loaded from configs/models/*.yaml.
 
 One dataclass covers Llama-3, Qwen3, Qwen3-MoE, GLM-4.5 and gpt-oss shapes. Each config reports its
-parameter count (total and active per token) and its KV bytes per token, the two figures the
-scheduler's cost model and the paged KV pool are sized from.
+parameter count (total and active per token) and its KV bytes per token, the figures the
+simulator's cost model is built from (talaria_jax/sim/hardware.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def bytes_per_weight(dtype: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`) or YaRN (`rope_type: yarn`, gpt-oss)."""
+    """Llama-3 style frequency scaling (`rope_type: llama3`). Other types (gpt-oss's `yarn`) are
+    recorded for byte accounting only: `rope_inv_freq` refuses them."""
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -79,6 +80,8 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # More end-of-sequence ids (Llama-3.1-Instruct ends turns with <|eot_id|> as well as <|end_of_text|>).
+    extra_eos_token_ids: tuple[int, ...] = ()
     # Published figures the counts are checked against (tests/test_model_config.py).
     published_params: float | None = None
     published_active_params: float | None = None
@@ -114,6 +117,12 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence."""
+        return tuple(dict.fromkeys(([self.eos_token_id] if self.eos_token_id is not None else [])
+                                   + list(self.extra_eos_token_ids)))
 
     def window(self, layer: int) -> int:
         return self.sliding_windows[layer] if self.sliding_windows else 0

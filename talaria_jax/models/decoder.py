@@ -95,7 +95,8 @@ class MoE(nnx.Module):
     def routing(self, cfg: ModelConfig, x) -> jax.Array:
         """Dense combine weights [..., num_experts]: the top-k gate values, zero elsewhere."""
         m = cfg.moe
-        logits = (x @ self.router[...]).astype(jnp.float32)
+        # fp32 router, as HF computes it: in bf16 the top-k choice could differ.
+        logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
         if m.router_scoring == "sigmoid":
             scores = jax.nn.sigmoid(logits)
             _, idx = jax.lax.top_k(scores + self.score_bias[...], m.top_k)

@@ -32,6 +32,13 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> 
     mt = hf.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"config.json model_type {mt!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
+    # Fields that change the maths and that this decoder does not implement: refuse rather than run wrong.
+    unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "mlp_bias": bool(hf.get("mlp_bias")),
+                   "use_sliding_window": bool(hf.get("use_sliding_window")),
+                   "layer_types": any(t != "full_attention" for t in hf.get("layer_types") or [])}
+    bad = [f"{k}={hf.get(k)!r}" for k, v in unsupported.items() if v]
+    if bad:
+        raise CheckpointError(f"config.json: {', '.join(bad)} not supported (silu, no MLP bias, full attention)")
     heads = hf["num_attention_heads"]
     rope_scaling = None
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else None)
@@ -42,6 +49,7 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> 
         raise CheckpointError(f"config.json rope_scaling type {rs.get('rope_type')!r} is not supported (llama3 is)")
     theta = hf.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
     partial_rotary = hf.get("partial_rotary_factor") or (rs or {}).get("partial_rotary_factor") or 1.0
+    eos = _ids(hf.get("eos_token_id"))
     moe = None
     if mt == "qwen3_moe":
         dense = sorted(hf.get("mlp_only_layers") or [])
@@ -57,7 +65,7 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> 
                                   f"topk_group={hf.get('topk_group')}) is not supported; n_group=1 is")
         moe = MoEConfig(num_experts=hf.get("n_routed_experts") or hf["num_local_experts"],
                         top_k=hf["num_experts_per_tok"], expert_ffn_size=hf["moe_intermediate_size"],
-                        num_shared_experts=hf.get("n_shared_experts", 1), norm_topk_prob=bool(hf.get("norm_topk_prob")),
+                        num_shared_experts=hf.get("n_shared_experts", 1), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                         router_scoring="sigmoid", routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                         first_dense_layers=hf.get("first_k_dense_replace", 1))
     return ModelConfig(
@@ -69,11 +77,11 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32") -> 
         attention_bias=bool(hf.get("attention_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe,
         max_position=hf.get("max_position_embeddings", 32768), dtype=dtype, weight_dtype=dtype, kv_dtype=dtype,
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")))
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=(eos[0] if eos else None), extra_eos_token_ids=tuple(eos[1:]))
 
 
-def _first(x):
-    return x[0] if isinstance(x, list) else x
+def _ids(x) -> list[int]:
+    return [] if x is None else list(x) if isinstance(x, list) else [x]
 
 
 # ---- name map: our parameter path -> how to build it from HF tensors -----------------------------
@@ -155,6 +163,10 @@ def load_hf_checkpoint(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: 
     path = pathlib.Path(path)
     if cfg is None:
         cfg = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name, dtype=dtype)
+        gen = path / "generation_config.json"
+        if gen.exists():  # instruct checkpoints list their end-of-turn ids here
+            extra = [i for i in _ids(json.loads(gen.read_text()).get("eos_token_id")) if i not in cfg.eos_ids]
+            cfg = cfg.replace(extra_eos_token_ids=cfg.extra_eos_token_ids + tuple(extra))
     mesh = mesh or make_mesh(jax.devices()[:1])
     graphdef, abstract, shardings = abstract_model(cfg, mesh)
     st = _SafetensorsDir(path)
@@ -183,6 +195,9 @@ def load_hf_checkpoint(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: 
         sharding = flat_sh[key].get_value()
         arrays[key] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
     unused = sorted(set(st.index) - used)
+    biases = [n for n in unused if n.endswith(".bias")]
+    if biases:  # a bias this config does not expect would be silently dropped: wrong outputs
+        raise CheckpointError(f"checkpoint has {len(biases)} bias tensors the config does not use, e.g. {biases[0]!r}")
     if unused:
         logging.warning("%d checkpoint tensors not used, e.g. %s", len(unused), unused[:3])
     state = nnx.from_flat_state([(k, flat_abs[k].replace(arrays[k])) for k in flat_abs])
