@@ -314,9 +314,10 @@ class Engine:
         for req in reqs:
             self.requests[req.id] = req
             self.waiting.append(req)
+        ours = {r.id for r in reqs}
         with tqdm(total=len(reqs), desc="generate", disable=not progress or len(reqs) < 2, leave=False) as bar:
             while any(not r.finish_reason for r in reqs) and self.has_unfinished():
-                bar.update(sum(o.finished for o in self.step() if o.request_id in {r.id for r in reqs}))
+                bar.update(sum(o.finished for o in self.step() if o.request_id in ours))
         return [self._output(r) for r in reqs]
 
     def stream(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
