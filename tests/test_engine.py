@@ -10,6 +10,7 @@ from talaria_jax.engine.engine import Engine, EngineConfig, RequestError, StepEr
 from talaria_jax.engine.sampling import SamplingError, SamplingParams
 from talaria_jax.kvcache.pool import buffer_pointers, pool_spec
 from talaria_jax.models import greedy_generate, init_model, load_model_config
+from talaria_jax.models.model import forward
 from talaria_jax.sharding import make_mesh
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -225,3 +226,23 @@ def test_kv_budget_is_per_device():
     assert eight.num_pages == one.num_pages  # 4 kv heads on 8 ranks: replicated, whole pages per device
     with pytest.raises(ValueError, match="holds no page"):
         pool_spec(cfg, 8, make_mesh(jax.devices()[:1]), memory_bytes_per_device=10)
+
+
+def test_runner_returns_logits_at_the_rows_asked_for(dense1):
+    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    p0, p1 = prompts()[0], prompts()[3]
+    b = eng.runner.empty_batch(len(p0) + len(p1))
+    for i, (p, pages) in enumerate(((p0, [0, 1]), (p1, [2, 3, 4]))):
+        off = 0 if i == 0 else len(p0)
+        b.tokens[off:off + len(p)] = p
+        b.positions[off:off + len(p)] = np.arange(len(p))
+        b.seq[off:off + len(p)] = i
+        b.slots[off:off + len(p)] = [pages[j // 4] * 4 + j % 4 for j in range(len(p))]
+        b.page_tables[i, :len(pages)] = pages
+    b.num_blocks = 2
+    b.logits_idx[:2] = [1, len(p0) + len(p1) - 1]  # an inner position of p0, the last of p1
+    out = eng.runner.step(b)
+    full0 = np.asarray(forward(dense1, np.asarray([p0])))[0]
+    full1 = np.asarray(forward(dense1, np.asarray([p1])))[0]
+    np.testing.assert_allclose(np.asarray(out.logits[0]), full0[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.logits[1]), full1[-1], rtol=1e-5, atol=1e-5)

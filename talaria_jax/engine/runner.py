@@ -41,6 +41,7 @@ class StepOutput:
     logprobs: np.ndarray     # f32 [R]
     top_ids: np.ndarray      # i32 [R, N]
     top_logprobs: np.ndarray  # f32 [R, N]
+    logits: jax.Array        # f32 [R, V], left on device (fetch only when needed: a verifier, a test)
 
 
 def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
@@ -66,7 +67,7 @@ class Runner:
         self.kv = allocate_pool(spec, model.mesh)
         rep = replicated(model.mesh)
         self._step = jax.jit(self._step_fn, static_argnums=0, donate_argnames=("kv",),
-                             out_shardings=(pool_shardings(spec, model.mesh), rep, rep, rep, rep))
+                             out_shardings=(pool_shardings(spec, model.mesh), rep, rep, rep, rep, rep))
 
     def reset_pool(self) -> None:
         """A fresh zeroed pool (after a failed step may have consumed the donated one)."""
@@ -92,7 +93,7 @@ class Runner:
 
         h, kv = model.hidden(tokens, positions, attn, kv)
         logits = model.logits(h[logits_idx])
-        return (kv, *sample(logits, temperature, top_k, top_p, seed, step))
+        return (kv, *sample(logits, temperature, top_k, top_p, seed, step), logits)
 
     def step(self, b: StepBatch) -> StepOutput:
         s = b.sampling
@@ -100,8 +101,8 @@ class Runner:
             self.kv, *out = self._step(
                 self.model.graphdef, self.model.state, self.kv, b.tokens, b.positions, b.seq, b.slots,
                 b.page_tables, np.int32(b.num_blocks), b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step)
-        toks, lp, top_ids, top_lp = jax.device_get(out)
-        return StepOutput(toks, lp, top_ids, top_lp)
+        toks, lp, top_ids, top_lp = jax.device_get(out[:4])
+        return StepOutput(toks, lp, top_ids, top_lp, out[4])
 
     def empty_batch(self, num_tokens: int) -> StepBatch:
         """A padded batch of the bucket for num_tokens: every token writes out of bounds."""
