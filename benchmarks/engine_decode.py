@@ -25,6 +25,8 @@ import time
 
 from absl import app, flags
 
+import common
+
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (tokens already in the KV cache).")
 _STEPS = flags.DEFINE_integer("decode_steps", 16, "Timed decode steps per point.")
@@ -56,9 +58,8 @@ def hf_config(hidden: int, layers: int) -> dict:
 
 def bench_ours(path, batch: int, ctx: int, steps: int) -> float:
     import jax
-    import numpy as np
 
-    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
+    from talaria_jax.engine import Engine, EngineConfig
     from talaria_jax.sharding import make_mesh
     from talaria_jax.weights import load_hf_checkpoint
 
@@ -67,24 +68,7 @@ def bench_ours(path, batch: int, ctx: int, steps: int) -> float:
     page = 16
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
                                      max_model_len=-(-(ctx + steps + 8) // page) * page))
-    rng = np.random.RandomState(0)
-    for _ in range(batch):
-        rid = eng.add_request(rng.randint(0, 32000, ctx).tolist(),
-                              SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-        # Synthetic cached prefix: pages held, KV contents arbitrary; only the last prompt token is computed.
-        req = eng.requests[rid]
-        req.seq.grow(eng.allocator, ctx)
-        req.num_computed = ctx - 1
-        eng.waiting.remove(req)
-        eng.running.append(req)
-    for _ in range(3):  # compile + warm-up
-        eng.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    dt = time.perf_counter() - t
-    assert all(len(r.output) == steps + 3 for r in eng.running)
-    return batch * steps / dt
+    return common.decode_with_synthetic_prefix(eng, batch, ctx, steps, model.cfg.vocab_size)
 
 
 def bench_hf(path, batch: int, ctx: int, steps: int) -> float:

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The device session's one prepared check (see benchmarks/device_check.py). The device machine has
+# no network: it uses the image's python3 with its JAX, and installs this repo without dependencies.
+#   device run: bash benchmarks/device_check.sh        (results in $OUT/device_check.json)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps -e .
+export PYTHONUNBUFFERED=1
+python3 benchmarks/device_check.py --out="${OUT:-/tmp}/device_check.json" "$@" 2>&1 | tee "${OUT:-/tmp}/device_check.log"
