@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _MODEL = flags.DEFINE_string("model", "tiny-dense", "Model config name under configs/models (random weights).")
 _CKPT = flags.DEFINE_string("checkpoint", None, "HF safetensors dir or Orbax checkpoint dir; overrides --model.")
@@ -24,6 +24,7 @@ _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greed
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # JAX's backend probing logs at INFO
     import jax
 
     from talaria_jax.engine import Engine, EngineConfig, SamplingParams
