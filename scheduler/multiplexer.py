@@ -1,8 +1,9 @@
 """Round-based model multiplexing on one instance: the active model's slot, its length, the switch.
 
-A slot's length follows the switch it amortises: a slot opens at most ``slot_s`` long and, the
-first time another model waits, is bounded to ``switches_per_slot`` times the cost of switching to
-that model (no shorter than ``min_slot_s``). A slot before a full PCIe weight load therefore stays
+A slot's length follows the switches it amortises: a slot opens at most ``slot_s`` long and, the
+first time another model waits, is bounded to ``switches_per_slot`` times the summed cost of
+switching to each model waiting at that moment (no shorter than ``min_slot_s``; later waiters do
+not move the bound). A slot before a full PCIe weight load therefore stays
 long enough that switching is a bounded fraction of time, while a slot before the free activation
 of a resident model (or a D2D copy of a staged one) ends soon, and the waiting model is served
 sooner. Without ``switches_per_slot`` every slot is ``slot_s`` long (a fixed quantum).

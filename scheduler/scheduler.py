@@ -97,19 +97,22 @@ class Scheduler:
         st.pending = keep
         return n
 
-    def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str) -> None:
+    def _bound_slot(self, inst: InstanceAPI, st: _InstanceState, model: str) -> None:
         """Once another model waits: bounds `model`'s open slot by the switches of the round it
-        starts (to each other waiting model, estimated before staging starts), then stages the next."""
-        demand = self.demand(inst)
-        nxt = st.mux.after(model, demand)
-        if nxt is None:
-            return
-        st.mux.bound(sum(inst.estimate_switch_s(m) for m in demand - {model}))
-        if self.policy.staging:
+        starts (to each other model waiting then, estimated before any staging starts)."""
+        others = self.demand(inst) - {model}
+        if others:
+            st.mux.bound(sum(inst.estimate_switch_s(m) for m in others))
+
+    def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str) -> None:
+        """Stages the model whose slot follows `model`'s (when staging is on)."""
+        nxt = st.mux.after(model, self.demand(inst))
+        if nxt is not None and self.policy.staging:
             inst.stage_model(nxt)
 
     def _open_slot(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> None:
         st.mux.open(model, now)
+        self._bound_slot(inst, st, model)
         self._admit(inst, st, model, now)
         self._stage_next(inst, st, model)
 
@@ -126,6 +129,7 @@ class Scheduler:
         slot = mux.slot
         if slot is not None:
             m = slot.model
+            self._bound_slot(inst, st, m)  # before SP, so SP never admits past the bounded deadline
             if p.sp and now < slot.deadline_s:
                 self._admit(inst, st, m, now, continuations_only=True)  # session-prefill
             self._stage_next(inst, st, m)
@@ -164,7 +168,9 @@ class Scheduler:
         active = inst.active_model()
         demand = self.demand(inst)
         others = demand - {active}
-        quantum_over = bool(others) and now - st.quantum_start_s >= self.policy.slot_s
+        # The quantum follows the switch it amortises, as the round multiplexer's slot does.
+        quantum = st.mux.slot_length(sum(inst.estimate_switch_s(m) for m in others)) if others else 0.0
+        quantum_over = bool(others) and now - st.quantum_start_s >= quantum
         if active is not None and not quantum_over:
             self._admit(inst, st, active, now)
         if inst.num_running() or inst.num_waiting() or not others:

@@ -255,3 +255,20 @@ def test_free_switch_shortens_the_slot_so_a_waiting_model_goes_first():
     done = {(r.session, r.turn): r.done_s for r in res.records}
     assert done[("a", 1)] < done[("b", 0)]
     assert [m for _, m, _ in res.instances[0].stats.switch_log] == ["m2", "m1", "m2"]
+
+
+def test_on_demand_quantum_follows_the_switch_it_amortises():
+    # m2 stays resident after serving w, so switching back to it is free: composite's quantum for m1
+    # shrinks to min_slot_s once b waits, instead of m1 keeping the GPU for the fixed 20 s.
+    import dataclasses
+    sess = "acdefghi"
+    trace = [Call("w", 0, "m2", 100, 1, 0.0, 0.0)]
+    for k, s in enumerate(sess):
+        trace += [Call(s, i, "m1", 100 + 40 * i, 10 + 3 * k, 0.0, 0.2 + 0.05 * k if i == 0 else None)
+                  for i in range(30)]
+    trace += [Call("b", 0, "m2", 100, 10, 0.0, 3.0)]
+    bounded = replay(trace, get_policy("composite"), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+    fixed = replay(trace, dataclasses.replace(get_policy("composite"), switches_per_slot=None), TOY_HW, TOY_SHAPES,
+                   seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+    b_done = [{(r.session, r.turn): r.done_s for r in res.records}[("b", 0)] for res in (bounded, fixed)]
+    assert b_done[0] < 10.0 < 20.0 < b_done[1]
