@@ -28,6 +28,3 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, tp: int | None = None
     grid = np.asarray(devices, dtype=object).reshape(ep, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
-
-def mesh_size(mesh: Mesh, axis: str) -> int:
-    return mesh.shape.get(axis, 1)

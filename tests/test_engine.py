@@ -139,7 +139,7 @@ def test_seeded_request_same_alone_and_in_batch(dense1):
 
 def test_bad_requests_are_rejected_and_engine_keeps_going(dense1):
     eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=64))
-    ok = eng.add_request([1, 2, 3], GREEDY)
+    eng.add_request([1, 2, 3], GREEDY)
     with pytest.raises(RequestError, match="context limit of 64"):
         eng.add_request(list(range(60)), GREEDY)
     with pytest.raises(RequestError, match=r"prompt token 1 is 9999, outside the vocabulary \[0, 512\)"):

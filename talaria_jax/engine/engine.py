@@ -134,7 +134,9 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queues a request; bad input raises RequestError/SamplingError and changes nothing.
         A string prompt is encoded without BOS (prepend it yourself if the model wants one)."""
-        req = self._make_request(prompt, params, request_id)
+        return self._enqueue(self._make_request(prompt, params, request_id))
+
+    def _enqueue(self, req: _Request) -> str:
         self.requests[req.id] = req
         self.waiting.append(req)
         return req.id
@@ -291,9 +293,8 @@ class Engine:
             self.stats.finished += 1
 
     def _output(self, req: _Request, new: list[int] | None = None) -> RequestOutput:
-        stops = set(req.params.stop_token_ids) | (set(self.cfg.eos_ids) if not req.params.ignore_eos else set())
-        text_ids = req.output[:-1] if req.finish_reason == "stop" and req.output and req.output[-1] in stops \
-            else req.output
+        # "stop" is only ever set by a stop or EOS token, which the text leaves out.
+        text_ids = req.output[:-1] if req.finish_reason == "stop" else req.output
         return RequestOutput(req.id, list(req.prompt), list(req.output), self.tokenizer.decode(text_ids),
                              list(req.logprobs), list(req.top_logprobs), req.finish_reason, list(new or []))
 
@@ -312,8 +313,7 @@ class Engine:
             except ValueError as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         for req in reqs:
-            self.requests[req.id] = req
-            self.waiting.append(req)
+            self._enqueue(req)
         ours = {r.id for r in reqs}
         with tqdm(total=len(reqs), desc="generate", disable=not progress or len(reqs) < 2, leave=False) as bar:
             while any(not r.finish_reason for r in reqs) and self.has_unfinished():
