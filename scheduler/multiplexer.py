@@ -42,24 +42,27 @@ class RoundMultiplexer:
         self.slot: Slot | None = None
         self.last_model: str | None = None
 
-    def next_model(self, demand: set[str]) -> str | None:
+    def next_model(self, demand: set[str], priority: dict[str, float] | None = None) -> str | None:
         """The first model after the last slot's model, in round order, that has demand; the last
-        slot's own model comes last (it gets another slot only when no other model waits)."""
+        slot's own model comes last (it gets another slot only when no other model waits). With
+        `priority` (model -> weight) the model of highest weight goes first, ties in that order."""
         if not demand:
             return None
         start = self.order.index(self.last_model) + 1 if self.last_model in self.order else 0
-        for k in range(len(self.order)):
-            m = self.order[(start + k) % len(self.order)]
-            if m in demand:
-                return m
-        return None
+        ring = [self.order[(start + k) % len(self.order)] for k in range(len(self.order))]
+        cands = [m for m in ring if m in demand]
+        if not cands:
+            return None
+        if priority:
+            return max(cands, key=lambda m: priority.get(m, 0.0))  # max keeps the first of equals
+        return cands[0]
 
-    def after(self, model: str, demand: set[str]) -> str | None:
+    def after(self, model: str, demand: set[str], priority: dict[str, float] | None = None) -> str | None:
         """The model whose slot would follow `model`'s, given demand (for staging ahead)."""
         saved = self.last_model
         self.last_model = model
         try:
-            nxt = self.next_model(demand - {model})
+            nxt = self.next_model(demand - {model}, priority)
         finally:
             self.last_model = saved
         return nxt

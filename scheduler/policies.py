@@ -5,6 +5,8 @@ D2D staging are off (reservations stay on but, without SP, can only order admiss
 they share the serverless multiplexer (continuous batching, switch on demand with the same slot
 quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
 time-to-live and host KV offload.
+`talaria-popular-first` is talaria with the next slot given to the model with the most unfinished
+sessions (a variant for short-tool-time workloads, not the default).
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ class PolicyConfig:
     name: str
     router: str = "talaria"  # talaria | load | sticky | kv
     multiplexer: str = "round"  # round (slots in a fixed model order) | on_demand (serverless)
+    # round only: which waiting model gets the next slot. round_robin: the next in a fixed order;
+    # most_sessions: the one with the most unfinished sessions on the instance (ties in round order),
+    # which finishes the popular model's sessions first and the others later
+    slot_order: str = "round_robin"
     sp: bool = True  # session-prefill: admit continuations before the active slot closes
     host_kv: bool = True  # keep session KV restorable from host memory across switches
     staging: bool = True  # stage the next model into a device staging area; D2D at the switch
@@ -56,6 +62,8 @@ class PolicyConfig:
     def __post_init__(self):
         if self.router not in ("talaria", "load", "sticky", "kv"):
             raise ValueError(f"policy {self.name}: router={self.router!r} not in talaria|load|sticky|kv")
+        if self.slot_order not in ("round_robin", "most_sessions"):
+            raise ValueError(f"policy {self.name}: slot_order={self.slot_order!r} not in round_robin|most_sessions")
         if self.multiplexer not in ("round", "on_demand"):
             raise ValueError(f"policy {self.name}: multiplexer={self.multiplexer!r} not in round|on_demand")
         if self.slot_s <= 0:
@@ -84,6 +92,10 @@ POLICIES: dict[str, PolicyConfig] = {
     "talaria-no-hostkv": PolicyConfig("talaria-no-hostkv", host_kv=False),
     "talaria-no-staging": PolicyConfig("talaria-no-staging", staging=False),
     "talaria-no-reservations": PolicyConfig("talaria-no-reservations", reservations=False),
+    # a variant, not the default: slots go to the model with the most unfinished sessions, 60 s long
+    # (configs/traces/README.md: it wins when tool time is short and loses on the default trace)
+    "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,
+                                          switches_per_slot=None),
 }
 
 DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",

@@ -76,6 +76,19 @@ class Scheduler:
     def demand(self, inst: InstanceAPI) -> set[str]:
         return {c.model for _, c in self.state[inst.name].pending}
 
+    def slot_priority(self, inst: InstanceAPI) -> dict[str, float] | None:
+        """Under ``slot_order="most_sessions"``: per model, the unfinished sessions this instance
+        knows (a call pending here, or its last call served here); None for round-robin order."""
+        if self.policy.slot_order != "most_sessions":
+            return None
+        sids = {c.session for _, c in self.state[inst.name].pending}
+        sids |= {s.id for s in self.sessions if s.last_instance == inst.name and not s.done}
+        out: dict[str, float] = {}
+        for sid in sids:
+            m = self.sessions[sid].model
+            out[m] = out.get(m, 0.0) + 1.0
+        return out
+
     def _admit(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float,
                continuations_only: bool = False) -> int:
         """Admits pending calls of `model` in arrival order while they fit; returns how many."""
@@ -106,7 +119,7 @@ class Scheduler:
 
     def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str) -> None:
         """Stages the model whose slot follows `model`'s (when staging is on)."""
-        nxt = st.mux.after(model, self.demand(inst))
+        nxt = st.mux.after(model, self.demand(inst), self.slot_priority(inst))
         if nxt is not None and self.policy.staging:
             inst.stage_model(nxt)
 
@@ -144,14 +157,14 @@ class Scheduler:
             if p.reservations and p.sp and now < slot.deadline_s:
                 # keep the slot for a reserved session's likely return, but (ski rental) never longer
                 # than switching away and back would cost
-                nxt = st.mux.after(m, demand)
+                nxt = st.mux.after(m, demand, self.slot_priority(inst))
                 hold = min(p.hold_s, 2.0 * inst.estimate_switch_s(nxt)) if nxt is not None else p.hold_s
                 holds = [r.start_s + hold for r in st.budget.live_for(m, now)]
                 until = min(max(holds, default=now), slot.deadline_s)
                 if until > now:
                     return until
             mux.close()
-        nxt = mux.next_model(self.demand(inst))
+        nxt = mux.next_model(self.demand(inst), self.slot_priority(inst))
         if nxt is None:
             return None
         if inst.active_model() == nxt:

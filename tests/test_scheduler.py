@@ -163,6 +163,28 @@ def test_round_multiplexer_order():
     assert mux.after("m3", {"m1", "m2", "m3"}) == "m1" and mux.last_model == "m2"
 
 
+def test_round_multiplexer_priority_order():
+    mux = RoundMultiplexer(("m1", "m2", "m3"), slot_s=5.0)
+    mux.open("m2", 0.0)
+    # ring after m2 is m3, m1, m2: the highest weight wins, equals in ring order
+    assert mux.next_model({"m1", "m2", "m3"}, {"m1": 1, "m2": 3, "m3": 3}) == "m3"
+    assert mux.next_model({"m1", "m2"}, {"m1": 1, "m2": 5}) == "m2"  # a busier model keeps the next slot
+    assert mux.next_model({"m1", "m3"}, {}) == "m3"  # no weights: round order
+    assert mux.after("m3", {"m1", "m2", "m3"}, {"m2": 2}) == "m2"
+
+
+def test_popular_first_serves_the_model_with_most_sessions_first():
+    # one session of m1 starts first; then one of m2; then two of m3
+    calls = [Call("x", 0, "m1", 1000, 10, 0.0, 0.0), Call("x", 1, "m1", 1100, 10, 0.0),
+             Call("y", 0, "m2", 1000, 10, 0.0, 0.01), Call("z1", 0, "m3", 1000, 10, 0.0, 0.02),
+             Call("z2", 0, "m3", 1000, 10, 0.0, 0.03)]
+    logs = {}
+    for name in ("talaria", "talaria-popular-first"):
+        res = replay(calls, get_policy(name), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+        logs[name] = [m for _, m, _ in res.instances[0].stats.switch_log]
+    assert logs == {"talaria": ["m1", "m2", "m3"], "talaria-popular-first": ["m1", "m3", "m2"]}
+
+
 def test_round_replay_visits_models_in_order():
     calls = [Call("a", 0, "m1", 1000, 10, 0.0, 0.02), Call("b", 0, "m2", 1000, 10, 0.0, 0.03),
              Call("c", 0, "m3", 1000, 10, 0.0, 0.0), Call("c", 1, "m3", 1100, 10, 0.0)]

@@ -5,9 +5,13 @@
 
 Prints one row per policy (seed-averaged): p50 / p95 / mean session completion time, calls/s,
 model switches, KV tokens restored from host vs recomputed; then talaria's ratio to each policy.
+A last row gives the per-session floor no policy can beat (``talaria_jax.sim.bounds``: tool time
+plus each call alone on an idle instance), and the last column each policy's SCT over that floor:
+the largest speed-up over that policy any scheduler could show on this trace.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -17,7 +21,9 @@ import numpy as np
 from absl import app, flags
 
 from talaria_jax.scheduler.policies import DEFAULT_POLICIES, get_policy
+from talaria_jax.sim.bounds import sct_floor_s
 from talaria_jax.sim.cluster import replay
+from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware, load_models
 from talaria_jax.sim.traces import read_jsonl
 
@@ -27,6 +33,7 @@ flags.DEFINE_string("hardware", "h200x8", "Hardware config: a name under configs
 flags.DEFINE_string("models_table", str(CONFIG_ROOT / "hardware" / "models.yaml"), "Served model variants (a configs/models config + a precision) for the cost model.")
 flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "Policies to replay (talaria, round, load, sticky, composite, talaria-no-*).")
 flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds (run-to-run kernel and tool-time jitter).")
+flags.DEFINE_float("tool_gap_scale", 1.0, "Multiply every tool gap of the trace by this (>= 0): how the ratios depend on tool time.")
 flags.DEFINE_integer("servers", 1, "Servers, one TP instance each; every server can host every model.")
 flags.DEFINE_string("json_out", "", "Write the results as JSON here.")
 flags.DEFINE_string("plot", "", "Write an SCT CDF per policy (PNG) here; needs matplotlib.")
@@ -48,13 +55,19 @@ def _parse_seeds(raw: Sequence[str]) -> list[int]:
 
 
 def run_replay(trace: str, hardware: str, policies: Sequence[str], seeds: Sequence[int], servers: int = 1,
-               models_table: str | None = None) -> dict:
+               models_table: str | None = None, tool_gap_scale: float = 1.0) -> dict:
     """Replays every policy for every seed; returns the JSON-ready results (seed-averaged figures
-    per policy, per-seed figures and every session's SCT)."""
+    per policy, per-seed figures and every session's SCT). `tool_gap_scale` multiplies every tool gap."""
+    if not tool_gap_scale >= 0:
+        raise ValueError(f"tool_gap_scale={tool_gap_scale} must be >= 0")
     calls = read_jsonl(trace)
+    if tool_gap_scale != 1.0:
+        calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * tool_gap_scale) for c in calls]
     hw = load_hardware(hardware)
     shapes = load_models(models_table) if models_table else load_models()
-    out: dict = {"trace": str(trace), "hardware": hw.name, "servers": servers, "seeds": list(seeds), "policies": {}}
+    out: dict = {"trace": str(trace), "hardware": hw.name, "servers": servers, "seeds": list(seeds),
+                 "tool_gap_scale": tool_gap_scale, "policies": {}}
+    floors: dict[int, np.ndarray] = {}  # seed -> per-session floors (tool time is common to all policies)
     for name in policies:
         pol = get_policy(name)
         per_seed, scts = [], []
@@ -62,12 +75,21 @@ def run_replay(trace: str, hardware: str, policies: Sequence[str], seeds: Sequen
             r = replay(calls, pol, hw, shapes, servers=servers, seed=seed)
             per_seed.append(r.summary())
             scts.append(sorted(r.sct_s.values()))
+            if seed not in floors:
+                floors[seed] = np.array(sorted(sct_floor_s(calls, CostModel(hw), shapes, r.tool_s).values()))
         agg = {k: float(np.mean([s[k] for s in per_seed])) for k in _AGG_KEYS}
         agg["sct_p50_s_range"] = [min(s["sct_p50_s"] for s in per_seed), max(s["sct_p50_s"] for s in per_seed)]
         agg["sct_p95_s_range"] = [min(s["sct_p95_s"] for s in per_seed), max(s["sct_p95_s"] for s in per_seed)]
         agg["per_seed"] = per_seed
         agg["sct_s"] = scts
         out["policies"][name] = agg
+    if floors:
+        out["floor"] = {k: float(np.mean([np.quantile(f, q) for f in floors.values()]))
+                        for k, q in (("sct_p50_s", 0.5), ("sct_p95_s", 0.95))}
+        out["floor"]["sct_mean_s"] = float(np.mean([f.mean() for f in floors.values()]))
+        out["speedup_ceiling"] = {n: {"p50": v["sct_p50_s"] / out["floor"]["sct_p50_s"],
+                                      "p95": v["sct_p95_s"] / out["floor"]["sct_p95_s"]}
+                                  for n, v in out["policies"].items()}
     if "talaria" in out["policies"]:
         t = out["policies"]["talaria"]
         out["talaria_speedup"] = {n: {"p50": v["sct_p50_s"] / t["sct_p50_s"], "p95": v["sct_p95_s"] / t["sct_p95_s"]}
@@ -77,17 +99,23 @@ def run_replay(trace: str, hardware: str, policies: Sequence[str], seeds: Sequen
 
 def format_table(res: dict) -> str:
     """A markdown table, one row per policy, plus talaria's speed-up over each."""
+    scale = res.get("tool_gap_scale", 1.0)
     lines = [f"trace `{pathlib.Path(res['trace']).name}`, hardware `{res['hardware']}`, servers {res['servers']}, "
-             f"seeds {','.join(map(str, res['seeds']))} (figures are means over seeds)", "",
+             f"seeds {','.join(map(str, res['seeds']))}" + (f", tool gaps x{scale:g}" if scale != 1.0 else "")
+             + " (figures are means over seeds)", "",
              "| policy | SCT p50 (s) | SCT p95 (s) | SCT mean (s) | calls/s | switches | KV restored from host (Mtok) "
-             "| prefix recomputed (Mtok) | talaria speed-up p50 / p95 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    sp = res.get("talaria_speedup", {})
+             "| prefix recomputed (Mtok) | talaria speed-up p50 / p95 | speed-up ceiling p50 / p95 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    sp, ceil = res.get("talaria_speedup", {}), res.get("speedup_ceiling", {})
+    pair = lambda d, n: f"{d[n]['p50']:.2f}x / {d[n]['p95']:.2f}x" if n in d else "-"
     for name, v in res["policies"].items():
-        ratio = f"{sp[name]['p50']:.2f}x / {sp[name]['p95']:.2f}x" if name in sp else "-"
         lines.append(f"| {name} | {v['sct_p50_s']:.0f} | {v['sct_p95_s']:.0f} | {v['sct_mean_s']:.0f} | "
                      f"{v['calls_per_s']:.2f} | {v['model_switches']:.0f} | {v['kv_restored_tokens'] / 1e6:.1f} | "
-                     f"{v['kv_recomputed_tokens'] / 1e6:.1f} | {ratio} |")
+                     f"{v['kv_recomputed_tokens'] / 1e6:.1f} | {pair(sp, name)} | {pair(ceil, name)} |")
+    if "floor" in res:
+        f = res["floor"]
+        lines.append(f"| floor (any policy) | {f['sct_p50_s']:.0f} | {f['sct_p95_s']:.0f} | {f['sct_mean_s']:.0f} "
+                     f"| | | | | | |")
     return "\n".join(lines)
 
 
@@ -115,13 +143,15 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.servers < 1:
         raise app.UsageError(f"--servers={FLAGS.servers} must be >= 1")
+    if not FLAGS.tool_gap_scale >= 0:
+        raise app.UsageError(f"--tool_gap_scale={FLAGS.tool_gap_scale} must be >= 0")
     for p in FLAGS.policies:
         try:
             get_policy(p)
         except ValueError as e:
             raise app.UsageError(f"--policies: {e}") from None
     res = run_replay(FLAGS.trace, FLAGS.hardware, FLAGS.policies, _parse_seeds(FLAGS.seeds), FLAGS.servers,
-                     FLAGS.models_table)
+                     FLAGS.models_table, FLAGS.tool_gap_scale)
     print(format_table(res))
     if FLAGS.json_out:
         pathlib.Path(FLAGS.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ class ReplayResult:
     policy: str
     seed: int
     sct_s: dict[str, float]  # session -> completion time (last call done - session start)
+    tool_s: dict[str, float]  # session -> tool time it saw (its gaps times this seed's jitter)
     records: list[CallRecord]
     makespan_s: float
     instances: list[SimInstance]
@@ -57,6 +58,26 @@ class ReplayResult:
         }
 
 
+def tool_gap_factors(calls: Sequence[Call], seed: int, sigma: float) -> dict[tuple[str, int], float]:
+    """Tool-time jitter, drawn per call in trace order before the replay: every policy replayed with
+    the same seed sees the same tool time after each call (common random numbers), so policy
+    differences are not draws assigned by completion order."""
+    if not sigma:
+        return {}
+    rng = np.random.default_rng(seed)
+    return dict(zip((c.key for c in calls), np.exp(rng.normal(0.0, sigma, len(calls))).tolist()))
+
+
+def session_tool_s(calls: Sequence[Call], factors: dict[tuple[str, int], float]) -> dict[str, float]:
+    """Per session, the tool time between its calls (the last call's gap is never waited)."""
+    last = {c.session: c.turn for c in calls}
+    out = {c.session: 0.0 for c in calls}
+    for c in calls:
+        if c.turn != last[c.session]:
+            out[c.session] += c.tool_gap_s * factors.get(c.key, 1.0)
+    return out
+
+
 def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shapes: dict[str, ModelShape], *,
            servers: int = 1, seed: int = 0, jitter_sigma: float = 0.05, gap_jitter_sigma: float = 0.1,
            max_chunk_s: float = 0.25) -> ReplayResult:
@@ -74,12 +95,7 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
     for s in sessions:
         for a, b in zip(s.calls, s.calls[1:]):
             prefix[b.key] = a.context_after
-    # tool-time jitter is drawn per call, in trace order, before the replay: every policy replayed
-    # with the same seed sees the same tool time after each call (common random numbers), so policy
-    # differences are not draws assigned by completion order
-    rng = np.random.default_rng(seed)
-    gap_factor = dict(zip((c.key for c in calls), np.exp(rng.normal(0.0, gap_jitter_sigma, len(calls))))) \
-        if gap_jitter_sigma else {}
+    gap_factor = tool_gap_factors(calls, seed, gap_jitter_sigma)
     insts = [SimInstance(f"i{k}", hw, shapes, models, host_kv=policy.host_kv, staging=policy.staging,
                          drop_kv_on_switch=policy.drop_kv_on_switch, reusable_prefix=lambda c: prefix.get(c.key, 0),
                          jitter_sigma=jitter_sigma, rng=np.random.default_rng([seed, k]))
@@ -106,7 +122,7 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
                 nxt = sessions.complete(c, inst.name, now)
                 sched.on_finish(c, inst, now)
                 if nxt is not None:
-                    gap = c.tool_gap_s * float(gap_factor.get(c.key, 1.0))
+                    gap = c.tool_gap_s * gap_factor.get(c.key, 1.0)
                     heapq.heappush(heap, (now + gap, next(seq), _ARRIVAL, nxt))
         # _WAKE carries nothing: it only makes the planning below run at that time
         for inst in insts:
@@ -127,4 +143,4 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
         raise RuntimeError(f"policy {policy.name}: sessions never finished: {unfinished[:5]} (scheduler stalled)")
     sct = {s.id: s.finished_s - s.arrived_s for s in sessions}
     start = min(s.arrived_s for s in sessions)
-    return ReplayResult(policy.name, seed, sct, records, now - start, insts)
+    return ReplayResult(policy.name, seed, sct, session_tool_s(calls, gap_factor), records, now - start, insts)
