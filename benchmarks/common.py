@@ -29,3 +29,20 @@ def decode_with_synthetic_prefix(engine, batch: int, context: int, steps: int, v
     dt = time.perf_counter() - t
     assert all(len(r.output) == steps + warmup for r in engine.running), "a sequence finished early"
     return batch * steps / dt
+
+
+def hf_config(hidden: int, layers: int) -> dict:
+    return dict(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 256 * 256 or 256,
+                num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192),
+                head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def save_random_llama(path: str, config: dict) -> int:
+    """Saves a randomly initialised fp32 HF Llama with `config` as safetensors; returns its parameter count."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).float().eval()
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())

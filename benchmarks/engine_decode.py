@@ -50,12 +50,6 @@ def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def hf_config(hidden: int, layers: int) -> dict:
-    return dict(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 256 * 256 or 256,
-                num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192),
-                head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
-
-
 def bench_ours(path, batch: int, ctx: int, steps: int) -> float:
     import jax
 
@@ -105,17 +99,12 @@ def main(argv):
 
     points = [(int(b), int(c)) for c in _CONTEXTS.value for b in _BATCHES.value]
     bw = copy_bandwidth()
-    hf = hf_config(_HIDDEN.value, _LAYERS.value)
+    hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         import torch
-        import transformers
 
-        torch.manual_seed(0)
-        hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).float().eval()
-        hf_model.save_pretrained(tmp)
-        n_params = sum(p.numel() for p in hf_model.parameters())
-        del hf_model
+        n_params = common.save_random_llama(tmp, hf)
         kv_per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 4
         print(f"model: {n_params / 1e6:.0f}M params fp32, KV {kv_per_token} B/token; copy bandwidth {bw / 1e9:.1f} GB/s; "
               f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cpus")

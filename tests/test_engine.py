@@ -31,10 +31,10 @@ def reference(dense1):
     return greedy_generate(dense1, prompts(), GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("page_size,chunk,ppb", [(4, 16, 2), (16, 64, 1), (8, 32, 4)])
-def test_greedy_matches_full_forward(dense1, reference, page_size, chunk, ppb):
+@pytest.mark.parametrize("page_size,chunk,ppb,tile", [(4, 16, 2, 4), (16, 64, 1, 16), (8, 32, 4, 1), (8, 32, 2, 5)])
+def test_greedy_matches_full_forward(dense1, reference, page_size, chunk, ppb, tile):
     eng = Engine(dense1, EngineConfig(page_size=page_size, max_seqs=4, max_tokens_per_step=chunk, max_model_len=128,
-                                      pages_per_block=ppb))
+                                      pages_per_block=ppb, query_tile=tile))
     outs = eng.generate(prompts(), GREEDY, progress=False)
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" for o in outs)
@@ -83,13 +83,11 @@ def test_pool_buffers_stable_and_donation_usable():
 
 
 def test_steady_workload_no_recompiles(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128))
-    for n in eng.runner.buckets:  # warm-up: one step of every token bucket
-        eng.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=1, ignore_eos=True))
-        while eng.has_unfinished():
-            eng.step()
+    eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128,
+                                      query_tile=8))
+    eng.runner.warmup(progress=False)  # every step shape: 7 token buckets, plus tiles of 8 from 16 tokens
     warm = eng.runner.compilations
-    assert warm == len(eng.runner.buckets)
+    assert warm == len(eng.runner.step_shapes()) > len(eng.runner.buckets)
     _steady(eng, 200, np.random.RandomState(1))
     assert eng.runner.compilations == warm
 

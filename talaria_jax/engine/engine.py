@@ -44,10 +44,11 @@ class EngineConfig:
     max_tokens_per_step: int = 256       # token budget per step (prefill chunk size bound)
     max_model_len: int = 2048
     pages_per_block: int = 4            # attention block width in pages (4 x 16 tokens was fastest on CPU)
+    query_tile: int = 16                # prefill tokens of one sequence that share each page-block read
     seed: int = 0                         # seeds requests that carry no seed of their own (stable across runs)
 
     def validate(self) -> None:
-        for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block"):
+        for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block", "query_tile"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
@@ -122,7 +123,8 @@ class Engine:
                                    memory_bytes_per_device=config.kv_memory_bytes_per_device)
         self.allocator = PageAllocator(self.pool_spec.num_pages)
         self.runner = Runner(model, self.pool_spec, max_seqs=config.max_seqs, max_pages_per_seq=max_pages_per_seq,
-                             max_tokens_per_step=config.max_tokens_per_step, pages_per_block=config.pages_per_block)
+                             max_tokens_per_step=config.max_tokens_per_step, pages_per_block=config.pages_per_block,
+                             query_tile=config.query_tile)
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.requests: dict[str, _Request] = {}  # in flight; finished ones leave once reported

@@ -1,9 +1,12 @@
 """Ragged attention over a paged KV pool, plain jnp (the reference every kernel is tested against).
 
-Queries are flat: token t belongs to sequence seq[t] at position pos[t], and attends to that
-sequence's keys at positions <= pos[t] (within the sliding window, if any). Keys are read page
-block by page block with an online softmax, so memory stays O(tokens x block) whatever the
-context length, and the loop runs only as many blocks as the longest sequence in the step needs.
+Queries are flat: token t sits at position pos[t] of its sequence and attends to that sequence's
+keys at positions <= pos[t] (within the sliding window, if any). The tokens are grouped in query
+tiles: tile n holds up to `tile` consecutive tokens of one sequence (row tile_seq[n] of the page
+tables), so each page block is gathered once per tile rather than once per token: a prefill chunk
+of 512 tokens in tiles of 16 reads its context 32 times, not 512. Decode steps use tiles of one.
+Keys are read page block by page block with an online softmax, so memory stays O(tiles x block)
+whatever the context length, and the loop runs only as many blocks as the longest sequence needs.
 """
 from __future__ import annotations
 
@@ -22,37 +25,47 @@ def write_kv(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array, s
 
 
 def ragged_paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_tables: jax.Array,
-                           seq: jax.Array, pos: jax.Array, num_blocks: jax.Array, pages_per_block: int,
-                           window: int = 0) -> jax.Array:
+                           pos: jax.Array, tile_tok: jax.Array, tile_seq: jax.Array, tok_slot: jax.Array,
+                           num_blocks: jax.Array, pages_per_block: int, window: int = 0) -> jax.Array:
     """q: [T, H, D]; pools: [P, page_size, KV, D]; page_tables: [B, MP] (MP a multiple of pages_per_block);
-    seq, pos: [T]; num_blocks: scalar, blocks of pages to visit. Returns [T, H, D]."""
+    pos: [T]; tile_tok: [NT, Q], the token in each tile slot (T for an empty slot); tile_seq: [NT];
+    tok_slot: [T], each token's flat tile slot (NT x Q for a padding token, whose output is zero);
+    num_blocks: scalar, blocks of pages to visit. Returns [T, H, D]."""
     t, h, d = q.shape
+    nt, qt = tile_tok.shape
     _, ps, kvh, _ = pool_k.shape
     g = h // kvh
     blk = pages_per_block * ps
-    qg = q.reshape(t, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
-    tok_pages = page_tables[seq]  # [T, MP]
+    q_pad = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])
+    pos_pad = jnp.concatenate([pos, jnp.full((1,), -1, pos.dtype)])  # an empty slot sees no key
+    # [NT, KV, Q*G, D]: a tile's queries of one kv head form one matrix against the block's keys
+    qg = q_pad[tile_tok].reshape(nt, qt, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(nt, kvh, qt * g, d)
+    qg = qg.astype(jnp.float32) * (d ** -0.5)
+    qpos = pos_pad[tile_tok]  # [NT, Q]
+    tile_pages = page_tables[tile_seq]  # [NT, MP]
 
     def body(i, carry):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tok_pages, i * pages_per_block, pages_per_block, axis=1)
-        kb = pool_k[pages].reshape(t, blk, kvh, d).astype(jnp.float32)
-        vb = pool_v[pages].reshape(t, blk, kvh, d).astype(jnp.float32)
+        pages = jax.lax.dynamic_slice_in_dim(tile_pages, i * pages_per_block, pages_per_block, axis=1)
+        kb = pool_k[pages].reshape(nt, blk, kvh, d).astype(jnp.float32)
+        vb = pool_v[pages].reshape(nt, blk, kvh, d).astype(jnp.float32)
         key_pos = i * blk + jnp.arange(blk)
-        mask = key_pos[None, :] <= pos[:, None]
+        mask = key_pos[None, None, :] <= qpos[:, :, None]  # [NT, Q, blk]
         if window:
-            mask &= pos[:, None] - key_pos[None, :] < window
-        s = jnp.einsum("tkgd,tskd->tkgs", qg, kb)
-        s = jnp.where(mask[:, None, None, :], s, _NEG)
+            mask &= qpos[:, :, None] - key_pos[None, None, :] < window
+        s = jnp.einsum("nkmd,nskd->nkms", qg, kb).reshape(nt, kvh, qt, g, blk)
+        s = jnp.where(mask[:, None, :, None, :], s, _NEG).reshape(nt, kvh, qt * g, blk)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, vb)
+        acc = acc * corr[..., None] + jnp.einsum("nkms,nskd->nkmd", p, vb)
         return m_new, l, acc
 
-    init = (jnp.full((t, kvh, g), _NEG, jnp.float32), jnp.zeros((t, kvh, g), jnp.float32),
-            jnp.zeros((t, kvh, g, d), jnp.float32))
+    init = (jnp.full((nt, kvh, qt * g), _NEG, jnp.float32), jnp.zeros((nt, kvh, qt * g), jnp.float32),
+            jnp.zeros((nt, kvh, qt * g, d), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
-    return out.reshape(t, h, d).astype(q.dtype)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [NT, KV, Q*G, D]
+    out = out.reshape(nt, kvh, qt, g, d).transpose(0, 2, 1, 3, 4).reshape(nt * qt, h, d)
+    out = jnp.concatenate([out, jnp.zeros((1, h, d), out.dtype)])[tok_slot]
+    return out.astype(q.dtype)

@@ -4,7 +4,10 @@ A step takes a flat batch of tokens in which each sequence contributes some quer
 prefill chunk, one decode token, later k draft tokens), writes their K/V into the pool, attends
 over each sequence's pages, and samples at the rows asked for. The pool is donated into the step
 and re-bound from its output, so its device buffers keep their addresses. Token counts are padded
-to a few buckets; `compilations` counts traces, so a steady workload can be checked to add none.
+to a few buckets, and a step with a prefill chunk groups its query tokens in tiles of one sequence
+(`query_tile`, a few tile counts per bucket) so the chunk reads its context once per tile, not once
+per token. `step_shapes()` lists every shape, `warmup()` compiles them, and `compilations` counts
+traces, so a steady workload can be checked to add none.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ class StepBatch:
     slots: np.ndarray        # i32 [T], flat KV slot to write; num_slots for padding (dropped)
     page_tables: np.ndarray  # i32 [B, MP]
     num_blocks: int          # page blocks the longest sequence needs
+    num_tokens: int          # real tokens (the rest is padding); each sequence's tokens are consecutive
     logits_idx: np.ndarray   # i32 [R], token index whose logits each sampling row uses
     sampling: SamplingBatch
 
@@ -43,6 +47,35 @@ class StepOutput:
     logits: jax.Array        # f32 [R, V], left on device (fetch only when needed: a verifier, a test)
 
 
+def seq_runs(seq: np.ndarray, num_tokens: int) -> list[tuple[int, int, int]]:
+    """(page-table row, first token, end) of each run of consecutive tokens of one sequence."""
+    if num_tokens == 0:
+        return []
+    s = seq[:num_tokens]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    return [(int(s[a]), int(a), int(e)) for a, e in zip(starts, np.r_[starts[1:], num_tokens])]
+
+
+def query_tiles(runs: list[tuple[int, int, int]], num_positions: int, tile: int, num_tiles: int):
+    """Splits each run into tiles of at most `tile` tokens. Returns tile_tok [num_tiles, tile] (token
+    index; num_positions marks an empty slot), tile_seq [num_tiles] and tok_slot [num_positions] (each
+    token's flat tile slot; num_tiles x tile for padding). ValueError when more tiles are needed."""
+    tile_tok = np.full((num_tiles, tile), num_positions, np.int32)
+    tile_seq = np.zeros(num_tiles, np.int32)
+    tok_slot = np.full(num_positions, num_tiles * tile, np.int32)
+    n = 0
+    for row, a, end in runs:
+        for b in range(a, end, tile):
+            if n == num_tiles:
+                raise ValueError(f"the step's tokens need more than {num_tiles} query tiles of {tile}")
+            e = min(end, b + tile)
+            tile_tok[n, :e - b] = np.arange(b, e)
+            tile_seq[n] = row
+            tok_slot[b:e] = n * tile + np.arange(e - b)
+            n += 1
+    return tile_tok, tile_seq, tok_slot
+
+
 def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from `smallest` up to (and including) max_tokens."""
     out, b = [], smallest
@@ -54,11 +87,12 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
 
 class Runner:
     def __init__(self, model: ShardedModel, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
-                 max_tokens_per_step: int, pages_per_block: int = 4):
+                 max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16):
         self.model = model
         self.spec = spec
         self.max_seqs = max_seqs
         self.pages_per_block = pages_per_block
+        self.query_tile = query_tile
         # Page-table width: whole blocks, so the attention loop's dynamic slices never run past it.
         self.table_width = -(-max_pages_per_seq // pages_per_block) * pages_per_block
         self.buckets = token_buckets(max_tokens_per_step)
@@ -78,8 +112,43 @@ class Runner:
                 return b
         raise ValueError(f"{n} tokens exceed the step budget {self.buckets[-1]}")
 
-    def _step_fn(self, graphdef, params, kv, tokens, positions, seq, slots, page_tables, num_blocks, logits_idx,
-                 temperature, top_k, top_p, seed, step):
+    def _tile_counts(self, t: int) -> tuple[int, ...]:
+        """Tile counts a step of bucket `t` may use with tiles of `query_tile` tokens: T/Q (one chunk),
+        2T/Q (chunks ending mid-tile) and T/Q plus one tile per sequence (chunks beside decode tokens,
+        one tile each), only those below T: a tile costs a page-block read whether it is full or not,
+        so more tiles than tokens would read more than tiles of one token do. Steps under two tiles'
+        worth keep tiles of one (their mostly empty tiles would multiply the attention FLOPs)."""
+        q = self.query_tile
+        if q == 1 or t < 2 * q:
+            return ()
+        return tuple(sorted(n for n in {t // q, 2 * (t // q), t // q + min(t, self.max_seqs)} if 0 < n < t))
+
+    def step_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (tokens, tile, tiles) shape a step can take: what `warmup` compiles."""
+        return [s for t in self.buckets for s in [(t, 1, t)] + [(t, self.query_tile, n) for n in self._tile_counts(t)]]
+
+    def tiling(self, b: StepBatch):
+        """Query tiles for a step: tiles of `query_tile` tokens of one sequence when a prefill chunk is in
+        the step and few enough tiles cover it, their count one of `_tile_counts`; else (decode) tiles
+        of one token."""
+        t, q = len(b.tokens), self.query_tile
+        runs = seq_runs(b.seq, b.num_tokens)
+        counts = self._tile_counts(t)
+        need = sum(-(-(e - a) // q) for _, a, e in runs)
+        if not counts or need > counts[-1] or all(e - a == 1 for _, a, e in runs):
+            return query_tiles(runs, t, 1, t)
+        return query_tiles(runs, t, q, next(n for n in counts if n >= need))
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none."""
+        from tqdm.auto import tqdm
+
+        for t, q, n in tqdm(self.step_shapes(), desc="compiling step shapes", disable=not progress):
+            b = self.empty_batch(t)
+            self._run(b, *query_tiles([], t, q, n))
+
+    def _step_fn(self, graphdef, params, kv, tokens, positions, tile_tok, tile_seq, tok_slot, slots, page_tables,
+                 num_blocks, logits_idx, temperature, top_k, top_p, seed, step):
         self.compilations += 1  # runs at trace time only
         model = nnx.merge(graphdef, params)
         cfg = model.cfg
@@ -87,7 +156,8 @@ class Runner:
 
         def attn(layer, q, k, v, kv_state):
             pk, pv = write_kv(*kv_state[layer], k, v, slots)
-            out = ragged_paged_attention(q, pk, pv, page_tables, seq, positions, num_blocks, ppb, cfg.window(layer))
+            out = ragged_paged_attention(q, pk, pv, page_tables, positions, tile_tok, tile_seq, tok_slot, num_blocks,
+                                         ppb, cfg.window(layer))
             return out, kv_state[:layer] + ((pk, pv),) + kv_state[layer + 1:]
 
         h, kv = model.hidden(tokens, positions, attn, kv)
@@ -95,11 +165,14 @@ class Runner:
         return (kv, *sample(logits, temperature, top_k, top_p, seed, step), logits)
 
     def step(self, b: StepBatch) -> StepOutput:
+        return self._run(b, *self.tiling(b))
+
+    def _run(self, b: StepBatch, tile_tok, tile_seq, tok_slot) -> StepOutput:
         s = b.sampling
         with jax.set_mesh(self.model.mesh):
             self.kv, *out = self._step(
-                self.model.graphdef, self.model.state, self.kv, b.tokens, b.positions, b.seq, b.slots,
-                b.page_tables, np.int32(b.num_blocks), b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step)
+                self.model.graphdef, self.model.state, self.kv, b.tokens, b.positions, tile_tok, tile_seq, tok_slot,
+                b.slots, b.page_tables, np.int32(b.num_blocks), b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step)
         toks, lp, top_ids, top_lp = jax.device_get(out[:4])
         return StepOutput(toks, lp, top_ids, top_lp, out[4])
 
@@ -109,5 +182,5 @@ class Runner:
         return StepBatch(
             tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), seq=np.zeros(t, np.int32),
             slots=np.full(t, self.spec.num_slots, np.int32),
-            page_tables=np.zeros((self.max_seqs, self.table_width), np.int32), num_blocks=0,
+            page_tables=np.zeros((self.max_seqs, self.table_width), np.int32), num_blocks=0, num_tokens=num_tokens,
             logits_idx=np.zeros(self.max_seqs, np.int32), sampling=SamplingBatch.empty(self.max_seqs))

@@ -1,0 +1,128 @@
+"""Prefill of a session's next turn: `--chunk` new tokens on top of a cached context, ours vs HF.
+
+An agent session's call prefills its new tokens (the tool's observation) over a long cached prefix.
+One run, same weights on three sides: a ~125M-parameter fp32 Llama (random init, saved as HF
+safetensors and loaded through talaria_jax's loader).
+- ours: the paged engine with query tiles (`EngineConfig.query_tile`, default 16): each page block
+  of the context is gathered once per 16 query tokens of the chunk;
+- ours, tiles of 1: the same engine gathering the context once per query token (the layout before
+  query tiles; what a decode step still uses);
+- HF transformers: one forward of the chunk over a DynamicCache holding `context` random tokens.
+Both of ours start from a synthetic prefix (its pages are held and count as computed) and time the
+one step that prefills the chunk and samples the next token, best of `--reps`.
+
+  .venv/bin/python benchmarks/engine_prefill.py --out=/tmp/engine_prefill.json
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+import common
+
+_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096"], "Cached context lengths (tokens).")
+_CHUNK = flags.DEFINE_integer("chunk", 512, "New tokens prefilled on top of the context.")
+_TILE = flags.DEFINE_integer("query_tile", 16, "Query tile of our tiled side.")
+_PPB = flags.DEFINE_integer("pages_per_block", 4, "EngineConfig.pages_per_block (16-token pages) of both our sides.")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions per point (best is reported).")
+_HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
+_LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
+
+
+def bench_ours(model, ctx: int, chunk: int, tile: int, reps: int) -> float:
+    """Tokens/s of the one step that prefills `chunk` tokens over `ctx` cached ones."""
+    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
+
+    page = 16
+    eng = Engine(model, EngineConfig(page_size=page, max_seqs=1, max_tokens_per_step=chunk, query_tile=tile,
+                                     pages_per_block=_PPB.value,
+                                     max_model_len=-(-(ctx + chunk + 8) // page) * page))
+    rng = np.random.RandomState(0)
+    times = []
+    for _ in range(reps + 1):  # the first compiles
+        rid = eng.add_request(rng.randint(0, model.cfg.vocab_size, ctx + chunk).tolist(),
+                              SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        req = eng.requests[rid]
+        req.seq.grow(eng.allocator, ctx)
+        req.num_computed = ctx
+        eng.waiting.remove(req)
+        eng.running.append(req)
+        t = time.perf_counter()
+        out = eng.step()
+        times.append(time.perf_counter() - t)
+        assert len(out) == 1 and out[0].finished, "the chunk did not fit one step"
+    return chunk / min(times[1:])
+
+
+def bench_hf(model, ctx: int, chunk: int, reps: int) -> float:
+    import torch
+    from transformers import DynamicCache
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    shape = (1, cfg.num_key_value_heads, ctx, cfg.head_dim)
+    kv = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.num_hidden_layers)]
+    ids = torch.randint(0, cfg.vocab_size, (1, chunk), generator=g)
+    times = []
+    for _ in range(reps + 1):
+        cache = DynamicCache(config=cfg)
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k.clone(), v.clone(), layer)
+        pos = torch.arange(ctx, ctx + chunk)[None]
+        t = time.perf_counter()
+        with torch.no_grad():
+            logits = model(ids, past_key_values=cache, position_ids=pos, use_cache=True).logits
+            logits[0, -1].argmax()
+        times.append(time.perf_counter() - t)
+    return chunk / min(times[1:])
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import load_hf_checkpoint
+
+    contexts = [int(c) for c in _CONTEXTS.value]
+    hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], max(contexts) + _CHUNK.value + 64)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = common.save_random_llama(tmp, hf)
+        model = load_hf_checkpoint(tmp, make_mesh(jax.devices()[:1]), progress=False)
+        hf_model = None
+        if not _SKIP_HF.value:
+            import torch
+            import transformers
+
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        print(f"model: {n_params / 1e6:.0f}M params fp32; chunk {_CHUNK.value} tokens")
+        for ctx in contexts:
+            tiled = bench_ours(model, ctx, _CHUNK.value, _TILE.value, _REPS.value)
+            per_token = bench_ours(model, ctx, _CHUNK.value, 1, _REPS.value)
+            theirs = bench_hf(hf_model, ctx, _CHUNK.value, _REPS.value) if hf_model is not None else None
+            rows.append(dict(context=ctx, chunk=_CHUNK.value, ours_tok_s=tiled, ours_tile1_tok_s=per_token,
+                             hf_tok_s=theirs, tiled_over_tile1=tiled / per_token,
+                             ours_over_hf=tiled / theirs if theirs else None))
+            r = rows[-1]
+            print(f"  ctx {ctx:6d}: ours {tiled:8.1f} tok/s  tiles of 1 {per_token:8.1f}  hf {theirs or float('nan'):8.1f}  "
+                  f"tiled/tile1 {r['tiled_over_tile1']:5.2f}  ours/hf {r['ours_over_hf'] or float('nan'):5.2f}", flush=True)
+    print(f"\n| context | chunk | ours tok/s (tiles of {_TILE.value}) | ours tok/s (tiles of 1) | HF tok/s | tiled / tiles of 1 | ours / HF |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['context']} | {r['chunk']} | {r['ours_tok_s']:.0f} | {r['ours_tile1_tok_s']:.0f} | "
+              f"{r['hf_tok_s'] or float('nan'):.0f} | {r['tiled_over_tile1']:.2f} | {r['ours_over_hf'] or float('nan'):.2f} |")
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump(dict(params=n_params, query_tile=_TILE.value, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

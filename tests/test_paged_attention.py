@@ -1,0 +1,52 @@
+"""Query tiles of the paged attention: host-side grouping by hand, and equal outputs for any tile size."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from talaria_jax.engine.paged_attention import ragged_paged_attention
+from talaria_jax.engine.runner import query_tiles, seq_runs
+
+
+def test_query_tiles_by_hand():
+    seq = np.array([0, 0, 0, 0, 0, 2, 1, 1, 0, 0], np.int32)  # 8 real tokens: runs of 5, 1, 2; 2 padding
+    runs = seq_runs(seq, 8)
+    assert runs == [(0, 0, 5), (2, 5, 6), (1, 6, 8)]
+    tile_tok, tile_seq, tok_slot = query_tiles(runs, 10, 2, 6)
+    assert tile_tok.tolist() == [[0, 1], [2, 3], [4, 10], [5, 10], [6, 7], [10, 10]]
+    assert tile_seq.tolist() == [0, 0, 0, 2, 1, 0]
+    assert tok_slot.tolist() == [0, 1, 2, 3, 4, 6, 8, 9, 12, 12]  # padding -> slot 6 x 2, the zero row
+    with pytest.raises(ValueError, match="more than 4 query tiles of 2"):
+        query_tiles(runs, 10, 2, 4)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_any_tile_size_gives_the_same_attention(window):
+    rng = np.random.RandomState(0)
+    pages, ps, kvh, g, d = 12, 4, 2, 2, 8
+    pool_k = jnp.asarray(rng.randn(pages, ps, kvh, d), jnp.float32)
+    pool_v = jnp.asarray(rng.randn(pages, ps, kvh, d), jnp.float32)
+    page_tables = jnp.asarray([[3, 7, 1, 0], [5, 2, 9, 11], [4, 6, 8, 10]], jnp.int32)
+    # seq 1: a 7-token chunk at positions 6..12; seq 0: one decode token at 9; seq 2: 3 tokens at 0..2; 3 padding
+    seq = np.array([1] * 7 + [0] + [2] * 3 + [0] * 3, np.int32)
+    pos = jnp.asarray(list(range(6, 13)) + [9] + [0, 1, 2] + [0] * 3, jnp.int32)
+    q = jnp.asarray(rng.randn(len(seq), kvh * g, d), jnp.float32)
+    runs = seq_runs(seq, 11)
+    outs = []
+    for tile, n in [(1, 14), (3, 6), (4, 5), (7, 3)]:
+        tt, ts, slot = query_tiles(runs, len(seq), tile, n)
+        outs.append(np.asarray(ragged_paged_attention(q, pool_k, pool_v, page_tables, pos, jnp.asarray(tt),
+                                                      jnp.asarray(ts), jnp.asarray(slot), jnp.int32(2), 2, window)))
+    # a direct softmax for one token: seq 1 at position 12 sees keys 0..12 of its pages (5, 2, 9, 11)
+    keys = np.asarray(pool_k)[[5, 2, 9, 11]].reshape(16, kvh, d)[:13]
+    vals = np.asarray(pool_v)[[5, 2, 9, 11]].reshape(16, kvh, d)[:13]
+    if window:
+        keys, vals = keys[13 - window:], vals[13 - window:]
+    qh = np.asarray(q)[6].reshape(kvh, g, d) / np.sqrt(d)
+    s = np.einsum("kgd,skd->kgs", qh, keys)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("kgs,skd->kgd", p / p.sum(-1, keepdims=True), vals).reshape(kvh * g, d)
+    for out in outs:
+        np.testing.assert_allclose(out[:11], outs[0][:11], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[6], want, rtol=1e-5, atol=1e-5)
+        assert np.all(out[11:] == 0)  # padding tokens get zeros
