@@ -6,7 +6,7 @@ they share the serverless multiplexer (continuous batching, switch on demand wit
 quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
 time-to-live and host KV offload.
 `talaria-popular-first` is talaria with the next slot given to the model with the most unfinished
-sessions (a variant for short-tool-time workloads, not the default).
+sessions (a variant for short-tool-time workloads, not the default; it has no starvation bound).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from talaria_jax.sim.traces import read_jsonl
 
 CALLS = read_jsonl(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl")
 HW, SHAPES = load_hardware("h200x8"), load_models()
-TOY = [Call("a", 0, "m1", 1000, 10, 5.0, 0.0), Call("a", 1, "m1", 1500, 10, 0.0)]
+TOY = [Call("a", 0, "m1", 1000, 10, 5.0, 0.0), Call("a", 1, "m1", 1500, 10, 7.0)]
 
 
 def test_floor_by_hand():
@@ -29,6 +29,8 @@ def test_a_session_alone_pays_only_its_switch_and_growing_context_above_the_floo
     r = replay(TOY, get_policy("talaria"), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0.0, gap_jitter_sigma=0.0)
     floor = sct_floor_s(TOY, CostModel(TOY_HW), TOY_SHAPES, r.tool_s)["a"]
     assert r.tool_s == {"a": 5.0}
+    # the gap after a session's last turn is never waited, whatever order the calls come in
+    assert replay(TOY[::-1], get_policy("talaria"), TOY_HW, TOY_SHAPES, seed=0, gap_jitter_sigma=0.0).tool_s == {"a": 5.0}
     # + the 1 s weight load of m1; decode chunks price each step at the chunk's mean context (+5 tokens
     # x 1 MB / 100 GB/s = 0.05 ms a step, 20 steps)
     assert r.sct_s["a"] - floor == pytest.approx(1.0 + 20 * 5e-5, abs=1e-3)

@@ -6,8 +6,9 @@
 Prints one row per policy (seed-averaged): p50 / p95 / mean session completion time, calls/s,
 model switches, KV tokens restored from host vs recomputed; then talaria's ratio to each policy.
 A last row gives the per-session floor no policy can beat (``talaria_jax.sim.bounds``: tool time
-plus each call alone on an idle instance), and the last column each policy's SCT over that floor:
-the largest speed-up over that policy any scheduler could show on this trace.
+plus each call alone on an idle instance, at nominal kernel cost, so the replay's kernel jitter may
+dip a nearly idle session a few percent of its GPU time below it), and the last column each
+policy's SCT over that floor: the largest speed-up over that policy any scheduler could show.
 """
 from __future__ import annotations
 

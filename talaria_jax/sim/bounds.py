@@ -25,7 +25,8 @@ def service_floor_s(calls: Iterable[Call], cost: CostModel, shapes: dict) -> dic
         m = shapes[c.model]
         p = prev.get(c.session)
         cached = min(p.context_after, c.prompt_tokens) if p is not None else 0
-        t = cost.prefill_s(m, c.prompt_tokens - cached, cached) + c.output_tokens * cost.decode_step_s(m, 1, c.prompt_tokens)
+        t = (cost.prefill_s(m, c.prompt_tokens - cached, cached)
+             + c.output_tokens * cost.decode_step_s(m, 1, c.prompt_tokens))
         out[c.session] = out.get(c.session, 0.0) + t
         prev[c.session] = c
     return out

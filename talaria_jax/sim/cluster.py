@@ -70,7 +70,9 @@ def tool_gap_factors(calls: Sequence[Call], seed: int, sigma: float) -> dict[tup
 
 def session_tool_s(calls: Sequence[Call], factors: dict[tuple[str, int], float]) -> dict[str, float]:
     """Per session, the tool time between its calls (the last call's gap is never waited)."""
-    last = {c.session: c.turn for c in calls}
+    last: dict[str, int] = {}
+    for c in calls:
+        last[c.session] = max(last.get(c.session, 0), c.turn)
     out = {c.session: 0.0 for c in calls}
     for c in calls:
         if c.turn != last[c.session]:
