@@ -119,11 +119,10 @@ def main(argv):
             print(f"  batch {batch:3d} ctx {ctx:5d}: ours {ours:8.1f} tok/s  hf {theirs or float('nan'):8.1f}  "
                   f"roofline {roof:8.1f}  ours/hf {r['ours_over_hf'] or float('nan'):5.2f}  "
                   f"ours/roofline {r['ours_over_roofline']:5.2f}", flush=True)
-    print("\n| batch | context | ours tok/s | HF tok/s | roofline tok/s | ours/HF | ours/roofline |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['context']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s'] or float('nan'):.1f} | "
-              f"{r['roofline_tok_s']:.1f} | {r['ours_over_hf'] or float('nan'):.2f} | {r['ours_over_roofline']:.2f} |")
+    common.print_markdown_table(
+        [("batch", "batch", "d"), ("context", "context", "d"), ("ours tok/s", "ours_tok_s", ".1f"),
+         ("HF tok/s", "hf_tok_s", ".1f"), ("roofline tok/s", "roofline_tok_s", ".1f"), ("ours/HF", "ours_over_hf", ".2f"),
+         ("ours/roofline", "ours_over_roofline", ".2f")], rows)
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(dict(params=n_params, copy_bandwidth_bytes_s=bw, decode_steps=_STEPS.value, rows=rows,

@@ -114,11 +114,10 @@ def main(argv):
             r = rows[-1]
             print(f"  ctx {ctx:6d}: ours {tiled:8.1f} tok/s  tiles of 1 {per_token:8.1f}  hf {theirs or float('nan'):8.1f}  "
                   f"tiled/tile1 {r['tiled_over_tile1']:5.2f}  ours/hf {r['ours_over_hf'] or float('nan'):5.2f}", flush=True)
-    print(f"\n| context | chunk | ours tok/s (tiles of {_TILE.value}) | ours tok/s (tiles of 1) | HF tok/s | tiled / tiles of 1 | ours / HF |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['context']} | {r['chunk']} | {r['ours_tok_s']:.0f} | {r['ours_tile1_tok_s']:.0f} | "
-              f"{r['hf_tok_s'] or float('nan'):.0f} | {r['tiled_over_tile1']:.2f} | {r['ours_over_hf'] or float('nan'):.2f} |")
+    common.print_markdown_table(
+        [("context", "context", "d"), ("chunk", "chunk", "d"), (f"ours tok/s (tiles of {_TILE.value})", "ours_tok_s", ".0f"),
+         ("ours tok/s (tiles of 1)", "ours_tile1_tok_s", ".0f"), ("HF tok/s", "hf_tok_s", ".0f"),
+         ("tiled / tiles of 1", "tiled_over_tile1", ".2f"), ("ours / HF", "ours_over_hf", ".2f")], rows)
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(dict(params=n_params, query_tile=_TILE.value, rows=rows), f, indent=1)
