@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from talaria_jax.engine.paged_attention import ragged_paged_attention
-from talaria_jax.engine.runner import query_tiles, seq_runs
+from talaria_jax.engine.runner import query_tiles, seq_runs, single_token_tiles
 
 
 def test_query_tiles_by_hand():
@@ -18,6 +18,8 @@ def test_query_tiles_by_hand():
     assert tok_slot.tolist() == [0, 1, 2, 3, 4, 6, 8, 9, 12, 12]  # padding -> slot 6 x 2, the zero row
     with pytest.raises(ValueError, match="more than 4 query tiles of 2"):
         query_tiles(runs, 10, 2, 4)
+    for got, want in zip(single_token_tiles(seq, 8), query_tiles(runs, 10, 1, 10)):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("window", [0, 5])

@@ -76,6 +76,15 @@ def query_tiles(runs: list[tuple[int, int, int]], num_positions: int, tile: int,
     return tile_tok, tile_seq, tok_slot
 
 
+def single_token_tiles(seq: np.ndarray, num_tokens: int):
+    """``query_tiles`` with tiles of one token, without the per-run loop (the decode step's path)."""
+    t = len(seq)
+    idx = np.arange(t, dtype=np.int32)
+    real = idx < num_tokens
+    slot = np.where(real, idx, t).astype(np.int32)
+    return slot[:, None], np.where(real, seq, 0).astype(np.int32), slot
+
+
 def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from `smallest` up to (and including) max_tokens."""
     out, b = [], smallest
@@ -132,12 +141,14 @@ class Runner:
         the step and few enough tiles cover it, their count one of `_tile_counts`; else (decode) tiles
         of one token."""
         t, q = len(b.tokens), self.query_tile
-        runs = seq_runs(b.seq, b.num_tokens)
         counts = self._tile_counts(t)
-        need = sum(-(-(e - a) // q) for _, a, e in runs)
-        if not counts or need > counts[-1] or all(e - a == 1 for _, a, e in runs):
-            return query_tiles(runs, t, 1, t)
-        return query_tiles(runs, t, q, next(n for n in counts if n >= need))
+        s = b.seq[:b.num_tokens]
+        if counts and np.any(s[1:] == s[:-1]):  # a sequence brings several tokens: a prefill chunk
+            runs = seq_runs(b.seq, b.num_tokens)
+            need = sum(-(-(e - a) // q) for _, a, e in runs)
+            if need <= counts[-1]:
+                return query_tiles(runs, t, q, next(n for n in counts if n >= need))
+        return single_token_tiles(b.seq, b.num_tokens)
 
     def warmup(self, progress: bool = True) -> None:
         """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none."""
