@@ -244,3 +244,13 @@ def test_runner_returns_logits_at_the_rows_asked_for(dense1):
     full1 = np.asarray(forward(dense1, np.asarray([p1])))[0]
     np.testing.assert_allclose(np.asarray(out.logits[0]), full0[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.logits[1]), full1[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_streamed_outputs_are_snapshots_with_lazy_text(dense1):
+    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    outs = list(eng.stream(prompts()[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+    assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert all(o.prompt_token_ids == tuple(prompts()[0]) for o in outs)
+    # text is decoded only now, after the generation went on: each output still decodes its own tokens
+    assert [len(o.text_token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert [o.text for o in outs] == [eng.tokenizer.decode(o.token_ids) for o in outs]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
@@ -60,24 +61,32 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class RequestOutput:
+    """A request's state when it was reported. `text` is decoded on first access, so a step that
+    reports every running request does not decode every whole output again (quadratic over a long
+    generation); `prompt_token_ids` is the request's own immutable tuple, not a copy."""
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     token_ids: list[int]
-    text: str
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # produced since the caller's last output
+    text_token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)  # what `text` decodes
+    tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @functools.cached_property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.text_token_ids) if self.tokenizer is not None else ""
+
 
 @dataclasses.dataclass(eq=False)  # identity: `in` and `remove` on queues must not compare fields
 class _Request:
     id: str
-    prompt: list[int]
+    prompt: tuple[int, ...]
     params: SamplingParams
     seed: int
     arrival: int
@@ -164,7 +173,7 @@ class Engine:
         while rid is None or rid in self.requests:
             rid = f"req-{arrival}" if rid is None else f"{rid}+"
         seed = params.seed if params.seed is not None else _stable_seed(self.config.seed, arrival)
-        return _Request(rid, [int(t) for t in ids], params, seed, arrival, SequencePages(self.config.page_size))
+        return _Request(rid, tuple(int(t) for t in ids), params, seed, arrival, SequencePages(self.config.page_size))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request; its pages are freed and its partial output is returned (None if it is not
@@ -296,9 +305,9 @@ class Engine:
 
     def _output(self, req: _Request, new: list[int] | None = None) -> RequestOutput:
         # "stop" is only ever set by a stop or EOS token, which the text leaves out.
-        text_ids = req.output[:-1] if req.finish_reason == "stop" else req.output
-        return RequestOutput(req.id, list(req.prompt), list(req.output), self.tokenizer.decode(text_ids),
-                             list(req.logprobs), list(req.top_logprobs), req.finish_reason, list(new or []))
+        ids = list(req.output)
+        return RequestOutput(req.id, req.prompt, ids, list(req.logprobs), list(req.top_logprobs), req.finish_reason,
+                             list(new or []), ids[:-1] if req.finish_reason == "stop" else ids, self.tokenizer)
 
     # ---- library API ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
