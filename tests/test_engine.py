@@ -254,3 +254,63 @@ def test_streamed_outputs_are_snapshots_with_lazy_text(dense1):
     # text is decoded only now, after the generation went on: each output still decodes its own tokens
     assert [len(o.text_token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
     assert [o.text for o in outs] == [eng.tokenizer.decode(o.token_ids) for o in outs]
+
+
+def test_session_kv_restored_from_host_matches_recompute(dense1):
+    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=3, max_tokens_per_step=32, max_model_len=96))
+    turn1 = prompts()[2]  # 40 tokens
+    rid = eng.add_request(turn1, GREEDY, keep_kv=True)
+    while eng.has_unfinished():
+        outs = {o.request_id: o for o in eng.step()}
+    first = outs[rid]
+    kv = first.kv
+    assert kv is not None and kv.token_ids == tuple(turn1) + tuple(first.token_ids[:-1])  # the last has no KV yet
+    assert eng.allocator.num_free == eng.allocator.num_pages  # the device pages went back to the pool
+    eng.generate(prompts(seed=5), GREEDY, progress=False)  # other work overwrites those pages
+    turn2 = list(turn1) + first.token_ids + prompts(seed=9, lengths=(7,))[0]  # + a tool observation
+    before = eng.stats.prefill_tokens
+    rid2 = eng.add_request(turn2, GREEDY, restore=kv)
+    while eng.has_unfinished():
+        outs = {o.request_id: o for o in eng.step()}
+    assert eng.stats.restored_tokens == kv.num_tokens
+    assert eng.stats.prefill_tokens - before == len(turn2) - kv.num_tokens  # only the new tokens were computed
+    assert outs[rid2].token_ids == greedy_generate(dense1, [turn2], GREEDY.max_tokens)[0]
+
+
+def test_bad_restore_is_rejected(dense1):
+    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
+    out = eng.generate([prompts()[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), progress=False)
+    assert out[0].kv is None  # only keep_kv requests pay for the copy
+    rid = eng.add_request(prompts()[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), keep_kv=True)
+    while eng.has_unfinished():
+        done = {o.request_id: o for o in eng.step()}
+    kv = done[rid].kv  # 3 prompt tokens + 2 outputs
+    p = list(kv.token_ids)
+    with pytest.raises(RequestError, match="differs from the restored prefix at token 1"):
+        eng.add_request([p[0], (p[1] + 1) % 256] + p[2:] + [1], GREEDY, restore=kv)
+    with pytest.raises(RequestError, match="must extend it by at least one"):
+        eng.add_request(p, GREEDY, restore=kv)
+    with pytest.raises(RequestError, match="restore must be a HostKV"):
+        eng.add_request(p + [1], GREEDY, restore="kv")
+    assert not eng.has_unfinished() and eng.stats.restored_tokens == 0
+
+
+def test_restored_request_restores_again_after_preemption(dense1):
+    big = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
+    turn1 = prompts()[2]
+    rid = big.add_request(turn1, GREEDY, keep_kv=True)
+    while big.has_unfinished():
+        outs = {o.request_id: o for o in big.step()}
+    kv = outs[rid].kv  # 51 tokens in 13 pages of 4
+    turn2 = list(turn1) + outs[rid].token_ids + prompts(seed=9, lengths=(7,))[0]
+    # 24 pages: the fresh request (7 pages at first) and the restored one (15) fit at admission, not
+    # while both decode (10 + 18 pages), so the newest, the restored one, is preempted and restores again
+    eng = Engine(dense1, EngineConfig(page_size=4, num_pages=24, max_seqs=2, max_tokens_per_step=64, max_model_len=96))
+    fresh = eng.add_request(prompts()[4], GREEDY)
+    rest = eng.add_request(turn2, GREEDY, restore=kv)
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.stats.preemptions >= 1 and eng.stats.restored_tokens == 2 * kv.num_tokens
+    ref = greedy_generate(dense1, [prompts()[4], turn2], GREEDY.max_tokens)
+    assert [done[fresh].token_ids, done[rest].token_ids] == ref

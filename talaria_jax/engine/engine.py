@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from talaria_jax.engine.runner import Runner
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.allocator import OutOfPages, PageAllocator, SequencePages
+from talaria_jax.kvcache.host_tier import HostKV, HostTier
 from talaria_jax.kvcache.pool import pool_spec
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
@@ -73,6 +74,9 @@ class RequestOutput:
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # produced since the caller's last output
     text_token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)  # what `text` decodes
     tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False, compare=False)
+    # keep_kv requests, once finished: the KV of every token but the last, in host memory (pass it
+    # as `restore` with the next turn's prompt to skip recomputing that prefix)
+    kv: HostKV | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
@@ -96,6 +100,9 @@ class _Request:
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     finish_reason: str | None = None
+    keep_kv: bool = False  # offload the KV to host memory when the request finishes
+    restore: HostKV | None = None  # KV of a prompt prefix to restore from host memory at admission
+    kv: HostKV | None = None  # the offloaded KV, once finished
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +121,8 @@ class EngineStats:
     finished: int = 0  # stopped by a stop token or a length limit
     aborted: int = 0
     step_failures: int = 0
+    restored_tokens: int = 0  # prompt-prefix tokens copied back from host memory instead of prefilled
+    offloaded_tokens: int = 0  # tokens of finished keep_kv requests copied to host memory
 
 
 class Engine:
@@ -131,6 +140,7 @@ class Engine:
         self.pool_spec = pool_spec(self.cfg, config.page_size, model.mesh, num_pages=num_pages,
                                    memory_bytes_per_device=config.kv_memory_bytes_per_device)
         self.allocator = PageAllocator(self.pool_spec.num_pages)
+        self.host_tier = HostTier(self.pool_spec, model.mesh)
         self.runner = Runner(model, self.pool_spec, max_seqs=config.max_seqs, max_pages_per_seq=max_pages_per_seq,
                              max_tokens_per_step=config.max_tokens_per_step, pages_per_block=config.pages_per_block,
                              query_tile=config.query_tile)
@@ -142,10 +152,32 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, keep_kv: bool = False, restore: HostKV | None = None) -> str:
         """Queues a request; bad input raises RequestError/SamplingError and changes nothing.
-        A string prompt is encoded without BOS (prepend it yourself if the model wants one)."""
-        return self._enqueue(self._make_request(prompt, params, request_id))
+        A string prompt is encoded without BOS (prepend it yourself if the model wants one).
+        `keep_kv`: when the request finishes, its KV goes to host memory (`RequestOutput.kv`).
+        `restore`: such a KV (of this engine's pool) for a prefix of `prompt`; it is copied back into
+        the pool at admission instead of being recomputed, and the prompt must start with its tokens."""
+        req = self._make_request(prompt, params, request_id)
+        if restore is not None:
+            self._check_restore(req, restore)
+        req.keep_kv, req.restore = keep_kv, restore
+        return self._enqueue(req)
+
+    def _check_restore(self, req: _Request, kv: HostKV) -> None:
+        if not isinstance(kv, HostKV):
+            raise RequestError(f"restore must be a HostKV (RequestOutput.kv), got {type(kv).__name__}")
+        try:
+            self.host_tier.check(kv)
+        except ValueError as e:
+            raise RequestError(f"restore: {e}") from None
+        if kv.num_tokens >= len(req.prompt):
+            raise RequestError(f"restore holds {kv.num_tokens} tokens; the prompt ({len(req.prompt)} tokens) must "
+                               f"extend it by at least one")
+        if req.prompt[:kv.num_tokens] != kv.token_ids:
+            i = next(i for i, (a, b) in enumerate(zip(req.prompt, kv.token_ids)) if a != b)
+            raise RequestError(f"restore: the prompt differs from the restored prefix at token {i} "
+                               f"({req.prompt[i]} vs {kv.token_ids[i]})")
 
     def _enqueue(self, req: _Request) -> str:
         self.requests[req.id] = req
@@ -198,7 +230,9 @@ class Engine:
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
-    def _schedule(self) -> list[tuple[_Request, int]]:
+    def _schedule(self, restores: list[_Request]) -> list[tuple[_Request, int]]:
+        """The step's (request, tokens) pairs; admitted requests whose prefix comes from host memory
+        are appended to `restores` (their pages are allocated and num_computed counts the prefix)."""
         budget = self.config.max_tokens_per_step
         batch: list[tuple[_Request, int]] = []
         for req in list(self.running):
@@ -220,20 +254,25 @@ class Engine:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
+            cached = req.restore.num_tokens if req.restore is not None else 0
+            n = min(req.num_tokens - cached, budget)
             try:
-                req.seq.grow(self.allocator, n)
+                req.seq.grow(self.allocator, cached + n)
             except OutOfPages:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            if cached:
+                restores.append(req)
+                req.num_computed = cached
             batch.append((req, n))
             budget -= n
         return batch
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched step; returns outputs of requests that produced tokens or finished."""
-        batch = self._schedule()
+        restores: list[_Request] = []
+        batch = self._schedule(restores)
         if not batch:
             return []
         total = sum(n for _, n in batch)
@@ -256,6 +295,10 @@ class Engine:
             t += n
         b.num_blocks = -(-max_pages // self.runner.pages_per_block)
         try:
+            for req in restores:  # host-to-device into the donated pool, before the step reads it
+                r = req.restore
+                self.runner.kv = self.host_tier.restore(self.runner.kv, r, req.seq.pages[:r.num_pages])
+                self.stats.restored_tokens += r.num_tokens
             out = self.runner.step(b)
         except Exception as e:  # the donated pool may be gone: start it afresh and recompute every sequence
             self.stats.step_failures += 1
@@ -295,6 +338,10 @@ class Engine:
 
     def _finish(self, req: _Request, reason: str) -> None:
         req.finish_reason = reason
+        if req.keep_kv and reason != "abort" and req.num_computed:
+            tokens = (req.prompt + tuple(req.output))[:req.num_computed]  # the last token has no KV yet
+            req.kv = self.host_tier.offload(self.runner.kv, req.seq.pages, tokens)
+            self.stats.offloaded_tokens += len(tokens)
         req.seq.release(self.allocator)
         if req in self.running:
             self.running.remove(req)
@@ -307,7 +354,7 @@ class Engine:
         # "stop" is only ever set by a stop or EOS token, which the text leaves out.
         ids = list(req.output)
         return RequestOutput(req.id, req.prompt, ids, list(req.logprobs), list(req.top_logprobs), req.finish_reason,
-                             list(new or []), ids[:-1] if req.finish_reason == "stop" else ids, self.tokenizer)
+                             list(new or []), ids[:-1] if req.finish_reason == "stop" else ids, self.tokenizer, req.kv)
 
     # ---- library API ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]

@@ -1,0 +1,108 @@
+"""Host tier: a sequence's KV pages copied out of the donated device pool to host memory, and back.
+
+Host copies live in host memory of the pool's own devices (``NamedSharding(..., memory_kind=
+"pinned_host")``, falling back to "unpinned_host" and then to device memory where a backend lacks
+them) and move with ``jax.device_put``. Transfers are two-phase, so nothing reads a buffer that a
+step is about to donate:
+- out: ``gather`` (jitted; the pool is read, not donated) copies the pages into one compact device
+  array [layers, 2, pages, page_size, kv_heads, head_dim] sharded like the pool, and device_put moves
+  it to host memory;
+- in: device_put brings the copy back to device memory, and ``scatter`` (jitted; the pool donated,
+  shardings pinned) writes it into the destination pages and returns the pool at the same addresses.
+Page counts are padded to powers of two, so a few shapes compile: padding gathers page 0 and is
+scattered nowhere (``mode="drop"``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from talaria_jax.kvcache.pool import KV_AXES, PoolSpec, pool_shardings
+from talaria_jax.sharding import spec_for
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKV:
+    """The KV of a sequence's first `len(token_ids)` tokens, in host memory."""
+
+    data: jax.Array  # [layers, 2, padded pages, page_size, kv_heads, head_dim]
+    num_pages: int  # real pages (the rest of the page axis is padding)
+    token_ids: tuple[int, ...]  # the tokens whose KV this is, so a restore can check its prefix
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes * self.num_pages // self.data.shape[2]
+
+
+def host_memory_kind(mesh: Mesh) -> str | None:
+    """The host memory kind the mesh's devices offer ("pinned_host" preferred), or None."""
+    kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+    return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
+
+
+def _padded(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class HostTier:
+    """Offloads and restores pages of one pool (`spec` on `mesh`)."""
+
+    def __init__(self, spec: PoolSpec, mesh: Mesh):
+        self.spec, self.mesh = spec, mesh
+        page = spec_for(KV_AXES, (1, spec.page_size, spec.kv_heads, spec.head_dim), mesh)
+        pspec = PartitionSpec(None, None, *page)
+        self.device_sharding = NamedSharding(mesh, pspec)
+        self.memory_kind = host_memory_kind(mesh)
+        self.host_sharding = NamedSharding(mesh, pspec, memory_kind=self.memory_kind) if self.memory_kind \
+            else self.device_sharding
+        self._gather = jax.jit(_gather, out_shardings=self.device_sharding)
+        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=pool_shardings(spec, mesh))
+
+    def offload(self, pool, pages: list[int], token_ids) -> HostKV:
+        """Copies `pages` (holding the KV of `token_ids`, in order) to host memory; the pool is untouched."""
+        token_ids = tuple(int(t) for t in token_ids)
+        need = -(-len(token_ids) // self.spec.page_size)
+        if len(pages) < need:
+            raise ValueError(f"{len(token_ids)} tokens need {need} pages of {self.spec.page_size}, got {len(pages)}")
+        pages = list(pages[:need])
+        idx = np.zeros(_padded(len(pages)), np.int32)
+        idx[:len(pages)] = pages
+        with jax.set_mesh(self.mesh):
+            dev = self._gather(pool, idx)
+        return HostKV(jax.device_put(dev, self.host_sharding), len(pages), token_ids)
+
+    def check(self, kv: HostKV) -> None:
+        """ValueError unless `kv` was offloaded from a pool of this one's layout."""
+        expect = (self.spec.num_layers, 2, _padded(kv.num_pages), self.spec.page_size, self.spec.kv_heads,
+                  self.spec.head_dim)
+        if tuple(kv.data.shape) != expect or kv.data.dtype != jnp.dtype(self.spec.dtype):
+            raise ValueError(f"host KV of shape {tuple(kv.data.shape)} {kv.data.dtype} does not fit this pool "
+                             f"(expected {expect} {self.spec.dtype})")
+
+    def restore(self, pool, kv: HostKV, pages: list[int]):
+        """Writes `kv` into `pages` (one per stored page) of the donated pool; returns the pool."""
+        self.check(kv)
+        if len(pages) != kv.num_pages:
+            raise ValueError(f"host KV holds {kv.num_pages} pages but {len(pages)} destination pages were given")
+        idx = np.full(kv.data.shape[2], self.spec.num_pages, np.int32)  # padding: out of bounds, dropped
+        idx[:len(pages)] = pages
+        data = jax.device_put(kv.data, self.device_sharding)
+        with jax.set_mesh(self.mesh):
+            return self._scatter(pool, data, idx)
+
+
+def _gather(pool, idx):
+    return jnp.stack([jnp.stack([k[idx], v[idx]]) for k, v in pool])
+
+
+def _scatter(pool, data, idx):
+    return tuple((k.at[idx].set(data[l, 0], mode="drop"), v.at[idx].set(data[l, 1], mode="drop"))
+                 for l, (k, v) in enumerate(pool))
