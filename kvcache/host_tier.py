@@ -9,8 +9,8 @@ step is about to donate:
   it to host memory;
 - in: device_put brings the copy back to device memory, and ``scatter`` (jitted; the pool donated,
   shardings pinned) writes it into the destination pages and returns the pool at the same addresses.
-Page counts are padded to powers of two, so a few shapes compile: padding gathers page 0 and is
-scattered nowhere (``mode="drop"``).
+Page counts are padded to powers of two, so a few shapes compile: padding gathers zeros
+(``mode="fill"``) and is scattered nowhere (``mode="drop"``).
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ class HostKV:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the real pages, once. Host memory holds more: the page axis is padded to a power of
+        two, and where the pool replicates kv heads (fewer than TP ranks) every rank keeps a copy."""
         return self.data.nbytes * self.num_pages // self.data.shape[2]
 
 
@@ -73,14 +75,20 @@ class HostTier:
         if len(pages) < need:
             raise ValueError(f"{len(token_ids)} tokens need {need} pages of {self.spec.page_size}, got {len(pages)}")
         pages = list(pages[:need])
-        idx = np.zeros(_padded(len(pages)), np.int32)
+        idx = np.full(_padded(len(pages)), self.spec.num_pages, np.int32)  # padding: out of bounds, zeros
         idx[:len(pages)] = pages
         with jax.set_mesh(self.mesh):
             dev = self._gather(pool, idx)
         return HostKV(jax.device_put(dev, self.host_sharding), len(pages), token_ids)
 
     def check(self, kv: HostKV) -> None:
-        """ValueError unless `kv` was offloaded from a pool of this one's layout."""
+        """ValueError unless `kv` was offloaded from a pool of this one's layout and is still whole."""
+        need = -(-kv.num_tokens // self.spec.page_size)
+        if kv.num_pages != need:
+            raise ValueError(f"host KV of {kv.num_tokens} tokens must hold {need} pages of {self.spec.page_size}, "
+                             f"holds {kv.num_pages}")
+        if kv.data.is_deleted():
+            raise ValueError("host KV was deleted")
         expect = (self.spec.num_layers, 2, _padded(kv.num_pages), self.spec.page_size, self.spec.kv_heads,
                   self.spec.head_dim)
         if tuple(kv.data.shape) != expect or kv.data.dtype != jnp.dtype(self.spec.dtype):
@@ -100,7 +108,9 @@ class HostTier:
 
 
 def _gather(pool, idx):
-    return jnp.stack([jnp.stack([k[idx], v[idx]]) for k, v in pool])
+    # padding indices are out of bounds and read as zeros: no other sequence's KV leaves with the copy
+    get = lambda a: a.at[idx].get(mode="fill", fill_value=0)
+    return jnp.stack([jnp.stack([get(k), get(v)]) for k, v in pool])
 
 
 def _scatter(pool, data, idx):

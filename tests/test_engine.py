@@ -292,7 +292,39 @@ def test_bad_restore_is_rejected(dense1):
         eng.add_request(p, GREEDY, restore=kv)
     with pytest.raises(RequestError, match="restore must be a HostKV"):
         eng.add_request(p + [1], GREEDY, restore="kv")
+    with pytest.raises(RequestError, match="must hold 1 pages of 4, holds 2"):
+        eng.add_request(p + [1], GREEDY, restore=dataclasses.replace(kv, token_ids=kv.token_ids[:3]))
     assert not eng.has_unfinished() and eng.stats.restored_tokens == 0
+    # the rejected requests took nothing: the next one gets the arrival (and default seed) it would have
+    assert eng.add_request(p + [1], GREEDY) == "req-2"
+
+
+def test_failed_host_copies_lose_nothing(dense1, reference, monkeypatch):
+    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
+    rid = eng.add_request(prompts()[0], GREEDY, keep_kv=True)
+    other = eng.add_request(prompts()[1], GREEDY)
+    kv = None
+    with monkeypatch.context() as m:
+        m.setattr(eng.host_tier, "offload", lambda *a: (_ for _ in ()).throw(MemoryError("pinned host memory")))
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done[rid].kv is None and eng.stats.offload_failures == 1  # finished, without its KV
+    assert [done[rid].token_ids, done[other].token_ids] == reference[:2]
+    rid = eng.add_request(prompts()[0], GREEDY, keep_kv=True)
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    kv = done[rid].kv
+    turn2 = list(kv.token_ids) + done[rid].token_ids[-1:] + [7, 8, 9]
+    with monkeypatch.context() as m:  # a restore that fails on the device: one StepError, then a recompute
+        m.setattr(eng.host_tier, "restore", lambda *a: (_ for _ in ()).throw(RuntimeError("H2D copy failed")))
+        r2 = eng.add_request(turn2, GREEDY, restore=kv)
+        with pytest.raises(StepError, match="H2D copy failed"):
+            eng.step()
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.stats.step_failures == 1 and eng.stats.restored_tokens == 0
+    assert done[r2].token_ids == greedy_generate(dense1, [turn2], GREEDY.max_tokens)[0]
 
 
 def test_restored_request_restores_again_after_preemption(dense1):

@@ -1,4 +1,5 @@
 """The host tier: pages out to host memory and back into other pages of the donated pool."""
+import dataclasses
 import warnings
 
 import jax
@@ -38,6 +39,7 @@ def test_pages_round_trip_through_host_memory_on_a_tp4_mesh():
     assert kv.num_pages == 3 and kv.num_tokens == 10 and kv.data.shape[2] == 4  # padded to a power of two
     assert kv.data.sharding.memory_kind == tier.memory_kind == "pinned_host"  # the CPU backend has it too
     assert kv.nbytes == 3 * spec.page_bytes
+    assert not np.asarray(kv.data)[:, :, 3].any()  # the padding page is zeros, not another sequence's KV
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Some donated buffers were not usable")
         pool = tier.restore(pool, kv, [5, 0, 11])
@@ -56,7 +58,7 @@ def test_restore_checks_the_destination():
     kv = tier.offload(pool, [1, 2], range(5))
     with pytest.raises(ValueError, match="holds 2 pages but 3 destination pages"):
         tier.restore(pool, kv, [3, 4, 5])
-    other = HostTier(pool_spec(load_model_config("tiny-dense"), 8, mesh, num_pages=8), mesh)
+    other = HostTier(dataclasses.replace(spec, kv_heads=2), mesh)  # another model's layout
     with pytest.raises(ValueError, match="does not fit this pool"):
         other.restore(allocate_pool(other.spec, mesh), kv, [3, 4])
     with pytest.raises(ValueError, match="5 tokens need 2 pages of 4, got 1"):

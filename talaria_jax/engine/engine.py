@@ -123,6 +123,7 @@ class EngineStats:
     step_failures: int = 0
     restored_tokens: int = 0  # prompt-prefix tokens copied back from host memory instead of prefilled
     offloaded_tokens: int = 0  # tokens of finished keep_kv requests copied to host memory
+    offload_failures: int = 0  # keep_kv requests that finished without their KV (the copy failed)
 
 
 class Engine:
@@ -158,33 +159,32 @@ class Engine:
         `keep_kv`: when the request finishes, its KV goes to host memory (`RequestOutput.kv`).
         `restore`: such a KV (of this engine's pool) for a prefix of `prompt`; it is copied back into
         the pool at admission instead of being recomputed, and the prompt must start with its tokens."""
-        req = self._make_request(prompt, params, request_id)
-        if restore is not None:
-            self._check_restore(req, restore)
+        req = self._make_request(prompt, params, request_id, restore)
         req.keep_kv, req.restore = keep_kv, restore
         return self._enqueue(req)
 
-    def _check_restore(self, req: _Request, kv: HostKV) -> None:
+    def _check_restore(self, prompt: tuple[int, ...], kv: HostKV) -> None:
         if not isinstance(kv, HostKV):
             raise RequestError(f"restore must be a HostKV (RequestOutput.kv), got {type(kv).__name__}")
         try:
             self.host_tier.check(kv)
         except ValueError as e:
             raise RequestError(f"restore: {e}") from None
-        if kv.num_tokens >= len(req.prompt):
-            raise RequestError(f"restore holds {kv.num_tokens} tokens; the prompt ({len(req.prompt)} tokens) must "
+        if kv.num_tokens >= len(prompt):
+            raise RequestError(f"restore holds {kv.num_tokens} tokens; the prompt ({len(prompt)} tokens) must "
                                f"extend it by at least one")
-        if req.prompt[:kv.num_tokens] != kv.token_ids:
-            i = next(i for i, (a, b) in enumerate(zip(req.prompt, kv.token_ids)) if a != b)
+        if prompt[:kv.num_tokens] != kv.token_ids:
+            i = next(i for i, (a, b) in enumerate(zip(prompt, kv.token_ids)) if a != b)
             raise RequestError(f"restore: the prompt differs from the restored prefix at token {i} "
-                               f"({req.prompt[i]} vs {kv.token_ids[i]})")
+                               f"({prompt[i]} vs {kv.token_ids[i]})")
 
     def _enqueue(self, req: _Request) -> str:
         self.requests[req.id] = req
         self.waiting.append(req)
         return req.id
 
-    def _make_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None) -> _Request:
+    def _make_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None,
+                      restore: HostKV | None = None) -> _Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params.validate(self.cfg.vocab_size)
         if not ids:
@@ -200,6 +200,8 @@ class Engine:
                                f"context limit of {limit} tokens")
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
+        if restore is not None:
+            self._check_restore(tuple(int(t) for t in ids), restore)
         arrival = next(self._arrivals)
         rid = request_id
         while rid is None or rid in self.requests:
@@ -298,16 +300,18 @@ class Engine:
             for req in restores:  # host-to-device into the donated pool, before the step reads it
                 r = req.restore
                 self.runner.kv = self.host_tier.restore(self.runner.kv, r, req.seq.pages[:r.num_pages])
-                self.stats.restored_tokens += r.num_tokens
             out = self.runner.step(b)
         except Exception as e:  # the donated pool may be gone: start it afresh and recompute every sequence
             self.stats.step_failures += 1
+            for req in restores:
+                req.restore = None  # a restore that may have failed is not retried: the prefix is recomputed
             self.runner.reset_pool()
             for req in reversed(self.running[:]):  # appendleft in reverse keeps their order at the queue head
                 self._preempt(req)
             raise StepError(f"engine step failed ({type(e).__name__}: {e}); {len(self.waiting)} requests "
                             f"requeued for recompute") from e
         self.stats.steps += 1
+        self.stats.restored_tokens += sum(req.restore.num_tokens for req in restores)
         for req, n in batch:
             if req.num_computed + n > len(req.prompt):
                 self.stats.decode_tokens += min(n, req.num_computed + n - len(req.prompt))
@@ -340,8 +344,11 @@ class Engine:
         req.finish_reason = reason
         if req.keep_kv and reason != "abort" and req.num_computed:
             tokens = (req.prompt + tuple(req.output))[:req.num_computed]  # the last token has no KV yet
-            req.kv = self.host_tier.offload(self.runner.kv, req.seq.pages, tokens)
-            self.stats.offloaded_tokens += len(tokens)
+            try:
+                req.kv = self.host_tier.offload(self.runner.kv, req.seq.pages, tokens)
+                self.stats.offloaded_tokens += len(tokens)
+            except Exception:  # e.g. host memory exhausted: the request still finishes, without its KV
+                self.stats.offload_failures += 1
         req.seq.release(self.allocator)
         if req in self.running:
             self.running.remove(req)
@@ -353,8 +360,9 @@ class Engine:
     def _output(self, req: _Request, new: list[int] | None = None) -> RequestOutput:
         # "stop" is only ever set by a stop or EOS token, which the text leaves out.
         ids = list(req.output)
+        text_ids = ids[:-1] if req.finish_reason == "stop" else list(ids)
         return RequestOutput(req.id, req.prompt, ids, list(req.logprobs), list(req.top_logprobs), req.finish_reason,
-                             list(new or []), ids[:-1] if req.finish_reason == "stop" else ids, self.tokenizer, req.kv)
+                             list(new or []), text_ids, self.tokenizer, req.kv)
 
     # ---- library API ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
