@@ -68,10 +68,13 @@ class HostTier:
         self._gather = jax.jit(_gather, out_shardings=self.device_sharding)
         self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=pool_shardings(spec, mesh))
 
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.spec.page_size)
+
     def offload(self, pool, pages: list[int], token_ids) -> HostKV:
         """Copies `pages` (holding the KV of `token_ids`, in order) to host memory; the pool is untouched."""
         token_ids = tuple(int(t) for t in token_ids)
-        need = -(-len(token_ids) // self.spec.page_size)
+        need = self._pages_for(len(token_ids))
         if len(pages) < need:
             raise ValueError(f"{len(token_ids)} tokens need {need} pages of {self.spec.page_size}, got {len(pages)}")
         pages = list(pages[:need])
@@ -83,7 +86,7 @@ class HostTier:
 
     def check(self, kv: HostKV) -> None:
         """ValueError unless `kv` was offloaded from a pool of this one's layout and is still whole."""
-        need = -(-kv.num_tokens // self.spec.page_size)
+        need = self._pages_for(kv.num_tokens)
         if kv.num_pages != need:
             raise ValueError(f"host KV of {kv.num_tokens} tokens must hold {need} pages of {self.spec.page_size}, "
                              f"holds {kv.num_pages}")
