@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ class ShardedModel:
     mesh: Mesh
     graphdef: Any
     state: Any
+    # Identity of the weights (their source and a digest of it): KV or a prefix cache made by other
+    # weights of the same shapes must not be reused. Loaders set it; see `weights_fingerprint`.
+    fingerprint: str = ""
 
     def module(self) -> Decoder:
         return nnx.merge(self.graphdef, self.state)
@@ -54,7 +58,12 @@ def init_model(cfg: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -> Sha
 
     with jax.set_mesh(mesh):
         state = init()
-    return ShardedModel(cfg, mesh, graphdef, state)
+    return ShardedModel(cfg, mesh, graphdef, state, weights_fingerprint("random", cfg.name, seed, repr(cfg)))
+
+
+def weights_fingerprint(*parts: Any) -> str:
+    """A short stable digest of what identifies a set of weights (source, config, content digests)."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
 
 
 @functools.partial(jax.jit, static_argnums=0)
