@@ -14,10 +14,11 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_generate_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "talaria_jax.launch.generate", "--max_new_tokens=4", "--tp=1",
-                          "--prompt=hi"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "talaria_jax.launch.generate", "--model=tiny-dense", "--max_tokens=4",
+                          "--tp=2", "--prompt=hi", "--show_ids", "--compilation_cache=off"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "tokens: [" in out.stdout and "tiny-dense" in out.stdout
+    assert "tokens: [" in out.stdout and "tiny-dense" in out.stdout and "time to first token" in out.stdout
 
 
 def test_hf_tokenizer_json_is_used_when_present(tmp_path):
