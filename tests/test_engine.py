@@ -1,4 +1,6 @@
-"""The paged engine against the full-sequence reference; donation, recompiles, preemption, abort, seeds."""
+"""The paged engine against the full-sequence reference; donation, warm-up and recompiles, preemption, abort,
+seeds, who reports which request, input checks, host KV identity."""
+import contextlib
 import dataclasses
 import warnings
 
@@ -14,6 +16,12 @@ from talaria_jax.models.model import forward
 from talaria_jax.sharding import make_mesh
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def config(**kw) -> EngineConfig:
+    """An EngineConfig without warm-up: most tests build small engines to test other things, and
+    warming each up would compile every step shape (test_warm_engine_* test warm-up)."""
+    return EngineConfig(**{"warmup": False, **kw})
 
 
 def prompts(seed=0, lengths=(3, 17, 40, 9, 26)):
@@ -33,7 +41,7 @@ def reference(dense1):
 
 @pytest.mark.parametrize("page_size,chunk,ppb,tile", [(4, 16, 2, 4), (16, 64, 1, 16), (8, 32, 4, 1), (8, 32, 2, 5)])
 def test_greedy_matches_full_forward(dense1, reference, page_size, chunk, ppb, tile):
-    eng = Engine(dense1, EngineConfig(page_size=page_size, max_seqs=4, max_tokens_per_step=chunk, max_model_len=128,
+    eng = Engine(dense1, config(page_size=page_size, max_seqs=4, max_tokens_per_step=chunk, max_model_len=128,
                                       pages_per_block=ppb, query_tile=tile))
     outs = eng.generate(prompts(), GREEDY, progress=False)
     assert [o.token_ids for o in outs] == reference
@@ -48,29 +56,39 @@ def test_greedy_on_tp8_mesh(name):
     eight = init_model(cfg, make_mesh(jax.devices(), tp=8), seed=2)
     ps = prompts(3, (5, 33, 12))
     ref = greedy_generate(one, ps, 8)
-    eng = Engine(eight, EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
+    eng = Engine(eight, config(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
     out = eng.generate(ps, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), progress=False)
     assert [o.token_ids for o in out] == ref
     k = eng.runner.kv[0][0]
     assert len(k.addressable_shards) == 8  # the pool lives on all 8 devices
 
 
-def _steady(eng, steps, rng):
-    """Keeps ~6 requests of mixed lengths in flight for `steps` steps."""
+def _steady(eng, steps, rng, sessions=False):
+    """Keeps ~6 requests of mixed lengths in flight for `steps` steps. sessions: every third request
+    keeps its KV, and its next turn (+ a few tokens) restores it from host memory."""
+    turns = []
+
+    def params():
+        return SamplingParams(max_tokens=int(rng.randint(1, 20)), temperature=float(rng.choice([0, 0.8])),
+                              top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])), ignore_eos=True)
+
     for _ in range(steps):
         while len(eng.waiting) + len(eng.running) < 6:
-            n = int(rng.randint(1, 40))
-            eng.add_request(rng.randint(0, 256, n).tolist(),
-                            SamplingParams(max_tokens=int(rng.randint(1, 20)), temperature=float(rng.choice([0, 0.8])),
-                                           top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
-                                           ignore_eos=True))
-        eng.step()
+            if turns:
+                kv, prompt = turns.pop()
+                eng.add_request(prompt + rng.randint(0, 256, int(rng.randint(1, 9))).tolist(), params(), restore=kv)
+            else:
+                n = int(rng.randint(1, 40))
+                eng.add_request(rng.randint(0, 256, n).tolist(), params(), keep_kv=sessions and rng.rand() < 1 / 3)
+        for o in eng.step():
+            if o.finished and o.kv is not None:
+                turns.append((o.kv, list(o.prompt_token_ids) + o.token_ids))
 
 
 def test_pool_buffers_stable_and_donation_usable():
     # TP=4: 4 kv heads split over 4 devices, so every device holds its own shard of each page.
     model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:4], tp=4), seed=1)
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128))
+    eng = Engine(model, config(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128))
     k = eng.runner.kv[0][0]
     assert k.sharding.spec[2] == "tp" and k.addressable_shards[0].data.shape[2] == 1
     before = buffer_pointers(eng.runner.kv)
@@ -82,19 +100,39 @@ def test_pool_buffers_stable_and_donation_usable():
     assert buffer_pointers(eng.runner.kv) == before
 
 
-def test_steady_workload_no_recompiles(dense1):
+@contextlib.contextmanager
+def lowerings():
+    """Names of the programs JAX lowers (every new compile, persistent-cache hits included) meanwhile."""
+    names = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            names.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_warm_engine_compiles_nothing_more(dense1):
+    # warm-up is on by default: every step shape (7 token buckets, plus tiles of 8 from 16 tokens) and
+    # the host tier's gather and scatter for 1, 2, 4, 8 and 16 pages (max_model_len 128 in pages of 8)
     eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128,
                                       query_tile=8))
-    eng.runner.warmup(progress=False)  # every step shape: 7 token buckets, plus tiles of 8 from 16 tokens
-    warm = eng.runner.compilations
-    assert warm == len(eng.runner.step_shapes()) > len(eng.runner.buckets)
-    _steady(eng, 200, np.random.RandomState(1))
-    assert eng.runner.compilations == warm
+    steps, copies = eng.runner.compilations, eng.host_tier.compilations
+    assert steps == len(eng.runner.step_shapes()) > len(eng.runner.buckets)
+    assert copies == 2 * 5
+    with lowerings() as new:
+        _steady(eng, 200, np.random.RandomState(1), sessions=True)
+    assert eng.stats.offloaded_tokens > 0 and eng.stats.restored_tokens > 0
+    assert (eng.runner.compilations, eng.host_tier.compilations, new) == (steps, copies, [])
 
 
 def test_small_pool_preempts_and_completes(dense1, reference):
     # 16 pages of 4 tokens (64 slots): the 5 prompts (95 tokens + 60 new) cannot all fit at once.
-    eng = Engine(dense1, EngineConfig(page_size=4, num_pages=16, max_seqs=5, max_tokens_per_step=32,
+    eng = Engine(dense1, config(page_size=4, num_pages=16, max_seqs=5, max_tokens_per_step=32,
                                       max_model_len=64, pages_per_block=2))
     outs = eng.generate(prompts(), GREEDY, progress=False)
     assert eng.stats.preemptions > 0
@@ -104,7 +142,7 @@ def test_small_pool_preempts_and_completes(dense1, reference):
 
 
 def test_abort_frees_pages(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=128))
+    eng = Engine(dense1, config(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=128))
     keep = eng.add_request(prompts()[1], GREEDY)
     gone = eng.add_request(prompts()[2], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(4):
@@ -124,7 +162,7 @@ def test_abort_frees_pages(dense1):
 
 def test_seeded_request_same_alone_and_in_batch(dense1):
     p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
-    cfg = EngineConfig(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128)
+    cfg = config(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128)
     alone = Engine(dense1, cfg).generate([prompts()[2]], p, progress=False)[0].token_ids
     others = [SamplingParams(max_tokens=7, temperature=0.9, seed=s, ignore_eos=True) for s in range(4)]
     batch = Engine(dense1, cfg).generate(prompts()[:2] + [prompts()[2]] + prompts()[3:], others[:2] + [p] + others[2:],
@@ -136,7 +174,7 @@ def test_seeded_request_same_alone_and_in_batch(dense1):
 
 
 def test_bad_requests_are_rejected_and_engine_keeps_going(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=64))
+    eng = Engine(dense1, config(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=64))
     eng.add_request([1, 2, 3], GREEDY)
     with pytest.raises(RequestError, match="context limit of 64"):
         eng.add_request(list(range(60)), GREEDY)
@@ -159,8 +197,8 @@ def test_bad_requests_are_rejected_and_engine_keeps_going(dense1):
 def test_sampled_seeded_requests_survive_preemption(dense1):
     ps = prompts(5, (9, 14, 22, 5, 17))
     params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=100 + i, ignore_eos=True) for i in range(5)]
-    roomy = Engine(dense1, EngineConfig(page_size=4, max_seqs=5, max_tokens_per_step=32, max_model_len=64))
-    tight = Engine(dense1, EngineConfig(page_size=4, num_pages=12, max_seqs=5, max_tokens_per_step=32,
+    roomy = Engine(dense1, config(page_size=4, max_seqs=5, max_tokens_per_step=32, max_model_len=64))
+    tight = Engine(dense1, config(page_size=4, num_pages=12, max_seqs=5, max_tokens_per_step=32,
                                         max_model_len=48))
     want = [o.token_ids for o in roomy.generate(ps, params, progress=False)]
     got = [o.token_ids for o in tight.generate(ps, params, progress=False)]
@@ -172,13 +210,13 @@ def test_sliding_window_layers_match_reference():
     model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=5)
     ps = prompts(6, (4, 19, 11))
     ref = greedy_generate(model, ps, 8)
-    eng = Engine(model, EngineConfig(page_size=4, max_seqs=3, max_tokens_per_step=16, max_model_len=64))
+    eng = Engine(model, config(page_size=4, max_seqs=3, max_tokens_per_step=16, max_model_len=64))
     assert [o.token_ids for o in eng.generate(ps, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                                               progress=False)] == ref
 
 
 def test_failed_step_requeues_everything_and_recovers(dense1, reference):
-    eng = Engine(dense1, EngineConfig(page_size=8, max_seqs=5, max_tokens_per_step=32, max_model_len=128))
+    eng = Engine(dense1, config(page_size=8, max_seqs=5, max_tokens_per_step=32, max_model_len=128))
     for p in prompts():
         eng.add_request(p, GREEDY)
     for _ in range(3):
@@ -202,13 +240,13 @@ def test_failed_step_requeues_everything_and_recovers(dense1, reference):
 def test_extra_eos_ids_stop(dense1):
     first = greedy_generate(dense1, [prompts()[0]], 1)[0][0]
     model = dataclasses.replace(dense1, cfg=dense1.cfg.replace(eos_token_id=None, extra_eos_token_ids=(first,)))
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    eng = Engine(model, config(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
     out = eng.generate([prompts()[0]], SamplingParams(max_tokens=5, temperature=0.0), progress=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == [first] and out.text == ""
 
 
 def test_unseeded_sampling_is_reproducible_across_engines(dense1):
-    cfg = EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64, seed=3)
+    cfg = config(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64, seed=3)
     p = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
     a = Engine(dense1, cfg).generate([prompts()[0]], p, progress=False)[0].token_ids
     b = Engine(dense1, cfg).generate([prompts()[0]], p, progress=False)[0].token_ids
@@ -227,7 +265,7 @@ def test_kv_budget_is_per_device():
 
 
 def test_runner_returns_logits_at_the_rows_asked_for(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    eng = Engine(dense1, config(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
     p0, p1 = prompts()[0], prompts()[3]
     b = eng.runner.empty_batch(len(p0) + len(p1))
     for i, (p, pages) in enumerate(((p0, [0, 1]), (p1, [2, 3, 4]))):
@@ -247,7 +285,7 @@ def test_runner_returns_logits_at_the_rows_asked_for(dense1):
 
 
 def test_streamed_outputs_are_snapshots_with_lazy_text(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    eng = Engine(dense1, config(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
     outs = list(eng.stream(prompts()[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
     assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
     assert all(o.prompt_token_ids == tuple(prompts()[0]) for o in outs)
@@ -257,7 +295,7 @@ def test_streamed_outputs_are_snapshots_with_lazy_text(dense1):
 
 
 def test_session_kv_restored_from_host_matches_recompute(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=3, max_tokens_per_step=32, max_model_len=96))
+    eng = Engine(dense1, config(page_size=4, max_seqs=3, max_tokens_per_step=32, max_model_len=96))
     turn1 = prompts()[2]  # 40 tokens
     rid = eng.add_request(turn1, GREEDY, keep_kv=True)
     while eng.has_unfinished():
@@ -278,7 +316,7 @@ def test_session_kv_restored_from_host_matches_recompute(dense1):
 
 
 def test_bad_restore_is_rejected(dense1):
-    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
+    eng = Engine(dense1, config(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
     out = eng.generate([prompts()[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), progress=False)
     assert out[0].kv is None  # only keep_kv requests pay for the copy
     rid = eng.add_request(prompts()[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), keep_kv=True)
@@ -300,7 +338,7 @@ def test_bad_restore_is_rejected(dense1):
 
 
 def test_failed_host_copies_lose_nothing(dense1, reference, monkeypatch):
-    eng = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
+    eng = Engine(dense1, config(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
     rid = eng.add_request(prompts()[0], GREEDY, keep_kv=True)
     other = eng.add_request(prompts()[1], GREEDY)
     kv = None
@@ -328,7 +366,7 @@ def test_failed_host_copies_lose_nothing(dense1, reference, monkeypatch):
 
 
 def test_restored_request_restores_again_after_preemption(dense1):
-    big = Engine(dense1, EngineConfig(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
+    big = Engine(dense1, config(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96))
     turn1 = prompts()[2]
     rid = big.add_request(turn1, GREEDY, keep_kv=True)
     while big.has_unfinished():
@@ -337,7 +375,7 @@ def test_restored_request_restores_again_after_preemption(dense1):
     turn2 = list(turn1) + outs[rid].token_ids + prompts(seed=9, lengths=(7,))[0]
     # 24 pages: the fresh request (7 pages at first) and the restored one (15) fit at admission, not
     # while both decode (10 + 18 pages), so the newest, the restored one, is preempted and restores again
-    eng = Engine(dense1, EngineConfig(page_size=4, num_pages=24, max_seqs=2, max_tokens_per_step=64, max_model_len=96))
+    eng = Engine(dense1, config(page_size=4, num_pages=24, max_seqs=2, max_tokens_per_step=64, max_model_len=96))
     fresh = eng.add_request(prompts()[4], GREEDY)
     rest = eng.add_request(turn2, GREEDY, restore=kv)
     done = {}
@@ -346,3 +384,114 @@ def test_restored_request_restores_again_after_preemption(dense1):
     assert eng.stats.preemptions >= 1 and eng.stats.restored_tokens == 2 * kv.num_tokens
     ref = greedy_generate(dense1, [prompts()[4], turn2], GREEDY.max_tokens)
     assert [done[fresh].token_ids, done[rest].token_ids] == ref
+
+
+def test_generate_and_stream_keep_the_outputs_of_step_requests(dense1):
+    # generate() and a stream step the shared engine; the add_request requests they advance must
+    # reach the next step() calls: one finishes meanwhile (short), one goes on after (long)
+    eng = Engine(dense1, config(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
+    short = eng.add_request(prompts()[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    long = eng.add_request(prompts()[3], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    mine = eng.generate([prompts()[1]], GREEDY, progress=False)[0]
+    assert mine.finished and eng.requests[long].output  # the long one advanced during generate()
+    streamed = list(eng.stream(prompts()[4], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    assert streamed[-1].finished
+    reported = {short: [], long: []}
+    while eng.has_unfinished():
+        for o in eng.step():
+            reported[o.request_id].append(o)  # only add_request requests: a KeyError otherwise
+    assert not eng.step()  # everything was handed out once
+    for rid in (short, long):
+        outs = reported[rid]
+        assert outs, f"{rid}'s outputs were lost"
+        final = outs[-1]
+        assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+        assert [o.finished for o in outs].count(True) == 1 and final.finish_reason == "length"
+    assert len(reported[long][-1].token_ids) == 30 and len(reported[short][-1].token_ids) == 3
+
+
+def test_step_request_aborted_after_others_stepped_reports_the_rest(dense1):
+    eng = Engine(dense1, config(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
+    rid = eng.add_request(prompts()[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    first = eng.step()
+    eng.generate([prompts()[1]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), progress=False)
+    last = eng.abort(rid)
+    assert last.finish_reason == "abort" and first[0].new_token_ids + last.new_token_ids == last.token_ids
+    assert not eng.step()
+
+
+def test_restore_refuses_kv_of_other_weights_or_layout(dense1):
+    other = init_model(dense1.cfg, dense1.mesh, seed=2)  # same config and shapes, other weights
+    assert other.fingerprint != dense1.fingerprint
+    cfg = config(page_size=4, max_seqs=2, max_tokens_per_step=32, max_model_len=96)
+    eng = Engine(dense1, cfg)
+    rid = eng.add_request(prompts()[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), keep_kv=True)
+    while eng.has_unfinished():
+        done = {o.request_id: o for o in eng.step()}
+    kv = done[rid].kv
+    turn2 = list(kv.token_ids) + done[rid].token_ids[-1:] + [7, 8]
+    with pytest.raises(RequestError, match=f"weights '{dense1.fingerprint}' vs '{other.fingerprint}'"):
+        Engine(other, cfg).add_request(turn2, GREEDY, restore=kv)
+    with pytest.raises(RequestError, match="page_size 4 vs 8"):
+        Engine(dense1, dataclasses.replace(cfg, page_size=8)).add_request(turn2, GREEDY, restore=kv)
+    same = Engine(dense1, cfg)  # another engine over the same weights takes it
+    rid = same.add_request(turn2, GREEDY, restore=kv)
+    while same.has_unfinished():
+        done = {o.request_id: o for o in same.step()}
+    assert same.stats.restored_tokens == kv.num_tokens and len(done[rid].token_ids) == GREEDY.max_tokens
+
+
+def _gen(x):
+    yield from x
+
+
+BAD_PROMPTS = [5, None, 1.5, b"\x01\x02", bytearray(b"\x01"), {1, 2}, {1: 2}, _gen([1, 2]), np.array([1.0, 2.0]),
+               np.array([[1, 2]]), np.int64(3), [1, True], [1, 2.0], ["a"]]
+BAD_PARAMS = [  # (params, field named in the error)
+    (dict(max_tokens=2.5), "max_tokens"), (dict(max_tokens=True), "max_tokens"), (dict(max_tokens="4"), "max_tokens"),
+    (dict(top_k=2.7), "top_k"), (dict(top_k=False), "top_k"), (dict(temperature="0.5"), "temperature"),
+    (dict(temperature=None), "temperature"), (dict(top_p="1"), "top_p"), (dict(seed=1.0), "seed"),
+    (dict(seed=True), "seed"), (dict(logprobs=2.0), "logprobs"), (dict(stop_token_ids=(1.5,)), "stop_token_ids"),
+    (dict(stop_token_ids=(True,)), "stop_token_ids"), (dict(stop_token_ids="ab"), "stop_token_ids"),
+    (dict(stop_token_ids=7), "stop_token_ids"), (dict(ignore_eos=1), "ignore_eos"),
+    (dict(temperature=float("nan")), "temperature"),
+]
+
+
+def test_loose_input_is_a_request_error_and_queues_nothing(dense1):
+    from talaria_jax.engine import RequestError as PublicRequestError, SamplingError as PublicSamplingError
+
+    assert PublicRequestError is RequestError and issubclass(PublicSamplingError, RequestError)
+    eng = Engine(dense1, config(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    for p in BAD_PROMPTS:
+        for call in (lambda: eng.add_request(p, GREEDY), lambda: eng.generate([[1], p], GREEDY, progress=False),
+                     lambda: eng.stream(p, GREEDY)):
+            with pytest.raises(RequestError, match="prompt"):
+                call()
+    for kw, field in BAD_PARAMS:
+        sp = SamplingParams(**kw)
+        for call in (lambda: eng.add_request([1, 2], sp), lambda: eng.generate([[1]], [GREEDY, sp][1:], progress=False),
+                     lambda: eng.stream([1, 2], sp)):
+            with pytest.raises(SamplingError, match=field):
+                call()
+    for call in (lambda: eng.add_request([1], None), lambda: eng.generate([[1]], None, progress=False),
+                 lambda: eng.stream([1], None)):
+        with pytest.raises(RequestError, match="params must be a SamplingParams"):
+            call()
+    with pytest.raises(RequestError, match="prompts must be a list or tuple"):
+        eng.generate("hello", GREEDY, progress=False)
+    with pytest.raises(RequestError, match="request_id must be a str"):
+        eng.add_request([1], GREEDY, request_id=3)
+    with pytest.raises(RequestError, match="keep_kv must be a bool"):
+        eng.add_request([1], GREEDY, keep_kv="yes")
+    assert not eng.has_unfinished() and not eng.requests and not eng.step()  # nothing was queued
+    # valid: lists and tuples of ints (numpy ints too) and 1-D integer arrays; the first takes arrival 0
+    assert eng.add_request(np.array([1, 2, 3], np.int32), GREEDY) == "req-0"
+    eng.add_request((np.int64(4), 5), dataclasses.replace(GREEDY, max_tokens=np.int64(2), temperature=np.float32(0)))
+    outs = eng.generate([[1, 2, 3], np.arange(4)], GREEDY, progress=False)
+    assert all(o.finished for o in outs)
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(dense1):
+    with pytest.raises(ValueError, match=r"max_model_len \(8192\) exceeds tiny-dense's max_position \(4096\)"):
+        Engine(dense1, config(max_model_len=8192))

@@ -67,7 +67,8 @@ def test_paged_engine_greedy_matches_golden(loaded):
     from talaria_jax.engine import Engine, EngineConfig, SamplingParams
 
     name, model, prompts, golden = loaded
-    eng = Engine(model, EngineConfig(page_size=4, max_seqs=3, max_tokens_per_step=16, max_model_len=64))
+    eng = Engine(model, EngineConfig(page_size=4, max_seqs=3, max_tokens_per_step=16, max_model_len=64,
+                                     warmup=False))
     outs = eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), progress=False)
     assert [o.token_ids for o in outs] == golden["greedy"].tolist(), name
 

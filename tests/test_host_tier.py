@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from talaria_jax.kvcache.host_tier import HostTier
+from talaria_jax.kvcache.host_tier import HostTier, KVSource, padded_page_counts
 from talaria_jax.kvcache.pool import allocate_pool, buffer_pointers, pool_spec
 from talaria_jax.models import load_model_config
 from talaria_jax.sharding import make_mesh
@@ -59,7 +59,37 @@ def test_restore_checks_the_destination():
     with pytest.raises(ValueError, match="holds 2 pages but 3 destination pages"):
         tier.restore(pool, kv, [3, 4, 5])
     other = HostTier(dataclasses.replace(spec, kv_heads=2), mesh)  # another model's layout
-    with pytest.raises(ValueError, match="does not fit this pool"):
+    with pytest.raises(ValueError, match="kv_heads 4 vs 2"):
         other.restore(allocate_pool(other.spec, mesh), kv, [3, 4])
+    with pytest.raises(ValueError, match="does not fit this pool"):  # a copy whose data was swapped
+        tier.restore(pool, dataclasses.replace(kv, data=kv.data[:, :, :1]), [3, 4])
     with pytest.raises(ValueError, match="5 tokens need 2 pages of 4, got 1"):
         tier.offload(pool, [1], range(5))
+
+
+def test_copies_carry_their_source_and_a_mismatch_names_it():
+    mesh = make_mesh(jax.devices()[:1])
+    spec = pool_spec(load_model_config("tiny-dense"), 4, mesh, num_pages=8)
+    pool, _ = _filled_pool(spec, mesh)
+    tier = HostTier(spec, mesh, model="tiny-dense", weights="aaa")
+    kv = tier.offload(pool, [1, 2], range(5))
+    assert kv.source == KVSource("tiny-dense", "aaa", 4, spec.num_layers, spec.kv_heads, spec.head_dim, "float32")
+    HostTier(spec, mesh, model="tiny-dense", weights="aaa").check(kv)  # same weights and layout, another tier
+    with pytest.raises(ValueError, match="weights 'aaa' vs 'bbb'"):
+        HostTier(spec, mesh, model="tiny-dense", weights="bbb").check(kv)
+    with pytest.raises(ValueError, match="model 'tiny-dense' vs 'other'.*weights 'aaa' vs 'bbb'"):
+        HostTier(spec, mesh, model="other", weights="bbb").check(kv)
+
+
+def test_warmup_compiles_every_padded_page_count():
+    mesh = make_mesh(jax.devices()[:1])
+    spec = pool_spec(load_model_config("tiny-dense"), 4, mesh, num_pages=24)
+    assert padded_page_counts(1) == (1,) and padded_page_counts(5) == (1, 2, 4, 8)
+    pool, full = _filled_pool(spec, mesh)
+    tier = HostTier(spec, mesh)
+    pool = tier.warmup(pool, 5)
+    assert tier.compilations == 2 * 4
+    np.testing.assert_array_equal(_host(pool), full)  # all padding: nothing read or written
+    for pages in ([1], [2, 3], [4, 5, 6], [7, 8, 9, 10, 11]):
+        pool = tier.restore(pool, tier.offload(pool, pages, range(4 * len(pages))), pages)
+    assert tier.compilations == 2 * 4

@@ -51,7 +51,7 @@ def test_sampling_frequencies_follow_the_distribution():
 
 def test_logprobs_are_model_log_softmax(small):
     model = small
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    eng = Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64, warmup=False))
     prompt = [5, 6, 7, 8, 9]
     out = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True),
                        progress=False)[0]
@@ -70,7 +70,7 @@ def small():
 
 
 def test_interleaved_streams_each_get_every_token(small):
-    eng = Engine(small, EngineConfig(page_size=8, max_seqs=3, max_tokens_per_step=32, max_model_len=64))
+    eng = Engine(small, EngineConfig(page_size=8, max_seqs=3, max_tokens_per_step=32, max_model_len=64, warmup=False))
     other = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     a = eng.stream([4, 5, 6], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     b = eng.stream([7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -90,7 +90,7 @@ def test_interleaved_streams_each_get_every_token(small):
 
 
 def test_stream_checks_input_at_call_and_close_aborts(small):
-    eng = Engine(small, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    eng = Engine(small, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64, warmup=False))
     with pytest.raises(SamplingError, match="max_tokens"):
         eng.stream([1], SamplingParams(max_tokens=0))  # raised here, not at the first next()
     it = eng.stream([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

@@ -1,12 +1,14 @@
 """The same model on TP=8, on one device, and on a 4-device mesh of devices 4-7."""
+import logging
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from talaria_jax.models import greedy_generate, init_model, load_model_config
-from talaria_jax.models.model import forward
-from talaria_jax.sharding import make_mesh, spec_for
+from talaria_jax.models.model import abstract_model, forward
+from talaria_jax.sharding import make_mesh, rules, spec_for
 
 PROMPTS = [[5, 17, 300, 42, 9], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [77]]
 
@@ -56,3 +58,18 @@ def test_rules_table():
 def test_make_mesh_errors():
     with pytest.raises(ValueError, match=r"tp \(3\) x ep \(1\) must equal the number of devices \(8\)"):
         make_mesh(jax.devices(), tp=3)
+
+
+def test_replication_is_logged_once_per_model_with_its_cost(monkeypatch, caplog):
+    monkeypatch.setattr(rules, "_REPORTED", set())  # other tests may have sharded these models already
+    cfg = load_model_config("tiny-dense")
+    tp8, tp4 = make_mesh(jax.devices(), tp=8), make_mesh(jax.devices()[:4], tp=4)
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        for _ in range(3):
+            abstract_model(cfg, tp8)  # every loader and init_model shards the state like this
+        abstract_model(cfg, tp4)  # 4 kv heads on 4 ranks: nothing replicated, nothing said
+    logged = [r.getMessage() for r in caplog.records if "not divisible" in r.getMessage()]
+    # k_proj and v_proj of 4 layers: 256 x 4 x 32 fp32 each, held whole instead of 1/8 per device
+    extra = 2 * 4 * 256 * 4 * 32 * 4 * 7 / 8 / 2**20
+    assert logged == [f"sharding on mesh {{'ep': 1, 'tp': 8}}: kv_heads 4 not divisible by tp=8: "
+                      f"blocks.*.attn.k_proj, blocks.*.attn.v_proj replicated, +{extra:.2f} MiB per device"]

@@ -6,6 +6,10 @@ request needs a page and none is free, the most recently admitted request is pre
 recompute: its pages are freed and it goes back to the head of the queue with the tokens it has
 generated, so nothing is lost or duplicated (seeded sampling keys on the output index, so even a
 sampled request resumes with the same tokens).
+
+Each request is reported to the caller that queued it: `step()` reports the requests of
+`add_request`, `generate()` and `stream()` their own. Whoever steps the engine, progress of
+`add_request` requests is kept until the next `step()` hands it out, once.
 """
 from __future__ import annotations
 
@@ -14,11 +18,14 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+from absl import logging
 from tqdm.auto import tqdm
 
+from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.runner import Runner
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.allocator import OutOfPages, PageAllocator, SequencePages
@@ -27,9 +34,7 @@ from talaria_jax.kvcache.pool import pool_spec
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
 
-
-class RequestError(ValueError):
-    """A request the engine cannot take; the message names the field and the limit."""
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestError", "RequestOutput", "StepError"]
 
 
 class StepError(RuntimeError):
@@ -48,11 +53,16 @@ class EngineConfig:
     pages_per_block: int = 4            # attention block width in pages (4 x 16 tokens was fastest on CPU)
     query_tile: int = 16                # prefill tokens of one sequence that share each page-block read
     seed: int = 0                         # seeds requests that carry no seed of their own (stable across runs)
+    # Compile every step shape and host-tier copy at construction (`Engine.warmup`), so serving never
+    # stalls on a compile; with `enable_compilation_cache` a later process loads them instead.
+    warmup: bool = True
 
     def validate(self) -> None:
         for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block", "query_tile"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if not isinstance(self.warmup, bool):
+            raise ValueError(f"EngineConfig.warmup must be a bool, got {self.warmup!r}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig: set num_pages or kv_memory_bytes_per_device, not both")
         if self.max_tokens_per_step < self.max_seqs:
@@ -103,6 +113,8 @@ class _Request:
     keep_kv: bool = False  # offload the KV to host memory when the request finishes
     restore: HostKV | None = None  # KV of a prompt prefix to restore from host memory at admission
     kv: HostKV | None = None  # the offloaded KV, once finished
+    owner: str = "step"  # who reports it: "step" (add_request), "generate" or "stream"
+    reported: int = 0  # output tokens step() has handed out (owner "step")
 
     @property
     def num_tokens(self) -> int:
@@ -130,37 +142,61 @@ class Engine:
     """Continuous-batching generation over one model on one mesh."""
 
     def __init__(self, model: ShardedModel, config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None):
+        """Allocates the KV pool and, unless `config.warmup` is off, compiles everything serving runs."""
         config.validate()
+        if config.max_model_len > model.cfg.max_position:
+            raise ValueError(f"EngineConfig.max_model_len ({config.max_model_len}) exceeds {model.cfg.name}'s "
+                             f"max_position ({model.cfg.max_position})")
         self.model, self.config = model, config
         self.cfg = model.cfg
         self.tokenizer = tokenizer or ByteTokenizer()
-        max_pages_per_seq = -(-config.max_model_len // config.page_size)
+        self.max_pages_per_seq = max_pages_per_seq = -(-config.max_model_len // config.page_size)
         num_pages = config.num_pages
         if num_pages is None and config.kv_memory_bytes_per_device is None:
             num_pages = config.max_seqs * max_pages_per_seq
         self.pool_spec = pool_spec(self.cfg, config.page_size, model.mesh, num_pages=num_pages,
                                    memory_bytes_per_device=config.kv_memory_bytes_per_device)
         self.allocator = PageAllocator(self.pool_spec.num_pages)
-        self.host_tier = HostTier(self.pool_spec, model.mesh)
+        self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.cfg.name, weights=model.fingerprint)
         self.runner = Runner(model, self.pool_spec, max_seqs=config.max_seqs, max_pages_per_seq=max_pages_per_seq,
                              max_tokens_per_step=config.max_tokens_per_step, pages_per_block=config.pages_per_block,
                              query_tile=config.query_tile)
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
-        self.requests: dict[str, _Request] = {}  # in flight; finished ones leave once reported
+        self.requests: dict[str, _Request] = {}  # in flight; finished ones leave at once
         self.stats = EngineStats()
         self._arrivals = itertools.count()
+        # add_request requests with progress step() has not handed out yet, in the order they made it
+        self._unreported: dict[_Request, None] = {}
+        if config.warmup:
+            self.warmup(progress=None)
+
+    def warmup(self, progress: bool | None = None) -> None:
+        """Compiles every program serving runs: each step shape (`Runner.step_shapes`), and the host
+        tier's gather and scatter for every padded page count a sequence's copy can take (powers of
+        two up to max_pages_per_seq, a handful), so a steady workload with offloads and restores
+        compiles nothing more. Nothing in the pool changes. progress: a bar, none, or (None) one
+        only on a terminal."""
+        t0, steps, copies = time.perf_counter(), self.runner.compilations, self.host_tier.compilations
+        self.runner.warmup(progress)
+        self.runner.kv = self.host_tier.warmup(self.runner.kv, self.max_pages_per_seq)
+        logging.info("engine warm-up: %d step programs and %d host-tier programs built in %.1f s",
+                     self.runner.compilations - steps, self.host_tier.compilations - copies, time.perf_counter() - t0)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, *, keep_kv: bool = False, restore: HostKV | None = None) -> str:
-        """Queues a request; bad input raises RequestError/SamplingError and changes nothing.
-        A string prompt is encoded without BOS (prepend it yourself if the model wants one).
-        `keep_kv`: when the request finishes, its KV goes to host memory (`RequestOutput.kv`).
-        `restore`: such a KV (of this engine's pool) for a prefix of `prompt`; it is copied back into
-        the pool at admission instead of being recomputed, and the prompt must start with its tokens."""
+        """Queues a request, reported by `step()`; bad input raises RequestError (SamplingError is one)
+        naming the field and changes nothing. The prompt is a str, a list or tuple of int token ids, or
+        a 1-D integer numpy array; a str is encoded without BOS (prepend it yourself if the model wants
+        one). `keep_kv`: when the request finishes, its KV goes to host memory (`RequestOutput.kv`).
+        `restore`: such a KV (of the same weights and page layout) for a prefix of `prompt`; it is
+        copied back into the pool at admission instead of being recomputed, and the prompt must start
+        with its tokens."""
+        if not isinstance(keep_kv, (bool, np.bool_)):
+            raise RequestError(f"keep_kv must be a bool, got {keep_kv!r} ({type(keep_kv).__name__})")
         req = self._make_request(prompt, params, request_id, restore)
-        req.keep_kv, req.restore = keep_kv, restore
+        req.keep_kv, req.restore = bool(keep_kv), restore
         return self._enqueue(req)
 
     def _check_restore(self, prompt: tuple[int, ...], kv: HostKV) -> None:
@@ -179,14 +215,39 @@ class Engine:
                                f"({prompt[i]} vs {kv.token_ids[i]})")
 
     def _enqueue(self, req: _Request) -> str:
+        req.arrival = next(self._arrivals)
+        rid = req.id
+        while rid is None or rid in self.requests:
+            rid = f"req-{req.arrival}" if rid is None else f"{rid}+"
+        req.id = rid
+        req.seed = req.params.seed if req.params.seed is not None else _stable_seed(self.config.seed, req.arrival)
         self.requests[req.id] = req
         self.waiting.append(req)
         return req.id
 
+    def _prompt_ids(self, prompt) -> list:
+        """The prompt's token ids (not yet checked one by one); RequestError for any other type: bytes,
+        sets, dicts and iterators are not prompts, and a number is not a prompt of one token."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise RequestError(f"prompt array must be 1-D of integers, got shape {prompt.shape} {prompt.dtype}")
+            return prompt.tolist()
+        hint = " (decode bytes to a str first)" if isinstance(prompt, (bytes, bytearray)) else ""
+        raise RequestError(f"prompt must be a str, a list or tuple of int token ids or a 1-D integer numpy array, "
+                           f"got {type(prompt).__name__}{hint}")
+
     def _make_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None,
-                      restore: HostKV | None = None) -> _Request:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                      restore: HostKV | None = None, owner: str = "step") -> _Request:
+        ids = self._prompt_ids(prompt)
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.cfg.vocab_size)
+        if request_id is not None and not isinstance(request_id, str):
+            raise RequestError(f"request_id must be a str or None, got {type(request_id).__name__}")
         if not ids:
             raise RequestError("prompt is empty")
         for i, t in enumerate(ids):
@@ -202,16 +263,15 @@ class Engine:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if restore is not None:
             self._check_restore(tuple(int(t) for t in ids), restore)
-        arrival = next(self._arrivals)
-        rid = request_id
-        while rid is None or rid in self.requests:
-            rid = f"req-{arrival}" if rid is None else f"{rid}+"
-        seed = params.seed if params.seed is not None else _stable_seed(self.config.seed, arrival)
-        return _Request(rid, tuple(int(t) for t in ids), params, seed, arrival, SequencePages(self.config.page_size))
+        # id, seed and arrival come at _enqueue: a request rejected here (or a batch that fails on a
+        # later prompt) takes no arrival, so the next one gets the default seed it would have had
+        return _Request(request_id, tuple(int(t) for t in ids), params, -1, -1, SequencePages(self.config.page_size),
+                        owner=owner)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request; its pages are freed and its partial output is returned (None if it is not
-        in flight)."""
+        in flight). For an add_request request this output is its last report: its new_token_ids are
+        those step() has not handed out, and step() reports it no more."""
         req = self.requests.get(request_id)
         if req is None or req.finish_reason:
             return None
@@ -219,7 +279,10 @@ class Engine:
             self.waiting.remove(req)
         self._finish(req, "abort")
         del self.requests[req.id]
-        return self._output(req)
+        if req.owner != "step":
+            return self._output(req)
+        self._unreported.pop(req, None)
+        return self._report(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -272,7 +335,26 @@ class Engine:
         return batch
 
     def step(self) -> list[RequestOutput]:
-        """Runs one batched step; returns outputs of requests that produced tokens or finished."""
+        """Runs one batched step. Returns one output per add_request request that gained tokens or
+        finished since the last step() call, whoever stepped the engine in between (generate() and
+        streams do), in the order they did: new_token_ids holds the tokens not handed out before, so
+        they add up to token_ids, and a finish is reported once. Requests of generate() and stream()
+        are reported by those, not here. On StepError nothing is lost: the next call reports it."""
+        self._advance()
+        return self._drain()
+
+    def _report(self, req: _Request) -> RequestOutput:
+        out = self._output(req, new=req.output[req.reported:])
+        req.reported = len(req.output)
+        return out
+
+    def _drain(self) -> list[RequestOutput]:
+        outs = [self._report(req) for req in self._unreported]
+        self._unreported.clear()
+        return outs
+
+    def _advance(self) -> list[_Request]:
+        """Runs one batched step; returns the requests that gained a token (finished ones included)."""
         restores: list[_Request] = []
         batch = self._schedule(restores)
         if not batch:
@@ -317,7 +399,6 @@ class Engine:
                 self.stats.decode_tokens += min(n, req.num_computed + n - len(req.prompt))
             self.stats.prefill_tokens += max(0, min(req.num_computed + n, len(req.prompt)) - req.num_computed)
             req.num_computed += n
-        results = []
         for r, req in enumerate(rows):
             tok = int(out.tokens[r])
             req.output.append(tok)
@@ -329,8 +410,9 @@ class Engine:
             if reason:
                 self._finish(req, reason)
                 del self.requests[req.id]
-            results.append(self._output(req, new=[tok]))
-        return results
+            if req.owner == "step":
+                self._unreported.setdefault(req, None)  # kept until step() hands it out
+        return rows
 
     def _stop_reason(self, req: _Request, tok: int) -> str | None:
         p = req.params
@@ -367,32 +449,42 @@ class Engine:
     # ---- library API ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
                  = SamplingParams(), progress: bool = True) -> list[RequestOutput]:
-        """Runs all prompts to completion; outputs in prompt order. Any invalid prompt raises before
-        anything is queued."""
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        """Runs all prompts (a list or tuple of prompts, each as `add_request` takes it) to completion;
+        outputs in prompt order. Any invalid prompt or params raises RequestError before anything is
+        queued. Requests queued with add_request advance too; step() reports their progress later."""
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a list or tuple of prompts, got {type(prompts).__name__}")
+        if isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        elif isinstance(params, (list, tuple)):
+            plist = list(params)
+        else:
+            raise RequestError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         if len(plist) != len(prompts):
             raise RequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
-                reqs.append(self._make_request(p, sp, None))
+                reqs.append(self._make_request(p, sp, None, owner="generate"))
             except ValueError as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         for req in reqs:
             self._enqueue(req)
-        ours = {r.id for r in reqs}
+        ours = set(reqs)
         with tqdm(total=len(reqs), desc="generate", disable=not progress or len(reqs) < 2, leave=False) as bar:
             while any(not r.finish_reason for r in reqs) and self.has_unfinished():
-                bar.update(sum(o.finished for o in self.step() if o.request_id in ours))
+                bar.update(sum(1 for r in self._advance() if r in ours and r.finish_reason))
         return [self._output(r) for r in reqs]
 
     def stream(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
                request_id: str | None = None) -> Iterator[RequestOutput]:
         """Queues the request now (bad input raises here) and returns an iterator that yields its
         output whenever it gains tokens, ending with the finished output. Other requests advance
-        too; several streams may be interleaved. Closing the iterator early aborts the request."""
-        rid = self.add_request(prompt, params, request_id)
-        return self._stream(self.requests[rid])
+        too; several streams may be interleaved, and step() reports the add_request ones later. Closing
+        the iterator early aborts the request."""
+        req = self._make_request(prompt, params, request_id, owner="stream")
+        self._enqueue(req)
+        return self._stream(req)
 
     def _stream(self, req: _Request) -> Iterator[RequestOutput]:
         seen = 0
@@ -401,7 +493,7 @@ class Engine:
                 if len(req.output) == seen:
                     if not self.has_unfinished():
                         break
-                    self.step()
+                    self._advance()
                 if len(req.output) > seen and not req.finish_reason:
                     out, seen = self._output(req, new=req.output[seen:]), len(req.output)
                     yield out  # other callers may step while we are suspended here

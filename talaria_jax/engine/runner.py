@@ -150,11 +150,13 @@ class Runner:
                 return query_tiles(runs, t, q, next(n for n in counts if n >= need))
         return single_token_tiles(b.seq, b.num_tokens)
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none."""
+    def warmup(self, progress: bool | None = True) -> None:
+        """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none.
+        progress: a bar (True), none (False), or a bar only on a terminal (None)."""
         from tqdm.auto import tqdm
 
-        for t, q, n in tqdm(self.step_shapes(), desc="compiling step shapes", disable=not progress):
+        for t, q, n in tqdm(self.step_shapes(), desc="compiling step shapes", leave=False,
+                            disable=None if progress is None else not progress):
             b = self.empty_batch(t)
             self._run(b, *query_tiles([], t, q, n))
 

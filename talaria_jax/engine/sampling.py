@@ -6,16 +6,33 @@ the same tokens whatever else shares the batch (and after a preemption that reco
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from talaria_jax.engine.errors import RequestError
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
-class SamplingError(ValueError):
-    """A sampling parameter out of range; the message names the field and the limit."""
+class SamplingError(RequestError):
+    """A sampling parameter of the wrong type or out of range; the message names the field and the limit.
+    A RequestError, so one `except RequestError` catches every bad request."""
+
+
+def _is_int(x) -> bool:
+    # bool is an int subclass, but True as a token count or seed is a caller's mistake
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _kind(x) -> str:
+    return f"{x!r} ({type(x).__name__})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +48,25 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per token, besides the chosen token's
 
     def validate(self, vocab_size: int) -> None:
+        """SamplingError (a RequestError) naming the field unless every field has its type and range:
+        ints are ints (not bools, not floats: 2.5 is not silently truncated), floats are real numbers."""
+        for f in ("max_tokens", "top_k"):
+            if not _is_int(getattr(self, f)):
+                raise SamplingError(f"{f} must be an integer, got {_kind(getattr(self, f))}")
+        for f in ("temperature", "top_p"):
+            if not _is_real(getattr(self, f)):
+                raise SamplingError(f"{f} must be a real number, got {_kind(getattr(self, f))}")
+        for f in ("seed", "logprobs"):
+            if getattr(self, f) is not None and not _is_int(getattr(self, f)):
+                raise SamplingError(f"{f} must be an integer or None, got {_kind(getattr(self, f))}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise SamplingError(f"ignore_eos must be a bool, got {_kind(self.ignore_eos)}")
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise SamplingError(f"stop_token_ids must be a tuple or list of token ids, got "
+                                f"{type(self.stop_token_ids).__name__}")
+        for i, t in enumerate(self.stop_token_ids):
+            if not _is_int(t):
+                raise SamplingError(f"stop_token_ids[{i}] must be an integer token id, got {_kind(t)}")
         if self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
