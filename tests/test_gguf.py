@@ -384,11 +384,49 @@ def test_unsupported_metadata_is_refused(kv, match, tmp_path):
         config_from_gguf(tmp_path / "m.gguf")
 
 
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float, old: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for Llama-3 scaling (written out here, not the decoder's code):
+    1 for high frequencies, `factor` for low ones, a smooth blend between."""
+    out = []
+    for f in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def test_llama3_rope_freqs_match_hf_rope_scaling(tmp_path):
+    """GGUF stores Llama-3 RoPE scaling as per-frequency divisors; the HF config as rope_scaling. Same logits."""
+    s = dict(TINY, theta=500000.0)
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)  # small: the tiny head's frequencies span all three regimes
+    factors = llama3_rope_factors(s["head_dim"], s["theta"], 8.0, 1.0, 4.0, 64)
+    assert len(set(factors.tolist())) > 2
+    weights = hf_weights(s, np.random.default_rng(15))
+    held = write_gguf(tmp_path / "m.gguf", "llama", s, weights,
+                      extra_tensors={"rope_freqs.weight": (factors, None)})
+    write_hf(tmp_path / "hf", "llama", s, held, rope_scaling=scaling)
+    ours = load_gguf(tmp_path / "m.gguf", progress=False)
+    assert ours.cfg.rope_freq_factors == tuple(factors.tolist())
+    tokens = np.arange(200, dtype=np.int32)[None] % s["vocab"]  # long enough for the low frequencies to matter
+    ref = load_hf_checkpoint(tmp_path / "hf", progress=False)
+    theirs = np.asarray(forward(ref, tokens))
+    np.testing.assert_allclose(np.asarray(forward(ours, tokens)), theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+    write_hf(tmp_path / "hf-unscaled", "llama", s, held)  # without the scaling the logits differ: the test can fail
+    unscaled = np.asarray(forward(load_hf_checkpoint(tmp_path / "hf-unscaled", progress=False), tokens))
+    assert np.abs(unscaled - theirs).max() > 1e-3 * np.abs(theirs).max()
+
+
 def test_rope_freqs_unused_and_missing_tensors_are_refused(tmp_path):
     weights = hf_weights(TINY, np.random.default_rng(13))
     path = tmp_path / "m.gguf"
-    write_gguf(path, "llama", TINY, weights, extra_tensors={"rope_freqs.weight": (np.ones(8, np.float32), None)})
-    with pytest.raises(CheckpointError, match=r"'rope_freqs\.weight'.*llama3"):
+    write_gguf(path, "llama", TINY, weights, extra_tensors={"rope_freqs.weight": (np.ones(5, np.float32), None)})
+    with pytest.raises(CheckpointError, match=r"'rope_freqs\.weight' has 5 factors; the head size 16 needs 8"):
         load_gguf(path, progress=False)
     write_gguf(path, "llama", TINY, weights, extra_tensors={"blk.0.attn_output.bias": (np.ones(64, np.float32), None)})
     with pytest.raises(CheckpointError, match=r"tensors this config does not use.*'blk\.0\.attn_output\.bias'"):

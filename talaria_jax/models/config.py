@@ -63,6 +63,9 @@ class ModelConfig:
     ffn_size: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Per-frequency divisors of RoPE's inverse frequencies (rotary_dim / 2 of them): how GGUF files store
+    # Llama-3 scaling (llama.cpp's `rope_freqs` tensor); empty = none.
+    rope_freq_factors: tuple[float, ...] = ()
     # Fraction of head_dim that is rotated (GLM-4.5: 0.5).
     partial_rotary_factor: float = 1.0
     norm_eps: float = 1e-6
@@ -101,6 +104,12 @@ class ModelConfig:
         if self.moe is not None and not 1 <= self.moe.top_k <= self.moe.num_experts:
             raise config_io.ConfigError(
                 f"{self.name}: moe.top_k ({self.moe.top_k}) must be in [1, moe.num_experts={self.moe.num_experts}]")
+        if self.rope_freq_factors:
+            if len(self.rope_freq_factors) != self.rotary_dim // 2:
+                raise config_io.ConfigError(f"{self.name}: rope_freq_factors has {len(self.rope_freq_factors)} entries, "
+                                            f"rotary_dim / 2 is {self.rotary_dim // 2}")
+            if self.rope_scaling is not None:
+                raise config_io.ConfigError(f"{self.name}: set rope_scaling or rope_freq_factors, not both")
         for field in ("weight_dtype", "kv_dtype"):
             if getattr(self, field) not in _DTYPE_BYTES:
                 raise config_io.ConfigError(f"{self.name}: {field} {getattr(self, field)!r} not in {sorted(_DTYPE_BYTES)}")

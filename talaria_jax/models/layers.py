@@ -19,9 +19,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies for the rotated part of each head, with Llama-3 scaling if configured."""
+    """Inverse frequencies for the rotated part of each head, with Llama-3 scaling (as HF's rope_scaling
+    or as GGUF's per-frequency factors) if configured."""
     dim = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if cfg.rope_freq_factors:  # ggml divides each frequency by its factor (GGUF's rope_freqs)
+        return (inv / np.asarray(cfg.rope_freq_factors, np.float64)).astype(np.float32)
     sc = cfg.rope_scaling
     if sc is None:
         return inv.astype(np.float32)

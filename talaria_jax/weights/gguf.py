@@ -22,6 +22,7 @@ from talaria_jax.sharding import make_mesh
 from talaria_jax.weights.hf import FULL_HASH_BYTES, CheckpointError, build_model, file_digest
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_FREQS = "rope_freqs.weight"  # per-frequency RoPE divisors (Llama-3 scaling); read into the config
 
 # (values per block, bytes per block) of ggml's block structs.
 QK, QK_K = 32, 256
@@ -236,10 +237,7 @@ def _config(reader: GGUFReader, name: str, dtype: str) -> ModelConfig:
         v = _field(reader, f"{arch}.{suffix}")
         if v is not None and v not in harmless:
             raise CheckpointError(f"GGUF metadata {arch}.{suffix}={v!r} is not supported by this decoder")
-    tensors = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:  # llama3 RoPE scaling stored as per-frequency factors, not as metadata
-        raise CheckpointError("GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors, llama3 scaling) is not "
-                              "supported; load the HF checkpoint, whose rope_scaling metadata is")
+    tensors = {t.name: t for t in reader.tensors}
 
     def key(k, default=None, **kw):
         return _int(reader, f"{arch}.{k}", default, **kw)
@@ -247,6 +245,13 @@ def _config(reader: GGUFReader, name: str, dtype: str) -> ModelConfig:
     heads = key("attention.head_count", required=True)
     hidden = key("embedding_length", required=True)
     head_dim = key("attention.key_length", hidden // heads)
+    factors = ()
+    if ROPE_FREQS in tensors:  # Llama-3 RoPE scaling, stored as a divisor per frequency rather than as metadata
+        t = tensors[ROPE_FREQS]
+        factors = tuple(float(f) for f in dequantize(t.data, t.tensor_type, (int(t.n_elements),), ROPE_FREQS))
+        if len(factors) != head_dim // 2:
+            raise CheckpointError(f"GGUF tensor {ROPE_FREQS!r} has {len(factors)} factors; the head size "
+                                  f"{head_dim} needs {head_dim // 2}")
     if key("attention.value_length", head_dim) != head_dim:
         raise CheckpointError(f"GGUF metadata {arch}.attention.value_length={key('attention.value_length')} differs "
                               f"from key_length {head_dim}; equal lengths are supported")
@@ -266,6 +271,7 @@ def _config(reader: GGUFReader, name: str, dtype: str) -> ModelConfig:
         num_heads=heads, num_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
         ffn_size=key("feed_forward_length", required=True),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),  # llama.cpp's default when absent
+        rope_freq_factors=factors,
         norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", required=True)),
         qk_norm=arch == "qwen3", attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         tie_embeddings="output.weight" not in tensors, max_position=key("context_length", 32768),
@@ -290,8 +296,9 @@ def gguf_fingerprint(path: str | pathlib.Path) -> str:
 def config_from_gguf(path: str | pathlib.Path, name: str | None = None, dtype: str = "float32") -> ModelConfig:
     """Our ModelConfig from a GGUF file's metadata (architectures llama, qwen2, qwen3).
 
-    Metadata or tensors that change the maths and are not implemented (experts, sliding windows, RoPE
-    scaling, `rope_freqs.weight`, ...) raise CheckpointError naming the key.
+    Llama-3 RoPE scaling stored as `rope_freqs.weight` becomes `rope_freq_factors`. Metadata that changes
+    the maths and is not implemented (experts, sliding windows, other RoPE scaling, ...) raises
+    CheckpointError naming the key.
     """
     path = pathlib.Path(path)
     return _config(_open(path), name or path.stem, dtype)
@@ -330,6 +337,8 @@ def load_gguf(path: str | pathlib.Path, mesh: Mesh | None = None, dtype: str | N
     cfg = _config(reader, path.stem, dtype or _default_dtype(reader))
     by_hf = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # in the config (rope_freq_factors), not a parameter
+            continue
         n = hf_name(t.name)
         if n is None:
             raise CheckpointError(f"GGUF tensor {t.name!r} has no counterpart in this decoder")
