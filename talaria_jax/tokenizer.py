@@ -20,6 +20,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def save(self, folder: str | pathlib.Path) -> None:
+        """Writes what `load_tokenizer(folder)` needs to rebuild this tokenizer."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0-255; then BOS 256, EOS 257, PAD 258. Ids >= 259 decode to nothing."""
@@ -35,6 +38,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def save(self, folder: str | pathlib.Path) -> None:
+        """Nothing to write: a folder without a tokenizer file loads as the byte tokenizer."""
+
 
 class HFTokenizer:
     """A checkpoint's tokenizer.json via the `tokenizers` library."""
@@ -42,6 +48,7 @@ class HFTokenizer:
     def __init__(self, path: str | pathlib.Path, bos_id: int | None = None, eos_id: int | None = None):
         from tokenizers import Tokenizer as _Tok
 
+        self.path = pathlib.Path(path)
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_id, self.eos_id = bos_id, eos_id
@@ -53,6 +60,16 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def save(self, folder: str | pathlib.Path) -> None:
+        """Copies tokenizer.json into folder, with its bos/eos ids beside it (`HF_IDS_FILE`)."""
+        folder = pathlib.Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tokenizer.json").write_bytes(self.path.read_bytes())
+        (folder / HF_IDS_FILE).write_text(json.dumps({"bos_id": self.bos_id, "eos_id": self.eos_id}))
+
+
+HF_IDS_FILE = "talaria_tokenizer_ids.json"  # bos/eos of a saved HFTokenizer (tokenizer.json does not say)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,7 +287,7 @@ class GGUFTokenizer:
         vocabulary, json ~0.1 s, and this file is read on every cached load."""
         path = pathlib.Path(folder) / GGUF_TOKENIZER_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.metadata(), ensure_ascii=False))
+        path.write_text(json.dumps(self.metadata(), ensure_ascii=False), encoding="utf-8")
         return path
 
     # -- vocabulary ----------------------------------------------------------------------------
@@ -545,8 +562,13 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], a
             if not isinstance(tool, Mapping):
                 raise ValueError(f"tools[{n}] must be a JSON-schema dict, got {type(tool).__name__}")
     variables.setdefault("documents", None)
-    return _compiled_chat_template(template).render(messages=_checked_messages(messages), tools=tools,
-                                                    add_generation_prompt=add_generation_prompt, **variables)
+    import jinja2
+
+    try:
+        return _compiled_chat_template(template).render(messages=_checked_messages(messages), tools=tools,
+                                                        add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as e:  # e.g. the template's raise_exception("...roles must alternate...")
+        raise ValueError(f"chat template: {e}") from None
 
 
 def load_tokenizer(checkpoint_dir: str | pathlib.Path | None = None, bos_id: int | None = None,
@@ -559,7 +581,8 @@ def load_tokenizer(checkpoint_dir: str | pathlib.Path | None = None, bos_id: int
     if path.is_file() and path.suffix == ".gguf":
         return GGUFTokenizer.from_gguf(path)
     if (path / "tokenizer.json").exists():
-        return HFTokenizer(path / "tokenizer.json", bos_id, eos_id)
+        saved = json.loads((path / HF_IDS_FILE).read_text()) if (path / HF_IDS_FILE).exists() else {}
+        return HFTokenizer(path / "tokenizer.json", saved.get("bos_id", bos_id), saved.get("eos_id", eos_id))
     if (path / GGUF_TOKENIZER_FILE).exists():
-        return GGUFTokenizer.from_metadata(json.loads((path / GGUF_TOKENIZER_FILE).read_text()))
+        return GGUFTokenizer.from_metadata(json.loads((path / GGUF_TOKENIZER_FILE).read_text(encoding="utf-8")))
     return ByteTokenizer()

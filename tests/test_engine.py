@@ -410,6 +410,54 @@ def test_generate_and_stream_keep_the_outputs_of_step_requests(dense1):
     assert len(reported[long][-1].token_ids) == 30 and len(reported[short][-1].token_ids) == 3
 
 
+def test_step_request_finished_during_generate_keeps_has_unfinished_true(dense1):
+    # the usual `while has_unfinished(): step()` loop must still collect a request that finished while
+    # generate() drove the engine and nothing else is left to run
+    eng = Engine(dense1, config(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
+    short = eng.add_request(prompts()[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    eng.generate([prompts()[1]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), progress=False)
+    assert eng.has_unfinished()
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [o.request_id for o in outs] == [short] and outs[0].finished and len(outs[0].token_ids) == 2
+
+
+def test_unstarted_stream_closed_or_dropped_aborts_its_request(dense1):
+    eng = Engine(dense1, config(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    s = eng.stream(prompts()[0], params)
+    s.close()  # before its first item
+    assert not eng.requests and not eng.has_unfinished()
+    eng.stream(prompts()[1], params)  # dropped at once
+    import gc
+
+    gc.collect()
+    assert not eng.requests and eng.stats.aborted == 2
+
+
+def test_failed_generate_leaves_no_request_running_unreported(dense1, monkeypatch):
+    eng = Engine(dense1, config(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
+    keep = eng.add_request(prompts()[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    calls = {"n": 0}
+    real = eng.runner.step
+
+    def flaky(b):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real(b)
+
+    monkeypatch.setattr(eng.runner, "step", flaky)
+    with pytest.raises(StepError):
+        eng.generate(prompts()[1:3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), progress=False)
+    assert list(eng.requests) == [keep]  # generate()'s own requests were aborted, the step request survives
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].request_id == keep and outs[-1].finished and len(outs[-1].token_ids) == 4
+
+
 def test_step_request_aborted_after_others_stepped_reports_the_rest(dense1):
     eng = Engine(dense1, config(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
     rid = eng.add_request(prompts()[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

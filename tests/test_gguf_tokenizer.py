@@ -224,3 +224,10 @@ def test_save_and_load_round_trip(tmp_path):
     assert again.encode("say hi\n<|end|>") == small.encode("say hi\n<|end|>")
     assert again.encode(" hi") == [tokens.index("Ġhi")] and again.eos_ids == (tokens.index("<|end|>"),)
     assert again.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+
+
+def test_template_exceptions_are_value_errors():
+    with pytest.raises(ValueError, match="chat template: roles must alternate"):
+        render_chat_template("{{ raise_exception('roles must alternate') }}", [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="chat template:"):
+        render_chat_template("{% for %}", [{"role": "user", "content": "hi"}])  # a syntax error

@@ -285,6 +285,11 @@ class Engine:
         return self._report(req)
 
     def has_unfinished(self) -> bool:
+        """Whether `step()` has anything left to do: requests to run, or progress still to hand out
+        (an add_request request may have finished while generate() or a stream drove the engine)."""
+        return bool(self._has_work() or self._unreported)
+
+    def _has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -471,9 +476,15 @@ class Engine:
         for req in reqs:
             self._enqueue(req)
         ours = set(reqs)
-        with tqdm(total=len(reqs), desc="generate", disable=not progress or len(reqs) < 2, leave=False) as bar:
-            while any(not r.finish_reason for r in reqs) and self.has_unfinished():
-                bar.update(sum(1 for r in self._advance() if r in ours and r.finish_reason))
+        try:
+            with tqdm(total=len(reqs), desc="generate", disable=not progress or len(reqs) < 2, leave=False) as bar:
+                while any(not r.finish_reason for r in reqs) and self._has_work():
+                    bar.update(sum(1 for r in self._advance() if r in ours and r.finish_reason))
+        except BaseException:  # a failed step or an interrupt: nobody would report ours, so none may run on
+            for r in reqs:
+                if not r.finish_reason:
+                    self.abort(r.id)
+            raise
         return [self._output(r) for r in reqs]
 
     def stream(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
@@ -484,14 +495,14 @@ class Engine:
         the iterator early aborts the request."""
         req = self._make_request(prompt, params, request_id, owner="stream")
         self._enqueue(req)
-        return self._stream(req)
+        return _Stream(self, req)
 
     def _stream(self, req: _Request) -> Iterator[RequestOutput]:
         seen = 0
         try:
             while not req.finish_reason:
                 if len(req.output) == seen:
-                    if not self.has_unfinished():
+                    if not self._has_work():
                         break
                     self._advance()
                 if len(req.output) > seen and not req.finish_reason:
@@ -501,6 +512,29 @@ class Engine:
         finally:
             if not req.finish_reason:
                 self.abort(req.id)
+
+
+class _Stream:
+    """The iterator `Engine.stream` returns. Closing it, or dropping it, aborts the request even
+    before its first item (a bare generator skips its `finally` when it never started)."""
+
+    def __init__(self, engine: Engine, req: _Request):
+        self._engine, self._req = engine, req
+        self._gen = engine._stream(req)
+
+    def __iter__(self) -> "_Stream":
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        if not self._req.finish_reason:
+            self._engine.abort(self._req.id)
+
+    def __del__(self):
+        self.close()
 
 
 def _stable_seed(engine_seed: int, arrival: int) -> int:

@@ -11,31 +11,40 @@ from jax.sharding import Mesh
 
 from talaria_jax import config_io
 from talaria_jax.models.config import ModelConfig
-from talaria_jax.models.model import ShardedModel, abstract_model
+from talaria_jax.models.model import ShardedModel, abstract_model, weights_fingerprint
 from talaria_jax.sharding import make_mesh
 
-_CONFIG_FILE = "talaria_model_config.json"
+CONFIG_FILE = "talaria_model_config.json"
+_WEIGHTS_FILE = "talaria_weights.json"  # the weights fingerprint, so restored KV and caches stay keyed to it
 
 
-def save(model: ShardedModel, path: str | pathlib.Path) -> pathlib.Path:
-    """Writes params (Orbax, sharded, each host writes its shards) and the model config beside them."""
+def save(model: ShardedModel, path: str | pathlib.Path, tokenizer=None) -> pathlib.Path:
+    """Writes params (Orbax, sharded, each host writes its shards) and the model config beside them,
+    and the tokenizer (`tokenizer.save(folder)`), so `load_tokenizer(path)` finds it."""
     path = pathlib.Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "params", nnx.to_pure_dict(model.state))
-    (path / _CONFIG_FILE).write_text(json.dumps(config_io.to_dict(model.cfg), indent=1))
+    (path / CONFIG_FILE).write_text(json.dumps(config_io.to_dict(model.cfg), indent=1))
+    (path / _WEIGHTS_FILE).write_text(json.dumps({"fingerprint": model.fingerprint}))
+    if tokenizer is not None:
+        tokenizer.save(path)
     return path
 
 
 def load_config(path: str | pathlib.Path) -> ModelConfig:
-    return config_io.from_dict(ModelConfig, json.loads((pathlib.Path(path) / _CONFIG_FILE).read_text()))
+    return config_io.from_dict(ModelConfig, json.loads((pathlib.Path(path) / CONFIG_FILE).read_text()))
 
 
-def restore(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: ModelConfig | None = None) -> ShardedModel:
+def restore(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: ModelConfig | None = None,
+            dtype: str | None = None) -> ShardedModel:
     """Restores onto `mesh` (any shape; default one device): every array is read straight into the
-    target sharding that the rules table gives for this mesh."""
+    target sharding that the rules table gives for this mesh, cast to `dtype` if given."""
     path = pathlib.Path(path).absolute()
-    cfg = cfg or load_config(path)
+    saved = load_config(path)
+    saved_dtype, cfg = saved.dtype, cfg or saved
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype, weight_dtype=dtype, kv_dtype=dtype)
     mesh = mesh or make_mesh(jax.devices()[:1])
     graphdef, abstract, shardings = abstract_model(cfg, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -44,4 +53,8 @@ def restore(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: ModelConfig
         pure = ckptr.restore(path / "params", target)
     state = abstract
     nnx.replace_by_pure_dict(state, pure)
-    return ShardedModel(cfg, mesh, graphdef, state)
+    meta = path / _WEIGHTS_FILE
+    fingerprint = json.loads(meta.read_text())["fingerprint"] if meta.exists() else weights_fingerprint("orbax", str(path))
+    if cfg.dtype != saved_dtype:  # other compute dtype: other numbers, so other KV
+        fingerprint = weights_fingerprint(fingerprint, dtype)
+    return ShardedModel(cfg, mesh, graphdef, state, fingerprint)
