@@ -198,9 +198,7 @@ def test_chat_template_errors(tok):
     bare = GGUFTokenizer.from_metadata({k: v for k, v in tok.metadata().items() if k != "tokenizer.chat_template"})
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "hi"}])
-    import jinja2
-
-    with pytest.raises(jinja2.TemplateError, match="bad role"):
+    with pytest.raises(ValueError, match="chat template: .*bad role"):  # the template's raise_exception
         render_chat_template(GOLDEN["chats"][-1]["chat_template"], [{"role": "robot", "content": "x"}])
 
 

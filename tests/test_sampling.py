@@ -86,7 +86,11 @@ def test_interleaved_streams_each_get_every_token(small):
         got = chunks[name]
         assert [t for c in got for t in c.new_token_ids] == got[-1].token_ids and len(got[-1].token_ids) == n
         assert got[-1].finish_reason == "length" and all(c.finish_reason is None for c in got[:-1])
-    assert other not in eng.requests and not eng.has_unfinished()
+    # `other` finished while the streams drove the engine: its progress waits for the next step()
+    assert other not in eng.requests and eng.has_unfinished()
+    (done,) = eng.step()
+    assert done.request_id == other and done.finished and len(done.new_token_ids) == 3
+    assert not eng.has_unfinished()
 
 
 def test_stream_checks_input_at_call_and_close_aborts(small):
