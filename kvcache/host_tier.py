@@ -14,15 +14,31 @@ Page counts are padded to powers of two, so a few shapes compile: padding gather
 Each copy carries a `KVSource` (model, weights fingerprint, page layout, dtype), and `check` refuses
 one from other weights: KV of the same shape from other weights would restore silently and yield
 wrong tokens.
+
+One host copy, not one per rank: where the pool replicates kv heads over a mesh axis (fewer kv heads
+than TP ranks, or an expert axis), the host copy is split over that axis instead, on the first of
+head_dim, page_size, kv_heads, layers that it divides (the gather writes the split directly; the
+scatter gathers it back into the pool's sharding). Where none divides, the copy stays replicated and
+a WARNING says why and what it costs.
+
+A budget: `capacity_bytes` bounds the memory the tier's live copies hold (`HostKV.host_bytes`, summed
+over the mesh's devices); an offload that would exceed it first evicts the least recently used
+unprotected copies (`protect`), and else raises `HostBudgetError`. An evicted copy's memory is freed
+and `check` refuses it by name (`HostKVEvicted`). Where the backend has no host memory kind, copies
+would live in device memory: they are refused unless the caller grants `device_fallback_bytes`.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import math
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from talaria_jax.kvcache.pool import KV_AXES, PoolSpec, pool_shardings
@@ -56,22 +72,69 @@ class HostKV:
     num_pages: int  # real pages (the rest of the page axis is padding)
     token_ids: tuple[int, ...]  # the tokens whose KV this is, so a restore can check its prefix
     source: KVSource  # the weights and layout that produced it, so a restore can refuse another model's
+    # the tier's record of this copy (budget, LRU, eviction); shared by dataclasses.replace copies
+    copy: _Copy | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def session(self) -> str | None:
+        return self.copy.session if self.copy is not None else None
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the real pages, once. Host memory holds more: the page axis is padded to a power of
-        two, and where the pool replicates kv heads (fewer than TP ranks) every rank keeps a copy."""
+        """Bytes of the real pages, once (no padding, no replicas)."""
         return self.data.nbytes * self.num_pages // self.data.shape[2]
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the copy really occupies, summed over the devices whose memory holds it: the padded page
+        axis included, and every replica where its sharding could not split it (see HostTier)."""
+        return _held_bytes(self.data.sharding, self.data.shape, self.data.dtype)
+
+    @property
+    def evicted(self) -> bool:
+        """True once the tier dropped the copy to stay within its budget (the data is gone)."""
+        return self.copy is not None and self.copy.gone == _EVICTED
+
+
+_EVICTED, _RELEASED = "evicted", "released"
+
+
+class _Copy:
+    """A tier's record of one copy. The tier holds it weakly: when the last HostKV holding it goes, its
+    bytes leave the budget."""
+
+    __slots__ = ("key", "data", "session", "host_bytes", "gone", "__weakref__")
+
+    def __init__(self, key: int, data: jax.Array, session: str | None, host_bytes: int):
+        self.key, self.data, self.session, self.host_bytes = key, data, session, host_bytes
+        self.gone: str | None = None  # _EVICTED or _RELEASED once its data was freed by the tier
+
+
+class HostKVEvicted(ValueError):
+    """A host KV copy the tier evicted to stay within its budget: its prefix must be recomputed."""
+
+
+class HostBudgetError(MemoryError):
+    """An offload that does not fit the tier's budget, even after evicting every unprotected copy."""
+
+
+class NoHostMemory(RuntimeError):
+    """The backend has no host memory kind and no device memory was granted for copies instead."""
 
 
 def host_memory_kind(mesh: Mesh) -> str | None:
     """The host memory kind the mesh's devices offer ("pinned_host" preferred), or None."""
     kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
     return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
+
+
+def _held_bytes(sharding, shape, dtype) -> int:
+    """Bytes an array of `shape` takes summed over the devices of `sharding` (replicas included)."""
+    return len(sharding.device_set) * math.prod(sharding.shard_shape(tuple(shape))) * jnp.dtype(dtype).itemsize
 
 
 def _padded(n: int) -> int:
@@ -86,20 +149,45 @@ def padded_page_counts(max_pages: int) -> tuple[int, ...]:
 
 class HostTier:
     """Offloads and restores pages of one pool (`spec` on `mesh`) computed by the weights named by
-    `model` and `weights` (a ShardedModel's name and fingerprint)."""
+    `model` and `weights` (a ShardedModel's name and fingerprint).
 
-    def __init__(self, spec: PoolSpec, mesh: Mesh, *, model: str = "", weights: str = ""):
+    `capacity_bytes`: the most memory the tier's live copies may hold (`HostKV.host_bytes`, summed over
+    the mesh's devices); None: unlimited. `device_fallback_bytes`: where the backend has no host memory
+    kind (`memory_kind` None), copies would live in device memory; they may hold at most this many bytes
+    of it (the default 0 refuses every offload, so no device memory is taken silently)."""
+
+    def __init__(self, spec: PoolSpec, mesh: Mesh, *, model: str = "", weights: str = "",
+                 capacity_bytes: int | None = None, device_fallback_bytes: int = 0):
+        for name, v in (("capacity_bytes", capacity_bytes), ("device_fallback_bytes", device_fallback_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         self.spec, self.mesh = spec, mesh
         self.source = KVSource(model, weights, spec.page_size, spec.num_layers, spec.kv_heads, spec.head_dim,
                                str(jnp.dtype(spec.dtype)))
         self.compilations = 0  # traces of gather and scatter (each is a compile): a steady workload adds none
         page = spec_for(KV_AXES, (1, spec.page_size, spec.kv_heads, spec.head_dim), mesh)
         pspec = PartitionSpec(None, None, *page)
-        self.device_sharding = NamedSharding(mesh, pspec)
-        self.memory_kind = host_memory_kind(mesh)
-        self.host_sharding = NamedSharding(mesh, pspec, memory_kind=self.memory_kind) if self.memory_kind \
-            else self.device_sharding
-        self._gather = jax.jit(self._counted(_gather), out_shardings=self.device_sharding)
+        self.device_sharding = NamedSharding(mesh, pspec)  # the pool's: what a restore writes back
+        split, self.host_replicas, why = _split_spec(pspec, spec, mesh)
+        if why:
+            logging.warning("host KV copies of %s on mesh %s stay replicated %dx: %s (+%d bytes of host memory "
+                            "per page over one copy)", model or "this pool", dict(mesh.shape), self.host_replicas,
+                            why, (self.host_replicas - 1) * spec.page_bytes)
+        self.transfer_sharding = NamedSharding(mesh, split)  # the copy's layout, in device memory
+        self.memory_kind = host_memory_kind(mesh)  # None: "device fallback" (copies in device memory)
+        self.memory_kinds = sorted({m.kind for m in mesh.devices.flat[0].addressable_memories()})
+        self.host_sharding = NamedSharding(mesh, split, memory_kind=self.memory_kind) if self.memory_kind \
+            else self.transfer_sharding
+        self.device_fallback_bytes = int(device_fallback_bytes)
+        self.capacity_bytes = None if capacity_bytes is None else int(capacity_bytes)
+        if self.memory_kind is None:  # device memory: bounded by what the caller granted
+            self.capacity_bytes = min(self.device_fallback_bytes, self.capacity_bytes if capacity_bytes is not None
+                                      else self.device_fallback_bytes)
+        self.evictions = 0  # copies dropped to stay within capacity_bytes
+        self._live: collections.OrderedDict[int, tuple[weakref.ref, str | None, int]] = collections.OrderedDict()
+        self._protected: set[str | None] = set()
+        self._keys = iter(range(1 << 62))
+        self._gather = jax.jit(self._counted(_gather), out_shardings=self.transfer_sharding)
         self._scatter = jax.jit(self._counted(_scatter), donate_argnums=0, out_shardings=pool_shardings(spec, mesh))
 
     def _counted(self, fn):
@@ -109,6 +197,89 @@ class HostTier:
             return fn(*args)
         return traced
 
+    # -- the budget ---------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Memory held by the live copies this tier made (`HostKV.host_bytes` each)."""
+        return sum(b for _, _, b in self._live.values())
+
+    def bytes_by_session(self) -> dict[str | None, int]:
+        """used_bytes per offload session tag (None: untagged copies)."""
+        out: dict[str | None, int] = {}
+        for _, session, b in self._live.values():
+            out[session] = out.get(session, 0) + b
+        return out
+
+    def protect(self, session: str | None, flag: bool = True) -> None:
+        """Whether the copies of `session` are safe from eviction (they still count against the budget)."""
+        (self._protected.add if flag else self._protected.discard)(session)
+
+    def release(self, kv: HostKV) -> None:
+        """Frees `kv`'s memory now; a later check or restore refuses it. Idempotent."""
+        self._drop(kv.copy, _RELEASED) if kv.copy is not None else kv.data.delete()
+
+    def usable(self, kv: HostKV) -> bool:
+        """False once `kv` was evicted, released or deleted (its data is gone)."""
+        return not kv.data.is_deleted()
+
+    def _copy_bytes(self, num_pages: int) -> int:
+        shape = (self.spec.num_layers, 2, _padded(num_pages), self.spec.page_size, self.spec.kv_heads,
+                 self.spec.head_dim)
+        return _held_bytes(self.host_sharding, shape, jnp.dtype(self.spec.dtype))
+
+    def _make_room(self, need: int) -> None:
+        if self.memory_kind is None and self.device_fallback_bytes == 0:
+            raise NoHostMemory(
+                f"the {self.mesh.devices.flat[0].platform} backend offers no host memory kind (pinned_host or "
+                f"unpinned_host; its devices have {self.memory_kinds}): a host KV copy would stay in device "
+                f"memory; pass HostTier(device_fallback_bytes=...) to allow that")
+        cap = self.capacity_bytes
+        if cap is None:
+            return
+        used = self.used_bytes
+        if used + need <= cap:
+            return
+        victims, freed = [], 0
+        for key, (ref, session, b) in self._live.items():  # least recently used first
+            if session in self._protected:
+                continue
+            victims.append(ref)
+            freed += b
+            if used - freed + need <= cap:
+                break
+        if used - freed + need > cap:
+            where = "device memory granted (device_fallback_bytes)" if self.memory_kind is None else "host budget"
+            raise HostBudgetError(
+                f"host KV copy of {need} bytes does not fit the {where} of {cap} bytes: {used} bytes are held, "
+                f"{used - freed} of them by protected sessions or live copies that cannot be evicted")
+        for ref in victims:
+            self._drop(ref(), _EVICTED)
+            self.evictions += 1
+
+    def _drop(self, copy: _Copy | None, why: str) -> None:
+        if copy is None or copy.gone:
+            return
+        copy.gone = why
+        copy.data.delete()
+        self._forget(copy.key)
+
+    def _forget(self, key: int) -> None:
+        self._live.pop(key, None)
+
+    def _track(self, data: jax.Array, session: str | None) -> _Copy:
+        key = next(self._keys)
+        copy = _Copy(key, data, session, _held_bytes(data.sharding, data.shape, data.dtype))
+        self._live[key] = (weakref.ref(copy), session, copy.host_bytes)
+        weakref.finalize(copy, self._forget, key)  # the last HostKV holding it went: its memory is free
+        return copy
+
+    def _touch(self, kv: HostKV) -> None:
+        if kv.copy is not None and kv.copy.key in self._live:
+            self._live.move_to_end(kv.copy.key)
+
+    # -- copies ----------------------------------------------------------------------------------
+
     def warmup(self, pool, max_pages: int):
         """Compiles gather, scatter and the host copies for every padded page count a copy of up to
         `max_pages` pages can take (`padded_page_counts`); returns the donated pool, unchanged: every
@@ -117,14 +288,17 @@ class HostTier:
             idx = np.full(n, self.spec.num_pages, np.int32)
             with jax.set_mesh(self.mesh):
                 host = jax.device_put(self._gather(pool, idx), self.host_sharding)
-                pool = self._scatter(pool, jax.device_put(host, self.device_sharding), idx)
+                pool = self._scatter(pool, jax.device_put(host, self.transfer_sharding), idx)
         return pool
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.spec.page_size)
 
-    def offload(self, pool, pages: list[int], token_ids) -> HostKV:
-        """Copies `pages` (holding the KV of `token_ids`, in order) to host memory; the pool is untouched."""
+    def offload(self, pool, pages: list[int], token_ids, session: str | None = None) -> HostKV:
+        """Copies `pages` (holding the KV of `token_ids`, in order) to host memory; the pool is untouched.
+        `session` tags the copy for `bytes_by_session` and `protect`. Where the copy does not fit
+        `capacity_bytes`, the least recently used unprotected copies are evicted first; HostBudgetError
+        if that is not enough (nothing is evicted then), NoHostMemory in an ungranted device fallback."""
         token_ids = tuple(int(t) for t in token_ids)
         need = self._pages_for(len(token_ids))
         if len(pages) < need:
@@ -132,9 +306,11 @@ class HostTier:
         pages = list(pages[:need])
         idx = np.full(_padded(len(pages)), self.spec.num_pages, np.int32)  # padding: out of bounds, zeros
         idx[:len(pages)] = pages
+        self._make_room(self._copy_bytes(len(pages)))
         with jax.set_mesh(self.mesh):
             dev = self._gather(pool, idx)
-        return HostKV(jax.device_put(dev, self.host_sharding), len(pages), token_ids, self.source)
+        data = jax.device_put(dev, self.host_sharding)
+        return HostKV(data, len(pages), token_ids, self.source, self._track(data, session))
 
     def check(self, kv: HostKV) -> None:
         """ValueError unless `kv` was offloaded by the same weights from a pool of this one's layout and
@@ -147,13 +323,19 @@ class HostTier:
         if kv.num_pages != need:
             raise ValueError(f"host KV of {kv.num_tokens} tokens must hold {need} pages of {self.spec.page_size}, "
                              f"holds {kv.num_pages}")
-        if kv.data.is_deleted():
-            raise ValueError("host KV was deleted")
         expect = (self.spec.num_layers, 2, _padded(kv.num_pages), self.spec.page_size, self.spec.kv_heads,
                   self.spec.head_dim)
         if tuple(kv.data.shape) != expect or kv.data.dtype != jnp.dtype(self.spec.dtype):
             raise ValueError(f"host KV of shape {tuple(kv.data.shape)} {kv.data.dtype} does not fit this pool "
                              f"(expected {expect} {self.spec.dtype})")
+        if kv.evicted:  # last: a copy that is otherwise fine can still be recomputed from its token_ids
+            raise HostKVEvicted(f"host KV of {kv.num_tokens} tokens was evicted to stay within the host budget "
+                                f"({kv.host_bytes} bytes; recompute its prefix)")
+        if kv.copy is not None and kv.copy.gone == _RELEASED:
+            raise ValueError("host KV was released")
+        if kv.data.is_deleted():
+            raise ValueError("host KV was deleted")
+        self._touch(kv)
 
     def restore(self, pool, kv: HostKV, pages: list[int]):
         """Writes `kv` into `pages` (one per stored page) of the donated pool; returns the pool."""
@@ -162,9 +344,36 @@ class HostTier:
             raise ValueError(f"host KV holds {kv.num_pages} pages but {len(pages)} destination pages were given")
         idx = np.full(kv.data.shape[2], self.spec.num_pages, np.int32)  # padding: out of bounds, dropped
         idx[:len(pages)] = pages
-        data = jax.device_put(kv.data, self.device_sharding)
+        # host to device in the copy's own layout; the scatter gathers a split copy back into the pool's
+        data = jax.device_put(kv.data, self.transfer_sharding)
         with jax.set_mesh(self.mesh):
             return self._scatter(pool, data, idx)
+
+
+def _split_spec(pspec: PartitionSpec, spec: PoolSpec, mesh: Mesh) -> tuple[PartitionSpec, int, str]:
+    """The host copy's PartitionSpec: `pspec` (the pool's, for [layers, 2, pages, page_size, kv_heads,
+    head_dim]) with each mesh axis the pool replicates over added to the first of head_dim, page_size,
+    kv_heads, layers it divides; and the replicas left (1: one copy) with the reason, "" if none."""
+    parts = [tuple(a for a in ((p,) if isinstance(p, str) else (p or ()))) for p in pspec]
+    used = {a for p in parts for a in p}
+    dims = {5: ("head_dim", spec.head_dim), 3: ("page_size", spec.page_size), 4: ("kv_heads", spec.kv_heads),
+            0: ("layers", spec.num_layers)}
+    replicas, why = 1, []
+    for axis in mesh.axis_names:
+        size = mesh.shape[axis]
+        if size == 1 or axis in used:
+            continue
+        for d, (_, n) in dims.items():
+            if n % (math.prod(mesh.shape[a] for a in parts[d]) * size) == 0:
+                parts[d] += (axis,)
+                break
+        else:
+            replicas *= size
+            why.append(f"{axis}={size} divides none of " + ", ".join(
+                f"{name} {n}" + (f" (already split {math.prod(mesh.shape[a] for a in parts[d])} ways)"
+                                 if parts[d] else "") for d, (name, n) in dims.items()))
+    out = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
+    return out, replicas, "; ".join(why)
 
 
 def _gather(pool, idx):

@@ -29,8 +29,9 @@ from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.runner import Runner
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.allocator import OutOfPages, PageAllocator, SequencePages
-from talaria_jax.kvcache.host_tier import HostKV, HostTier
+from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
 from talaria_jax.kvcache.pool import pool_spec
+from talaria_jax.kvcache.prefix import PrefixCache
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
 
@@ -56,13 +57,21 @@ class EngineConfig:
     # Compile every step shape and host-tier copy at construction (`Engine.warmup`), so serving never
     # stalls on a compile; with `enable_compilation_cache` a later process loads them instead.
     warmup: bool = True
+    # Automatic prefix caching: finished sequences leave their full pages in a radix tree over token
+    # ids (per model, weights and `cache_salt`), and a new request reuses the longest cached prefix
+    # instead of prefilling it. Off by default: cached pages stay allocated after their requests
+    # finish (evicted only when pages run out), which changes what free-page counts and preemption
+    # tests expect, and the host-tier `restore` path is its own way to reuse a prefix; the Instance
+    # turns it on.
+    prefix_cache: bool = False
 
     def validate(self) -> None:
         for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block", "query_tile"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
-        if not isinstance(self.warmup, bool):
-            raise ValueError(f"EngineConfig.warmup must be a bool, got {self.warmup!r}")
+        for f in ("warmup", "prefix_cache"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"EngineConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig: set num_pages or kv_memory_bytes_per_device, not both")
         if self.max_tokens_per_step < self.max_seqs:
@@ -113,6 +122,7 @@ class _Request:
     keep_kv: bool = False  # offload the KV to host memory when the request finishes
     restore: HostKV | None = None  # KV of a prompt prefix to restore from host memory at admission
     kv: HostKV | None = None  # the offloaded KV, once finished
+    cache_salt: str | None = None  # prefix-cache tenant: only requests with the same salt share KV
     owner: str = "step"  # who reports it: "step" (add_request), "generate" or "stream"
     reported: int = 0  # output tokens step() has handed out (owner "step")
 
@@ -136,6 +146,9 @@ class EngineStats:
     restored_tokens: int = 0  # prompt-prefix tokens copied back from host memory instead of prefilled
     offloaded_tokens: int = 0  # tokens of finished keep_kv requests copied to host memory
     offload_failures: int = 0  # keep_kv requests that finished without their KV (the copy failed)
+    prefix_query_tokens: int = 0  # tokens admitted requests looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages instead of a prefill
+    prefix_evicted_pages: int = 0  # cached pages freed because pages ran out
 
 
 class Engine:
@@ -157,6 +170,7 @@ class Engine:
         self.pool_spec = pool_spec(self.cfg, config.page_size, model.mesh, num_pages=num_pages,
                                    memory_bytes_per_device=config.kv_memory_bytes_per_device)
         self.allocator = PageAllocator(self.pool_spec.num_pages)
+        self.prefix_cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
         self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.cfg.name, weights=model.fingerprint)
         self.runner = Runner(model, self.pool_spec, max_seqs=config.max_seqs, max_pages_per_seq=max_pages_per_seq,
                              max_tokens_per_step=config.max_tokens_per_step, pages_per_block=config.pages_per_block,
@@ -185,18 +199,22 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None, *, keep_kv: bool = False, restore: HostKV | None = None) -> str:
+                    request_id: str | None = None, *, keep_kv: bool = False, restore: HostKV | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queues a request, reported by `step()`; bad input raises RequestError (SamplingError is one)
         naming the field and changes nothing. The prompt is a str, a list or tuple of int token ids, or
         a 1-D integer numpy array; a str is encoded without BOS (prepend it yourself if the model wants
         one). `keep_kv`: when the request finishes, its KV goes to host memory (`RequestOutput.kv`).
         `restore`: such a KV (of the same weights and page layout) for a prefix of `prompt`; it is
         copied back into the pool at admission instead of being recomputed, and the prompt must start
-        with its tokens."""
+        with its tokens. `cache_salt`: the prefix-cache tenant (with `EngineConfig.prefix_cache`); only
+        requests with the same salt (None is one) reuse each other's cached KV."""
         if not isinstance(keep_kv, (bool, np.bool_)):
             raise RequestError(f"keep_kv must be a bool, got {keep_kv!r} ({type(keep_kv).__name__})")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         req = self._make_request(prompt, params, request_id, restore)
-        req.keep_kv, req.restore = bool(keep_kv), restore
+        req.keep_kv, req.restore, req.cache_salt = bool(keep_kv), restore, cache_salt
         return self._enqueue(req)
 
     def _check_restore(self, prompt: tuple[int, ...], kv: HostKV) -> None:
@@ -204,6 +222,8 @@ class Engine:
             raise RequestError(f"restore must be a HostKV (RequestOutput.kv), got {type(kv).__name__}")
         try:
             self.host_tier.check(kv)
+        except HostKVEvicted:
+            pass  # evicted to stay within the host budget: _schedule recomputes the prefix, nothing is lost
         except ValueError as e:
             raise RequestError(f"restore: {e}") from None
         if kv.num_tokens >= len(prompt):
@@ -314,6 +334,8 @@ class Engine:
                     req.seq.grow(self.allocator, req.num_computed + n)
                     break
                 except OutOfPages:
+                    if self._evict_cached(req.seq.pages_needed(req.num_computed + n)):
+                        continue  # cached pages made room: nothing needs preempting
                     scheduled = {id(r) for r, _ in batch}
                     victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
                     self._preempt(victim)
@@ -324,20 +346,55 @@ class Engine:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
             req = self.waiting[0]
+            if req.restore is not None and not self.host_tier.usable(req.restore):
+                req.restore = None  # evicted (host budget) since add_request: the prefix is recomputed
             cached = req.restore.num_tokens if req.restore is not None else 0
+            hit = 0
+            if self.prefix_cache is not None and req.restore is None:
+                # the last known token is always computed: its logits give the next token
+                req.seq.pages = self.prefix_cache.match(self._prefix_key(req), self._known_tokens(req),
+                                                        req.num_tokens - 1)
+                hit = cached = len(req.seq.pages) * self.config.page_size
             n = min(req.num_tokens - cached, budget)
             try:
-                req.seq.grow(self.allocator, cached + n)
+                while True:
+                    try:
+                        req.seq.grow(self.allocator, cached + n)
+                        break
+                    except OutOfPages:
+                        if not self._evict_cached(req.seq.pages_needed(cached + n)):
+                            raise
             except OutOfPages:
+                req.seq.release(self.allocator)  # the matched pages go back; matched again next step
                 break
             self.waiting.popleft()
             self.running.append(req)
-            if cached:
+            if hit:
+                req.num_computed = hit
+            elif cached:
                 restores.append(req)
                 req.num_computed = cached
+            if self.prefix_cache is not None and req.restore is None:
+                self.stats.prefix_query_tokens += req.num_tokens - 1
+                self.stats.prefix_hit_tokens += hit
             batch.append((req, n))
             budget -= n
         return batch
+
+    def _prefix_key(self, req: _Request) -> tuple:
+        return self.cfg.name, self.model.fingerprint, req.cache_salt
+
+    def _known_tokens(self, req: _Request) -> tuple[int, ...]:
+        return req.prompt + tuple(req.output) if req.output else req.prompt
+
+    def _evict_cached(self, need: int) -> bool:
+        """Frees cached pages so `need` can be allocated; whether any were freed."""
+        short = need - self.allocator.num_free
+        if self.prefix_cache is None or short <= 0:
+            return False
+        freed = self.prefix_cache.evict(short)
+        self.stats.prefix_evicted_pages += freed
+        return freed > 0
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched step. Returns one output per add_request request that gained tokens or
@@ -370,6 +427,10 @@ class Engine:
         t = 0
         max_pages = 0
         for i, (req, n) in enumerate(batch):
+            first = req.seq.pages[req.num_computed // self.config.page_size]
+            if self.prefix_cache is not None and self.allocator.refcount(first) != 1:
+                # the pages written from here on must be this sequence's own: cached pages are shared
+                raise AssertionError(f"request {req.id} would write into shared page {first}")
             pos = np.arange(req.num_computed, req.num_computed + n)
             b.tokens[t:t + n] = [req.token(p) for p in pos]
             b.positions[t:t + n] = pos
@@ -395,6 +456,8 @@ class Engine:
             self.runner.reset_pool()
             for req in reversed(self.running[:]):  # appendleft in reverse keeps their order at the queue head
                 self._preempt(req)
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()  # the cached KV went with the old pool
             raise StepError(f"engine step failed ({type(e).__name__}: {e}); {len(self.waiting)} requests "
                             f"requeued for recompute") from e
         self.stats.steps += 1
@@ -436,6 +499,8 @@ class Engine:
                 self.stats.offloaded_tokens += len(tokens)
             except Exception:  # e.g. host memory exhausted: the request still finishes, without its KV
                 self.stats.offload_failures += 1
+        if self.prefix_cache is not None and req.num_computed:  # its full computed pages stay for later requests
+            self.prefix_cache.insert(self._prefix_key(req), self._known_tokens(req)[:req.num_computed], req.seq.pages)
         req.seq.release(self.allocator)
         if req in self.running:
             self.running.remove(req)
