@@ -228,7 +228,11 @@ class HostTier:
                  self.spec.head_dim)
         return _held_bytes(self.host_sharding, shape, jnp.dtype(self.spec.dtype))
 
-    def _make_room(self, need: int) -> None:
+    def _victims(self, need: int) -> list:
+        """The copies to evict so that `need` more bytes fit (least recently used unprotected first);
+        HostBudgetError if even all of them are not enough, NoHostMemory in an ungranted device fallback.
+        Nothing is evicted here: the caller evicts them once its own copy exists, so a copy that fails
+        to arrive takes nobody else's place."""
         if self.memory_kind is None and self.device_fallback_bytes == 0:
             raise NoHostMemory(
                 f"the {self.mesh.devices.flat[0].platform} backend offers no host memory kind (pinned_host or "
@@ -236,10 +240,10 @@ class HostTier:
                 f"memory; pass HostTier(device_fallback_bytes=...) to allow that")
         cap = self.capacity_bytes
         if cap is None:
-            return
+            return []
         used = self.used_bytes
         if used + need <= cap:
-            return
+            return []
         victims, freed = [], 0
         for key, (ref, session, b) in self._live.items():  # least recently used first
             if session in self._protected:
@@ -253,6 +257,9 @@ class HostTier:
             raise HostBudgetError(
                 f"host KV copy of {need} bytes does not fit the {where} of {cap} bytes: {used} bytes are held, "
                 f"{used - freed} of them by protected sessions or live copies that cannot be evicted")
+        return victims
+
+    def _evict(self, victims: list) -> None:
         for ref in victims:
             self._drop(ref(), _EVICTED)
             self.evictions += 1
@@ -306,10 +313,11 @@ class HostTier:
         pages = list(pages[:need])
         idx = np.full(_padded(len(pages)), self.spec.num_pages, np.int32)  # padding: out of bounds, zeros
         idx[:len(pages)] = pages
-        self._make_room(self._copy_bytes(len(pages)))
+        victims = self._victims(self._copy_bytes(len(pages)))
         with jax.set_mesh(self.mesh):
             dev = self._gather(pool, idx)
         data = jax.device_put(dev, self.host_sharding)
+        self._evict(victims)  # only now: for a moment the budget is exceeded by this one copy
         return HostKV(data, len(pages), token_ids, self.source, self._track(data, session))
 
     def check(self, kv: HostKV) -> None:

@@ -13,7 +13,8 @@ an inner node would cut off the pages below it).
 Eviction order, cheapest to lose first: unprotected leaves before protected ones (`protect`), and
 within each group least recently used first. Every page here is device KV that would have to be
 recomputed to bring it back, so all cost the same per byte and LRU decides; protected entries (a
-session the scheduler expects back, `protect_kv`) go only when nothing else is left.
+session the scheduler expects back, for its `protect_kv`; the engine does not protect any yet) go
+only when nothing else is left.
 
 Pure Python; no JAX.
 """
@@ -133,8 +134,12 @@ class PrefixCache:
         are evicted only when no unprotected page is left. None lifts the protection."""
         root = self._roots.get(key)
         if root is None:
+            if until is None:
+                return  # nothing to lift: no root is made for it
             root = self._roots[key] = _Root(key)
         root.protected_until = until
+        if until is None and not root.children:
+            del self._roots[key]
 
     def _protected(self, root: _Root, now: float) -> bool:
         return root.protected_until is not None and root.protected_until > now
@@ -174,8 +179,8 @@ class PrefixCache:
     def _remove(self, node: _Node) -> None:
         siblings = node.parent.children if node.parent is not None else node.root.children
         del siblings[node.tokens]
-        if node.parent is None and not node.root.children and node.root.protected_until is None:
-            del self._roots[node.root.key]
+        if node.parent is None and not node.root.children and not self._protected(node.root, self.clock()):
+            del self._roots[node.root.key]  # an empty root outlives its pages only while protected
         self.allocator.free([node.page])
         self._num_pages -= 1
 

@@ -193,6 +193,19 @@ def test_budget_evicts_the_least_recently_used_and_refuses_what_does_not_fit():
     np.testing.assert_array_equal(_host(pool), want)
 
 
+def test_a_copy_that_fails_to_arrive_evicts_nobody(monkeypatch):
+    tier, pool, _, pb = _tier_and_pool(capacity_bytes=1)
+    a = tier.offload(pool, [1], range(4))
+
+    def lost(*args):
+        raise RuntimeError("host memory exhausted in transfer")
+
+    monkeypatch.setattr(tier, "_gather", lost)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        tier.offload(pool, [2], range(4))  # would evict a, but the copy never arrives
+    assert not a.evicted and tier.usable(a) and tier.evictions == 0 and tier.used_bytes == pb
+
+
 def test_no_host_memory_kind_means_a_granted_device_budget_or_nothing(monkeypatch):
     monkeypatch.setattr(host_tier_module, "host_memory_kind", lambda mesh: None)
     tier, pool, full, pb = _tier_and_pool()

@@ -61,8 +61,8 @@ class EngineConfig:
     # ids (per model, weights and `cache_salt`), and a new request reuses the longest cached prefix
     # instead of prefilling it. Off by default: cached pages stay allocated after their requests
     # finish (evicted only when pages run out), which changes what free-page counts and preemption
-    # tests expect, and the host-tier `restore` path is its own way to reuse a prefix; the Instance
-    # turns it on.
+    # tests expect, and the host-tier `restore` path is its own way to reuse a prefix; serving turns
+    # it on where sessions return.
     prefix_cache: bool = False
 
     def validate(self) -> None:
