@@ -32,7 +32,8 @@ from talaria_jax.models.model import ShardedModel, init_model
 from talaria_jax.sharding import make_mesh
 from talaria_jax.tokenizer import Tokenizer, load_tokenizer
 from talaria_jax.weights import checkpoint
-from talaria_jax.weights.hf import CheckpointError
+from talaria_jax.weights.gguf import gguf_fingerprint, load_gguf
+from talaria_jax.weights.hf import CheckpointError, load_hf_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +119,6 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, mesh: Mesh | Non
 
     dtype: compute dtype; None keeps the checkpoint's (float32 for quantized GGUF). `seed` only
     matters for a config name (random weights)."""
-    from talaria_jax.weights.gguf import gguf_fingerprint, load_gguf  # gguf is imported only when needed
-
     t0 = time.perf_counter()
     mesh = mesh or make_mesh(jax.devices()[:1])
     kind, where = resolve(name_or_path)
@@ -131,8 +130,6 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, mesh: Mesh | Non
         model = checkpoint.restore(where, mesh, dtype=dtype)
         tok = load_tokenizer(where, model.cfg.bos_token_id, model.cfg.eos_token_id)
     elif kind == "hf":
-        from talaria_jax.weights.hf import load_hf_checkpoint
-
         model = load_hf_checkpoint(where, mesh, dtype=dtype)
         tok = load_tokenizer(where, model.cfg.bos_token_id, model.cfg.eos_token_id)
     else:
