@@ -260,7 +260,11 @@ class GGUFTokenizer:
         """From a .gguf file's tokenizer.* fields (read with gguf.GGUFReader)."""
         from gguf import GGUFReader
 
-        reader = GGUFReader(str(path))
+        try:
+            reader = GGUFReader(str(path))
+        except Exception as e:  # the reader raises ValueError/struct/IndexError on truncated or corrupt files
+            raise ValueError(f"GGUF file {str(path)!r} cannot be parsed (truncated or corrupt?): "
+                             f"{type(e).__name__}: {e}") from None
         meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
         try:
             return cls.from_metadata(meta)
@@ -477,30 +481,6 @@ class GGUFTokenizer:
 
 
 GGUF_TOKENIZER_FILE = "tokenizer_gguf.json"  # GGUF tokenizer.* metadata, key -> plain value
-
-
-def write_tokenizer_gguf(path: str | pathlib.Path, metadata: Mapping[str, Any], arch: str = "llama") -> None:
-    """A vocab-only GGUF (no tensors) holding the tokenizer.* metadata given (plain values)."""
-    from gguf import GGUFWriter, GGUFValueType
-
-    writer = GGUFWriter(str(path), arch)
-    for key, value in metadata.items():
-        if not key.startswith("tokenizer."):
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif key == "tokenizer.ggml.token_type":
-            writer.add_array(key, [int(v) for v in value])  # int32, as llama.cpp requires
-        else:
-            writer.add_array(key, list(value))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -128,3 +128,11 @@ def test_demo_answers_the_coding_question_with_code_that_runs(tmp_path):
     assert fns and fns[0]("talaria") == "airalat", run.stdout
     assert "time to first token" in run.stdout and "tokens/s" in run.stdout
 
+
+
+def test_truncated_gguf_is_a_checkpoint_error_naming_it(tmp_path):
+    src = resolve(SMOL)[1]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src.read_bytes()[:100_000])  # inside the tokenizer metadata, read first
+    with pytest.raises(CheckpointError, match="cut.gguf.*cannot be parsed"):
+        load_model(cut, use_cache=False)
