@@ -56,3 +56,16 @@ def print_markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) 
     for r in rows:
         cells = [format(float("nan") if r[k] is None else r[k], f) for _, k, f in columns]
         print("| " + " | ".join(cells) + " |")
+
+
+def best_time(fn, reps: int) -> float:
+    """Best-of-`reps` seconds of `fn()` (blocked until its result is ready), after one untimed call."""
+    import jax
+
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best

@@ -8,14 +8,15 @@ On the accelerator it measures, in one run:
      reference, the KV pool keeps its buffer addresses across steps;
   4. decode step time of a ~1B-parameter bf16 Llama-shaped model at several batch sizes from a
      synthetic 2K-token KV prefix, against the HBM roofline (weight + KV bytes per step over the
-     measured copy bandwidth).
+     measured copy bandwidth), and the same decode with the parameters carved out of an instance's
+     flat weight slot (talaria_jax/weights/slot.py): on CPU the carve copies every parameter each
+     step (~4x slower); whether XLA:GPU reads the slot in place is what the slot/own column shows.
 Prints a table and writes JSON to --out. `--small` shrinks every size so that the script runs on a
 CPU in seconds (tests/test_device_check.py keeps it from rotting).
 """
 from __future__ import annotations
 
 import json
-import time
 
 from absl import app, flags
 
@@ -24,18 +25,6 @@ import common
 _OUT = flags.DEFINE_string("out", "/tmp/device_check.json", "Write the results as JSON here.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes (a CPU smoke run).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Decode batch sizes.")
-
-
-def _timed(fn, reps: int = 5) -> float:
-    import jax
-
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def memory_checks(nbytes: int) -> dict:
@@ -55,10 +44,10 @@ def memory_checks(nbytes: int) -> dict:
         host = NamedSharding(mesh, P(), memory_kind="pinned_host")
         on_host = jax.device_put(x, host)
         out["pinned_host_roundtrip_equal"] = bool(jnp.array_equal(jax.device_put(on_host, x.sharding), x))
-        out["d2h_gb_s"] = nbytes / _timed(lambda: jax.device_put(x, host)) / 1e9
-        out["h2d_gb_s"] = nbytes / _timed(lambda: jax.device_put(on_host, x.sharding)) / 1e9
+        out["d2h_gb_s"] = nbytes / common.best_time(lambda: jax.device_put(x, host), 5) / 1e9
+        out["h2d_gb_s"] = nbytes / common.best_time(lambda: jax.device_put(on_host, x.sharding), 5) / 1e9
     copy = jax.jit(lambda a: a * 1.0001)
-    out["hbm_copy_gb_s"] = 2 * nbytes / _timed(lambda: copy(x)) / 1e9  # read + write
+    out["hbm_copy_gb_s"] = 2 * nbytes / common.best_time(lambda: copy(x), 5) / 1e9  # read + write
     return out
 
 
@@ -100,17 +89,27 @@ def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[di
                           num_kv_heads=8, head_dim=128, ffn_size=5632, dtype="bfloat16", weight_dtype="bfloat16",
                           kv_dtype="bfloat16")
         ctx, steps = 2048, 32
+    from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot
+
     model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=0)
+    layout = SlotLayout.of(model)
+    slot = WeightSlot.for_layouts(model.mesh, [layout])
+    slot.load(HostWeights.of(model, layout))
     rows = []
     for batch in batches:
         eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
                                          max_model_len=-(-(ctx + steps + 8) // 16) * 16, warmup=False))
         tok_s = common.decode_with_synthetic_prefix(eng, batch, ctx, steps, cfg.vocab_size)
+        del eng
+        eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
+                                         max_model_len=-(-(ctx + steps + 8) // 16) * 16, warmup=False))
+        eng.runner.use_slot(slot, layout)
+        slot_tok_s = common.decode_with_synthetic_prefix(eng, batch, ctx, steps, cfg.vocab_size)
         step_bytes = cfg.weight_bytes() + batch * (ctx + steps / 2) * cfg.kv_bytes_per_token()
         roof = batch / (step_bytes / (hbm_gb_s * 1e9))
         rows.append({"model": cfg.name, "params": cfg.param_count(), "batch": batch, "context": ctx,
                      "tok_s": tok_s, "step_ms": 1e3 * batch / tok_s, "roofline_tok_s": roof,
-                     "of_roofline": tok_s / roof})
+                     "of_roofline": tok_s / roof, "slot_tok_s": slot_tok_s, "slot_over_own": slot_tok_s / tok_s})
         del eng
     return rows
 
@@ -123,11 +122,11 @@ def main(argv):
     res.update(engine_parity())
     print({k: res[k] for k in ("engine_greedy_equals_reference", "pool_addresses_stable", "compilations")}, flush=True)
     res["decode"] = decode_roofline(small, [int(b) for b in _BATCHES.value], res["hbm_copy_gb_s"])
-    print("\n| model | batch | context | tok/s | step ms | roofline tok/s | of roofline |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| model | batch | context | tok/s | step ms | roofline tok/s | of roofline | slot tok/s | slot / own |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["decode"]:
         print(f"| {r['model']} | {r['batch']} | {r['context']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | "
-              f"{r['roofline_tok_s']:.0f} | {r['of_roofline']:.2f} |")
+              f"{r['roofline_tok_s']:.0f} | {r['of_roofline']:.2f} | {r['slot_tok_s']:.0f} | {r['slot_over_own']:.2f} |")
     with open(_OUT.value, "w") as f:
         json.dump(res, f, indent=1)
 

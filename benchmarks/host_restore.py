@@ -1,17 +1,27 @@
-"""A session's next turn: restore its prefix KV from host memory vs prefill the prefix again.
+"""A session's next turn: restore its prefix KV from host memory vs prefill the prefix again, and the
+restore's copy against a bare `jax.device_put` of the same bytes.
 
-Same engine, same weights (a ~125M-parameter fp32 Llama, random init, loaded through talaria_jax's
-HF loader; no torch needed). For each context length, one request of `context` tokens finishes
-with keep_kv (its KV goes to host memory); then the next turn, `context` + `--new_tokens` tokens, is
-served twice: once with `restore=` (pages copied back from host memory, only the new tokens
-prefilled) and once from scratch (the whole prompt prefilled in chunks of `--chunk`). Each side is
-timed from add_request to the first sampled token (time to first token), best of `--reps`.
+Same engine, same weights: by default a small fp32 Llama (random init; hidden 256, 2 layers, 4 query
+heads, 1 kv head of 64, FFN 512, vocab 32000: ~17.5M parameters, mostly embeddings; 1 KiB of KV per
+token), small so that a 32K-token prefix is prefilled in about half a minute on a 2-core CPU;
+`--hidden=768 --layers=12` is the ~125M model of the earlier 1K / 4K table. For each context length,
+one request of `context` tokens finishes with keep_kv (its KV goes to host memory); then the next
+turn, `context` + `--new_tokens` tokens, is served both ways:
+  - TTFT: with `restore=` (pages copied back from host memory, only the new tokens prefilled) vs from
+    scratch (the whole prompt prefilled in chunks of `--chunk`), timed from add_request to the first
+    sampled token, best of `--reps` (the first run of a side may compile; the best discards it);
+  - copy GB/s: the host tier's restore alone (host-to-device copy and scatter into pool pages, until
+    the pool is ready) vs a bare `jax.device_put` of an array of the copy's shape from the tier's host
+    memory kind (`host_memory_kind`: pinned_host here) to device memory, and the offload (gather and
+    device-to-host copy) vs a bare device_put the other way; bytes are the copy's (`HostKV.host_bytes`),
+    best of `--copy_reps`.
 
   .venv/bin/python benchmarks/host_restore.py --out=/tmp/host_restore.json
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -19,12 +29,13 @@ from absl import app, flags
 
 import common
 
-_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096"], "Prefix lengths (tokens).")
+_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096", "32768"], "Prefix lengths (tokens).")
 _NEW = flags.DEFINE_integer("new_tokens", 128, "Tokens the next turn adds (the tool's observation).")
 _CHUNK = flags.DEFINE_integer("chunk", 512, "Prefill chunk (token budget per step).")
-_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions per side (best is reported).")
-_HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
-_LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed TTFT runs per side (best is reported).")
+_COPY_REPS = flags.DEFINE_integer("copy_reps", 10, "Timed runs of each copy (best is reported).")
+_HIDDEN = flags.DEFINE_integer("hidden", 256, "Model hidden size (768 with 12 layers: ~125M parameters).")
+_LAYERS = flags.DEFINE_integer("layers", 2, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
 
@@ -37,6 +48,29 @@ def ttft(eng, prompt, restore=None) -> float:
         if any(o.request_id == rid and o.token_ids for o in eng.step()):
             break
     return time.perf_counter() - t
+
+
+def copy_times(eng, kv, reps: int) -> dict:
+    """Seconds of the tier's restore of `kv` into free pages and of its offload from them, and of a bare
+    device_put of an array of the same shape between the same shardings, each way."""
+    import jax
+
+    tier = eng.host_tier
+    pages = eng.allocator.allocate(kv.num_pages)  # free now (the engine is idle): held while timing
+
+    def restore():
+        eng.runner.kv = tier.restore(eng.runner.kv, kv, pages)
+        return eng.runner.kv
+
+    host = jax.device_put(np.ones(kv.data.shape, kv.data.dtype), tier.host_sharding)
+    dev = jax.device_put(host, tier.transfer_sharding)
+    try:
+        return dict(restore_s=common.best_time(restore, reps),
+                    h2d_s=common.best_time(lambda: jax.device_put(host, tier.transfer_sharding), reps),
+                    offload_s=common.best_time(lambda: tier.offload(eng.runner.kv, pages, kv.token_ids).data, reps),
+                    d2h_s=common.best_time(lambda: jax.device_put(dev, tier.host_sharding), reps))
+    finally:
+        eng.allocator.free(pages)
 
 
 def main(argv):
@@ -59,32 +93,47 @@ def main(argv):
     page = 16
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=2, max_tokens_per_step=_CHUNK.value,
                                      max_model_len=-(-(max(contexts) + _NEW.value + 8) // page) * page,
-                                     warmup=False))  # best of 3 below: the first run compiles
+                                     warmup=False))  # compiles on first use: the best of the reps discards it
     rng = np.random.RandomState(0)
     rows = []
     for ctx in contexts:
-        first = rng.randint(0, cfg.vocab_size, ctx - 1).tolist()
-        out = eng.generate([first], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), progress=False)
-        rid = eng.add_request(first, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), keep_kv=True)
+        rid = eng.add_request(rng.randint(0, cfg.vocab_size, ctx - 1).tolist(),
+                              SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), keep_kv=True)
         while eng.has_unfinished():
             done = [o for o in eng.step() if o.request_id == rid and o.finished]
         kv = done[0].kv
-        assert kv.num_tokens == ctx and done[0].token_ids == out[0].token_ids
+        assert kv.num_tokens == ctx
         nxt = list(kv.token_ids) + done[0].token_ids[-1:] + rng.randint(0, cfg.vocab_size, _NEW.value - 1).tolist()
-        ttft(eng, nxt, kv), ttft(eng, nxt)  # compile both paths
         restored = min(ttft(eng, nxt, kv) for _ in range(_REPS.value))
         scratch = min(ttft(eng, nxt) for _ in range(_REPS.value))
-        rows.append(dict(context=ctx, new_tokens=_NEW.value, kv_mb=kv.nbytes / 1e6, restore_ttft_s=restored,
-                         recompute_ttft_s=scratch, speedup=scratch / restored))
-        print(f"  ctx {ctx:6d}: KV {kv.nbytes / 1e6:7.1f} MB  TTFT restore {restored * 1e3:8.1f} ms  "
-              f"recompute {scratch * 1e3:8.1f} ms  recompute/restore {scratch / restored:5.1f}", flush=True)
+        t = copy_times(eng, kv, _COPY_REPS.value)
+        gb = kv.host_bytes / 1e9
+        rows.append(dict(context=ctx, new_tokens=_NEW.value, kv_mb=kv.nbytes / 1e6, copy_mb=kv.host_bytes / 1e6,
+                         restore_ttft_s=restored, recompute_ttft_s=scratch, speedup=scratch / restored, **t,
+                         restore_gb_s=gb / t["restore_s"], h2d_gb_s=gb / t["h2d_s"],
+                         restore_vs_device_put=t["h2d_s"] / t["restore_s"], offload_gb_s=gb / t["offload_s"],
+                         d2h_gb_s=gb / t["d2h_s"], offload_vs_device_put=t["d2h_s"] / t["offload_s"]))
+        r = rows[-1]
+        print(f"  ctx {ctx:6d}: KV {r['kv_mb']:7.1f} MB  TTFT restore {restored * 1e3:8.1f} ms  recompute "
+              f"{scratch * 1e3:9.1f} ms  recompute/restore {r['speedup']:6.1f}  |  restore {r['restore_gb_s']:5.2f} "
+              f"GB/s vs device_put {r['h2d_gb_s']:5.2f} GB/s  offload {r['offload_gb_s']:5.2f} GB/s vs device_put "
+              f"{r['d2h_gb_s']:5.2f} GB/s", flush=True)
+    load = os.getloadavg()
+    print(f"\nhost memory kind {eng.host_tier.memory_kind}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     common.print_markdown_table(
         [("prefix tokens", "context", "d"), ("new tokens", "new_tokens", "d"), ("prefix KV (MB)", "kv_mb", ".1f"),
          ("TTFT, restore from host (s)", "restore_ttft_s", ".3f"), ("TTFT, recompute (s)", "recompute_ttft_s", ".3f"),
          ("recompute / restore", "speedup", ".1f")], rows)
+    common.print_markdown_table(
+        [("prefix tokens", "context", "d"), ("copy (MB)", "copy_mb", ".1f"), ("restore (ms)", "restore_s", ".2f"),
+         ("restore GB/s", "restore_gb_s", ".2f"), ("device_put H2D GB/s", "h2d_gb_s", ".2f"),
+         ("restore / device_put", "restore_vs_device_put", ".2f"), ("offload GB/s", "offload_gb_s", ".2f"),
+         ("device_put D2H GB/s", "d2h_gb_s", ".2f"), ("offload / device_put", "offload_vs_device_put", ".2f")],
+        [dict(r, restore_s=r["restore_s"] * 1e3) for r in rows])
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(dict(memory_kind=eng.host_tier.memory_kind, rows=rows), f, indent=1)
+            json.dump(dict(memory_kind=eng.host_tier.memory_kind, load_avg=load, hidden=_HIDDEN.value,
+                           layers=_LAYERS.value, chunk=_CHUNK.value, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -345,13 +345,16 @@ class HostTier:
             raise ValueError("host KV was deleted")
         self._touch(kv)
 
-    def restore(self, pool, kv: HostKV, pages: list[int]):
-        """Writes `kv` into `pages` (one per stored page) of the donated pool; returns the pool."""
+    def restore(self, pool, kv: HostKV, pages: list[int], skip: int = 0):
+        """Writes `kv` into `pages` (one per stored page) of the donated pool; returns the pool. The
+        first `skip` pages are not written (a prefix cache holds them already, maybe shared)."""
         self.check(kv)
         if len(pages) != kv.num_pages:
             raise ValueError(f"host KV holds {kv.num_pages} pages but {len(pages)} destination pages were given")
+        if not 0 <= skip <= kv.num_pages:
+            raise ValueError(f"skip={skip} must be in [0, {kv.num_pages}]")
         idx = np.full(kv.data.shape[2], self.spec.num_pages, np.int32)  # padding: out of bounds, dropped
-        idx[:len(pages)] = pages
+        idx[skip:len(pages)] = pages[skip:]
         # host to device in the copy's own layout; the scatter gathers a split copy back into the pool's
         data = jax.device_put(kv.data, self.transfer_sharding)
         with jax.set_mesh(self.mesh):

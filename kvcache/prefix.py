@@ -10,11 +10,11 @@ Reference counts are the allocator's: the tree holds one reference on every page
 to evict exactly when its refcount is 1 (only the cache holds it) and its node is a leaf (removing
 an inner node would cut off the pages below it).
 
-Eviction order, cheapest to lose first: unprotected leaves before protected ones (`protect`), and
-within each group least recently used first. Every page here is device KV that would have to be
-recomputed to bring it back, so all cost the same per byte and LRU decides; protected entries (a
-session the scheduler expects back, for its `protect_kv`; the engine does not protect any yet) go
-only when nothing else is left.
+Eviction order, cheapest to bring back per byte first (the simulator's order): unprotected leaves
+before protected ones (`protect`); within each group, pages a host copy holds (`mark_backed`: a
+restore brings them back) before pages only a recompute would, and then least recently used first.
+Protected entries (a session the scheduler expects back, for its `protect_kv`: a whole key, or one
+token path with `protect_path`) go only when nothing else is left.
 
 Pure Python; no JAX.
 """
@@ -40,12 +40,14 @@ class PrefixCacheStats:
 
 
 class _Node:
-    __slots__ = ("tokens", "page", "parent", "children", "last_used", "root")
+    __slots__ = ("tokens", "page", "parent", "children", "last_used", "root", "protected_until", "backed")
 
     def __init__(self, tokens: tuple[int, ...], page: int, parent: _Node | None, root: _Root):
         self.tokens, self.page, self.parent, self.root = tokens, page, parent, root
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_used = 0
+        self.protected_until: float | None = None
+        self.backed = False  # a host copy holds this page's KV: losing it costs a restore, not a recompute
 
 
 class _Root:
@@ -84,22 +86,30 @@ class PrefixCache:
         `max_tokens` tokens), in token order, each incref'd for the caller (free them when done)."""
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
         self.stats.queried_tokens += limit
-        root = self._roots.get(key)
-        if root is None:
-            return []
         tick = next(self._tick)
         pages: list[int] = []
-        children = root.children
-        for _, chunk in self._chunks(token_ids, limit // self.page_size):
-            node = children.get(chunk)
-            if node is None:
-                break
+        for node in self._path(key, token_ids, limit):
             node.last_used = tick
             pages.append(node.page)
-            children = node.children
         self.allocator.incref(pages)
         self.stats.hit_tokens += len(pages) * self.page_size
         return pages
+
+    def _path(self, key: Hashable, token_ids: Sequence[int], limit: int | None = None):
+        """The nodes of the longest cached run of full pages that `token_ids[:limit]` starts with."""
+        root = self._roots.get(key)
+        children = root.children if root is not None else {}
+        n = len(token_ids) if limit is None else limit
+        for _, chunk in self._chunks(token_ids, n // self.page_size):
+            node = children.get(chunk)
+            if node is None:
+                return
+            yield node
+            children = node.children
+
+    def peek(self, key: Hashable, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` a `match` would find cached now (full pages), changing nothing."""
+        return sum(1 for _ in self._path(key, token_ids)) * self.page_size
 
     def insert(self, key: Hashable, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         """Caches the full pages of a sequence: `pages[i]` holds the KV of
@@ -141,8 +151,28 @@ class PrefixCache:
         if until is None and not root.children:
             del self._roots[key]
 
-    def _protected(self, root: _Root, now: float) -> bool:
-        return root.protected_until is not None and root.protected_until > now
+    def protect_path(self, key: Hashable, token_ids: Sequence[int], until: float | None) -> int:
+        """Protects (None: unprotects) the cached pages of `token_ids`' longest cached prefix under
+        `key` until `until`: one session's KV, leaving its key's other pages (other sessions, a shared
+        system prompt's siblings) evictable as usual. Returns the tokens protected."""
+        return self._set(key, token_ids, "protected_until", until)
+
+    def mark_backed(self, key: Hashable, token_ids: Sequence[int]) -> int:
+        """Marks the cached full pages of `token_ids` (a host copy's tokens) as backed by that copy, so
+        they are evicted before pages only a recompute could bring back. Returns the tokens marked."""
+        return self._set(key, token_ids, "backed", True)
+
+    def _set(self, key: Hashable, token_ids: Sequence[int], attr: str, value) -> int:
+        nodes = list(self._path(key, token_ids))
+        for node in nodes:
+            setattr(node, attr, value)
+        return len(nodes) * self.page_size
+
+    def _order(self, node: _Node, now: float, tie: int) -> tuple:
+        return self._protected(node, now), not node.backed, node.last_used, tie, node
+
+    def _protected(self, node: _Node, now: float) -> bool:
+        return _root_protected(node.root, now) or (node.protected_until is not None and node.protected_until > now)
 
     def _evictable(self, node: _Node) -> bool:
         return not node.children and self.allocator.refcount(node.page) == 1
@@ -155,15 +185,14 @@ class PrefixCache:
             stack.extend(node.children.values())
 
     def evict(self, n: int) -> int:
-        """Frees up to `n` pages only the cache holds, leaves first: unprotected before protected,
-        least recently used first. A page a running sequence holds (refcount > 1) is never freed, nor
+        """Frees up to `n` pages only the cache holds, leaves first: unprotected before protected, then
+        host-backed before not, then least recently used first. A page a running sequence holds (refcount > 1) is never freed, nor
         is any page above it. Returns how many were freed."""
         if n <= 0:
             return 0
         now = self.clock()
         order = itertools.count()  # ties: any order, but never compare nodes
-        heap = [(self._protected(x.root, now), x.last_used, next(order), x)
-                for x in self._nodes() if self._evictable(x)]
+        heap = [self._order(x, now, next(order)) for x in self._nodes() if self._evictable(x)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n:
@@ -172,14 +201,14 @@ class PrefixCache:
             freed += 1
             parent = node.parent
             if parent is not None and self._evictable(parent):
-                heapq.heappush(heap, (self._protected(parent.root, now), parent.last_used, next(order), parent))
+                heapq.heappush(heap, self._order(parent, now, next(order)))
         self.stats.evicted_pages += freed
         return freed
 
     def _remove(self, node: _Node) -> None:
         siblings = node.parent.children if node.parent is not None else node.root.children
         del siblings[node.tokens]
-        if node.parent is None and not node.root.children and not self._protected(node.root, self.clock()):
+        if node.parent is None and not node.root.children and not _root_protected(node.root, self.clock()):
             del self._roots[node.root.key]  # an empty root outlives its pages only while protected
         self.allocator.free([node.page])
         self._num_pages -= 1
@@ -190,3 +219,7 @@ class PrefixCache:
         self.allocator.free([x.page for x in self._nodes()])
         self._roots.clear()
         self._num_pages = 0
+
+
+def _root_protected(root: _Root, now: float) -> bool:
+    return root.protected_until is not None and root.protected_until > now

@@ -6,3 +6,12 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One persistent compilation cache for the whole run (a fresh folder): engines built again with the same
+# shapes -- every Instance's per-model engines, each test's small engines -- load their programs
+# instead of compiling them again. Tests of the cache itself run in child processes with their own.
+import tempfile  # noqa: E402
+
+from talaria_jax.engine.compile_cache import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache(tempfile.mkdtemp(prefix="talaria-test-xla-"))

@@ -355,7 +355,7 @@ def test_failed_host_copies_lose_nothing(dense1, reference, monkeypatch):
     kv = done[rid].kv
     turn2 = list(kv.token_ids) + done[rid].token_ids[-1:] + [7, 8, 9]
     with monkeypatch.context() as m:  # a restore that fails on the device: one StepError, then a recompute
-        m.setattr(eng.host_tier, "restore", lambda *a: (_ for _ in ()).throw(RuntimeError("H2D copy failed")))
+        m.setattr(eng.host_tier, "restore", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("H2D copy failed")))
         r2 = eng.add_request(turn2, GREEDY, restore=kv)
         with pytest.raises(StepError, match="H2D copy failed"):
             eng.step()

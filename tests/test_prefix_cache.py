@@ -299,3 +299,38 @@ def test_step_failure_drops_the_cache(dense1, monkeypatch):
         outs.update({o.request_id: o for o in eng.step() if o.finished})
     assert [o.token_ids for o in outs.values()] == [ref]
     assert eng.stats.prefix_hit_tokens == hits  # recomputed, not matched against the lost pool
+
+
+def test_protect_path_keeps_one_session_and_peek_changes_nothing():
+    t = [0.0]
+    alloc = PageAllocator(16)
+    cache = PrefixCache(alloc, page_size=2, clock=lambda: t[0])
+    # two sessions under one key share a 2-token system prompt: [9, 9] then their own pages
+    for toks in ([9, 9, 1, 1, 1, 1], [9, 9, 2, 2]):
+        pages = _seq(alloc, len(toks) // 2)
+        cache.insert("k", toks, pages)
+        alloc.free(pages)
+    alloc.free(cache.match("k", [9, 9, 2, 2]))  # session 2 is now the more recently used
+    stats = (cache.stats.queried_tokens, cache.stats.hit_tokens)
+    assert cache.peek("k", [9, 9, 1, 1, 1, 1, 5]) == 6 and cache.peek("k", [9, 9, 3]) == 2
+    assert cache.peek("other", [9, 9]) == 0
+    assert (cache.stats.queried_tokens, cache.stats.hit_tokens) == stats and alloc.num_free == 16 - 4
+    assert cache.protect_path("k", [9, 9, 1, 1, 1, 1], until=5.0) == 6
+    # session 1 is the LRU but protected: session 2's own page goes first, then the shared prompt stays
+    # (session 1 still hangs below it) and session 1's pages go only once nothing else is left
+    assert cache.evict(1) == 1 and cache.peek("k", [9, 9, 2, 2]) == 2
+    assert cache.peek("k", [9, 9, 1, 1, 1, 1]) == 6
+    t[0] = 6.0  # protection lapsed: plain LRU again
+    assert cache.evict(1) == 1 and cache.peek("k", [9, 9, 1, 1, 1, 1]) == 4
+
+
+def test_pages_a_host_copy_holds_are_evicted_first():
+    alloc = PageAllocator(8)
+    cache = PrefixCache(alloc, page_size=1)
+    for toks in ([1, 2], [3, 4]):
+        pages = _seq(alloc, 2)
+        cache.insert("k", toks, pages)
+        alloc.free(pages)
+    alloc.free(cache.match("k", [1, 2]))  # [3, 4] is the least recently used
+    assert cache.mark_backed("k", [1, 2, 7]) == 2  # but a host copy holds [1, 2]: restoring it is cheaper
+    assert cache.evict(2) == 2 and cache.peek("k", [1, 2]) == 0 and cache.peek("k", [3, 4]) == 2

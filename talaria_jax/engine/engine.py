@@ -61,8 +61,8 @@ class EngineConfig:
     # ids (per model, weights and `cache_salt`), and a new request reuses the longest cached prefix
     # instead of prefilling it. Off by default: cached pages stay allocated after their requests
     # finish (evicted only when pages run out), which changes what free-page counts and preemption
-    # tests expect, and the host-tier `restore` path is its own way to reuse a prefix; serving turns
-    # it on where sessions return.
+    # tests expect; serving turns it on where sessions return (talaria_jax.instance does). A request's
+    # `restore` then tops up a hit: only the host copy's pages past the cached ones are copied in.
     prefix_cache: bool = False
 
     def validate(self) -> None:
@@ -121,8 +121,10 @@ class _Request:
     finish_reason: str | None = None
     keep_kv: bool = False  # offload the KV to host memory when the request finishes
     restore: HostKV | None = None  # KV of a prompt prefix to restore from host memory at admission
+    restore_skip: int = 0  # leading pages of `restore` the prefix cache held already (not copied in)
     kv: HostKV | None = None  # the offloaded KV, once finished
     cache_salt: str | None = None  # prefix-cache tenant: only requests with the same salt share KV
+    session: str | None = None  # tags the keep_kv host copy (HostTier.protect and bytes_by_session)
     owner: str = "step"  # who reports it: "step" (add_request), "generate" or "stream"
     reported: int = 0  # output tokens step() has handed out (owner "step")
 
@@ -200,7 +202,7 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, *, keep_kv: bool = False, restore: HostKV | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, session: str | None = None) -> str:
         """Queues a request, reported by `step()`; bad input raises RequestError (SamplingError is one)
         naming the field and changes nothing. The prompt is a str, a list or tuple of int token ids, or
         a 1-D integer numpy array; a str is encoded without BOS (prepend it yourself if the model wants
@@ -208,13 +210,15 @@ class Engine:
         `restore`: such a KV (of the same weights and page layout) for a prefix of `prompt`; it is
         copied back into the pool at admission instead of being recomputed, and the prompt must start
         with its tokens. `cache_salt`: the prefix-cache tenant (with `EngineConfig.prefix_cache`); only
-        requests with the same salt (None is one) reuse each other's cached KV."""
+        requests with the same salt (None is one) reuse each other's cached KV. `session` tags the keep_kv
+        host copy for the host tier's per-session accounting and `protect`."""
         if not isinstance(keep_kv, (bool, np.bool_)):
             raise RequestError(f"keep_kv must be a bool, got {keep_kv!r} ({type(keep_kv).__name__})")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        for name, v in (("cache_salt", cache_salt), ("session", session)):
+            if v is not None and not isinstance(v, str):
+                raise RequestError(f"{name} must be a str or None, got {type(v).__name__}")
         req = self._make_request(prompt, params, request_id, restore)
-        req.keep_kv, req.restore, req.cache_salt = bool(keep_kv), restore, cache_salt
+        req.keep_kv, req.restore, req.cache_salt, req.session = bool(keep_kv), restore, cache_salt, session
         return self._enqueue(req)
 
     def _check_restore(self, prompt: tuple[int, ...], kv: HostKV) -> None:
@@ -348,13 +352,15 @@ class Engine:
             req = self.waiting[0]
             if req.restore is not None and not self.host_tier.usable(req.restore):
                 req.restore = None  # evicted (host budget) since add_request: the prefix is recomputed
-            cached = req.restore.num_tokens if req.restore is not None else 0
             hit = 0
-            if self.prefix_cache is not None and req.restore is None:
+            if self.prefix_cache is not None:
                 # the last known token is always computed: its logits give the next token
                 req.seq.pages = self.prefix_cache.match(self._prefix_key(req), self._known_tokens(req),
                                                         req.num_tokens - 1)
-                hit = cached = len(req.seq.pages) * self.config.page_size
+                hit = len(req.seq.pages) * self.config.page_size
+            # a host copy fills in what the device cache lacks: its pages past the hit are restored
+            restore = req.restore is not None and req.restore.num_tokens > hit
+            cached = req.restore.num_tokens if restore else hit
             n = min(req.num_tokens - cached, budget)
             try:
                 while True:
@@ -369,20 +375,23 @@ class Engine:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            if hit:
-                req.num_computed = hit
-            elif cached:
+            if restore:
                 restores.append(req)
-                req.num_computed = cached
-            if self.prefix_cache is not None and req.restore is None:
+                req.restore_skip = hit // self.config.page_size
+            req.num_computed = cached
+            if self.prefix_cache is not None:
                 self.stats.prefix_query_tokens += req.num_tokens - 1
                 self.stats.prefix_hit_tokens += hit
             batch.append((req, n))
             budget -= n
         return batch
 
+    def prefix_key(self, cache_salt: str | None = None) -> tuple:
+        """The prefix-cache key of this engine's requests with `cache_salt` (model, weights, tenant)."""
+        return self.cfg.name, self.model.fingerprint, cache_salt
+
     def _prefix_key(self, req: _Request) -> tuple:
-        return self.cfg.name, self.model.fingerprint, req.cache_salt
+        return self.prefix_key(req.cache_salt)
 
     def _known_tokens(self, req: _Request) -> tuple[int, ...]:
         return req.prompt + tuple(req.output) if req.output else req.prompt
@@ -447,7 +456,8 @@ class Engine:
         try:
             for req in restores:  # host-to-device into the donated pool, before the step reads it
                 r = req.restore
-                self.runner.kv = self.host_tier.restore(self.runner.kv, r, req.seq.pages[:r.num_pages])
+                self.runner.kv = self.host_tier.restore(self.runner.kv, r, req.seq.pages[:r.num_pages],
+                                                        skip=req.restore_skip)
             out = self.runner.step(b)
         except Exception as e:  # the donated pool may be gone: start it afresh and recompute every sequence
             self.stats.step_failures += 1
@@ -461,7 +471,8 @@ class Engine:
             raise StepError(f"engine step failed ({type(e).__name__}: {e}); {len(self.waiting)} requests "
                             f"requeued for recompute") from e
         self.stats.steps += 1
-        self.stats.restored_tokens += sum(req.restore.num_tokens for req in restores)
+        self.stats.restored_tokens += sum(req.restore.num_tokens - req.restore_skip * self.config.page_size
+                                          for req in restores)
         for req, n in batch:
             if req.num_computed + n > len(req.prompt):
                 self.stats.decode_tokens += min(n, req.num_computed + n - len(req.prompt))
@@ -495,7 +506,7 @@ class Engine:
         if req.keep_kv and reason != "abort" and req.num_computed:
             tokens = (req.prompt + tuple(req.output))[:req.num_computed]  # the last token has no KV yet
             try:
-                req.kv = self.host_tier.offload(self.runner.kv, req.seq.pages, tokens)
+                req.kv = self.host_tier.offload(self.runner.kv, req.seq.pages, tokens, session=req.session)
                 self.stats.offloaded_tokens += len(tokens)
             except Exception:  # e.g. host memory exhausted: the request still finishes, without its KV
                 self.stats.offload_failures += 1

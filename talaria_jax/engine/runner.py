@@ -7,7 +7,9 @@ and re-bound from its output, so its device buffers keep their addresses. Token 
 to a few buckets, and a step with a prefill chunk groups its query tokens in tiles of one sequence
 (`query_tile`, a few tile counts per bucket) so the chunk reads its context once per tile, not once
 per token. `step_shapes()` lists every shape, `warmup()` compiles them, and `compilations` counts
-traces, so a steady workload can be checked to add none.
+traces, so a steady workload can be checked to add none. After `use_slot`, the step reads its parameters
+from a shared `WeightSlot` (talaria_jax.weights.slot), carved by the model's `SlotLayout`, instead of
+the model's own state.
 """
 from __future__ import annotations
 
@@ -107,9 +109,23 @@ class Runner:
         self.buckets = token_buckets(max_tokens_per_step)
         self.compilations = 0
         self.kv = allocate_pool(spec, model.mesh)
+        self.slot, self.layout = None, None  # see use_slot
         rep = replicated(model.mesh)
-        self._step = jax.jit(self._step_fn, static_argnums=0, donate_argnames=("kv",),
+        self._step = jax.jit(self._step_fn, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
                              out_shardings=(pool_shardings(spec, model.mesh), rep, rep, rep, rep, rep))
+
+    def use_slot(self, slot, layout=None) -> None:
+        """Reads the parameters from `slot` (a WeightSlot shared by several models' runners), carved by
+        `layout` (default: SlotLayout.of(self.model) in the slot's word), instead of self.model.state;
+        None: back to the model's state. Steps refuse to run while the slot holds other weights;
+        `warmup` compiles the slot's path (it runs whatever the slot holds: its all-padding steps
+        write nothing)."""
+        if slot is not None:
+            from talaria_jax.weights.slot import SlotLayout  # here: talaria_jax.weights imports orbax (~1.5 s)
+
+            layout = layout or SlotLayout.of(self.model, word=slot.word)
+            slot.check(layout)
+        self.slot, self.layout = slot, layout if slot is not None else None
 
     def reset_pool(self) -> None:
         """A fresh zeroed pool (after a failed step may have consumed the donated one)."""
@@ -161,8 +177,12 @@ class Runner:
             self._run(b, *query_tiles([], t, q, n))
 
     def _step_fn(self, graphdef, params, kv, tokens, positions, tile_tok, tile_seq, tok_slot, slots, page_tables,
-                 num_blocks, logits_idx, temperature, top_k, top_p, seed, step):
+                 num_blocks, logits_idx, temperature, top_k, top_p, seed, step, layout=None):
         self.compilations += 1  # runs at trace time only
+        if layout is not None:  # params is a weight slot's flat buffer
+            from talaria_jax.weights.slot import carve
+
+            params = carve(params, layout)
         model = nnx.merge(graphdef, params)
         cfg = model.cfg
         ppb = self.pages_per_block
@@ -178,14 +198,18 @@ class Runner:
         return (kv, *sample(logits, temperature, top_k, top_p, seed, step), logits)
 
     def step(self, b: StepBatch) -> StepOutput:
+        if self.slot is not None:
+            self.slot.require_active(self.layout, self.model.fingerprint)
         return self._run(b, *self.tiling(b))
 
     def _run(self, b: StepBatch, tile_tok, tile_seq, tok_slot) -> StepOutput:
         s = b.sampling
+        params = self.model.state if self.slot is None else self.slot.array
         with jax.set_mesh(self.model.mesh):
             self.kv, *out = self._step(
-                self.model.graphdef, self.model.state, self.kv, b.tokens, b.positions, tile_tok, tile_seq, tok_slot,
-                b.slots, b.page_tables, np.int32(b.num_blocks), b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step)
+                self.model.graphdef, params, self.kv, b.tokens, b.positions, tile_tok, tile_seq, tok_slot,
+                b.slots, b.page_tables, np.int32(b.num_blocks), b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed,
+                s.step, layout=self.layout)
         toks, lp, top_ids, top_lp = jax.device_get(out[:4])
         return StepOutput(toks, lp, top_ids, top_lp, out[4])
 

@@ -1,7 +1,14 @@
-"""talaria-replay: replay an agent-session trace through scheduling policies on a simulated cluster.
+"""talaria-replay: replay an agent-session trace through scheduling policies on a simulated cluster,
+or (--backend=local) on real instances in this process, next to the simulator's prediction.
 
     python -m talaria_jax.launch.replay --trace=configs/traces/swebench-30x32.jsonl \
         --hardware=h200x8 --policies=talaria,round --seeds=0,1,2,3,4 --json_out=out/replay.json
+    python -m talaria_jax.launch.replay --backend=local --policies=talaria,round,composite
+
+The local backend (``talaria_jax.local``) replays a 12-session trace over SmolLM2-135M-Instruct and
+two tiny models on two one-device instances by default (`--trace` and `--model_map` replay another
+trace's calls on those models), and prints measured SCT per policy with the simulator's prediction
+for the same calls, models and `--hardware` profile, and the relative error.
 
 Prints one row per policy (seed-averaged): p50 / p95 / mean session completion time, calls/s,
 model switches, KV tokens restored from host vs recomputed; then talaria's ratio to each policy.
@@ -14,8 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import sys
+import time
 from typing import Sequence
 
 import numpy as np
@@ -38,6 +47,13 @@ flags.DEFINE_float("tool_gap_scale", 1.0, "Multiply every tool gap of the trace 
 flags.DEFINE_integer("servers", 1, "Servers, one TP instance each; every server can host every model.")
 flags.DEFINE_string("json_out", "", "Write the results as JSON here.")
 flags.DEFINE_string("plot", "", "Write an SCT CDF per policy (PNG) here; needs matplotlib.")
+flags.DEFINE_enum("backend", "sim", ["sim", "local"], "sim: simulated instances; local: real JAX instances here.")
+flags.DEFINE_list("local_models", ["smollm2-135m-instruct", "tiny-dense", "tiny-moe"],
+                  "--backend=local: the models each instance hosts (named models or configs/models/ names).")
+flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model pairs (name=local); default: the "
+                  "local 12-session trace, whose names are the local models'.")
+flags.DEFINE_integer("devices_per_instance", 1, "--backend=local: devices (TP) of each instance (default "
+                     "--servers there: 2; default --hardware: cpu, the profile talaria-calibrate wrote).")
 
 _AGG_KEYS = ("sct_p50_s", "sct_p95_s", "sct_mean_s", "calls_per_s", "makespan_s", "model_switches", "switch_time_s",
              "kv_restored_tokens", "kv_recomputed_tokens", "kv_device_hit_tokens", "prefill_tokens", "peak_hbm_fraction")
@@ -139,9 +155,66 @@ def plot_cdf(res: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers: int, local_models: Sequence[str],
+              model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0) -> dict:
+    """Replays every policy on real instances (one warm-up replay first compiles the step shapes the
+    trace uses; it is not reported), then the simulator on the same calls, models and hardware."""
+    from talaria_jax.engine.engine import EngineConfig
+    from talaria_jax.instance import SessionTokens
+    from talaria_jax import local
+
+    calls = local.local_trace() if trace is None else local.map_models(read_jsonl(trace), model_map)
+    calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * tool_gap_scale) for c in calls]
+    hw = dataclasses.replace(load_hardware(hardware), num_gpus=devices_per_instance)
+    longest = max(c.context_after for c in calls)
+    ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
+    insts = local.build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
+                                  engine_config=ec, tokens=SessionTokens())
+    shapes = insts[0].shapes()
+    print(f"warm-up replay ({len(calls)} calls; compiles the step shapes they use) ...", file=sys.stderr)
+    local.replay_local(calls, get_policy(policies[0]), insts)
+    out: dict = {"backend": "local", "trace": trace or "local-12x4", "hardware": hw.name, "servers": servers,
+                 "models": list(local_models), "devices_per_instance": devices_per_instance, "policies": {}}
+    for name in policies:
+        pol = get_policy(name)
+        t = time.perf_counter()
+        real = local.replay_local(calls, pol, insts).summary()
+        print(f"{name}: replayed in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        sim = replay(calls, pol, hw, shapes, servers=servers, seed=0, jitter_sigma=0.0, gap_jitter_sigma=0.0).summary()
+        err = {k: sim[k] / real[k] - 1.0 for k in ("sct_p50_s", "sct_p95_s")}
+        out["policies"][name] = {"measured": real, "simulated": sim, "relative_error": err}
+    return out
+
+
+def format_local_table(res: dict) -> str:
+    lines = [f"local replay of `{res['trace']}` on {res['servers']} instances x {res['devices_per_instance']} device(s), "
+             f"models {', '.join(res['models'])}; simulator with hardware `{res['hardware']}`", "",
+             "| policy | measured SCT p50 (s) | p95 (s) | simulated p50 (s) | p95 (s) | error p50 | error p95 "
+             "| switches | KV restored (tok) | prefix recomputed (tok) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, v in res["policies"].items():
+        m, s, e = v["measured"], v["simulated"], v["relative_error"]
+        lines.append(f"| {name} | {m['sct_p50_s']:.1f} | {m['sct_p95_s']:.1f} | {s['sct_p50_s']:.1f} | {s['sct_p95_s']:.1f} "
+                     f"| {e['sct_p50_s']:+.0%} | {e['sct_p95_s']:+.0%} | {m['model_switches']:.0f} "
+                     f"| {m['kv_restored_tokens']:.0f} | {m['kv_recomputed_tokens']:.0f} |")
+    return "\n".join(lines)
+
+
+def _parse_map(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        name, sep, local_name = p.partition("=")
+        if not sep or not name or not local_name:
+            raise app.UsageError(f"--model_map: {p!r} is not name=local_model")
+        out[name] = local_name
+    return out
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.backend == "local":
+        _main_local()
+        return
     if FLAGS.servers < 1:
         raise app.UsageError(f"--servers={FLAGS.servers} must be >= 1")
     if not FLAGS.tool_gap_scale >= 0:
@@ -154,14 +227,32 @@ def main(argv: Sequence[str]) -> None:
     res = run_replay(FLAGS.trace, FLAGS.hardware, FLAGS.policies, _parse_seeds(FLAGS.seeds), FLAGS.servers,
                      FLAGS.models_table, FLAGS.tool_gap_scale)
     print(format_table(res))
+    _write_json(res)
+    if FLAGS.plot:
+        plot_cdf(res, FLAGS.plot)
+        print(f"wrote {FLAGS.plot}", file=sys.stderr)
+
+
+def _write_json(res: dict) -> None:
     if FLAGS.json_out:
         pathlib.Path(FLAGS.json_out).parent.mkdir(parents=True, exist_ok=True)
         with open(FLAGS.json_out, "w") as f:
             json.dump(res, f, indent=1)
         print(f"wrote {FLAGS.json_out}", file=sys.stderr)
-    if FLAGS.plot:
-        plot_cdf(res, FLAGS.plot)
-        print(f"wrote {FLAGS.plot}", file=sys.stderr)
+
+
+def _main_local() -> None:
+    need = FLAGS.servers * FLAGS.devices_per_instance
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):  # CPU: one simulated device per instance rank
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(need, 8)}".strip()
+    trace_given = FLAGS["trace"].present
+    servers = FLAGS.servers if FLAGS["servers"].present else 2  # two instances, so placement matters
+    hardware = FLAGS.hardware if FLAGS["hardware"].present else "cpu"  # talaria-calibrate's profile
+    res = run_local(FLAGS.trace if trace_given else None, hardware, FLAGS.policies, servers,
+                    FLAGS.local_models, _parse_map(FLAGS.model_map), FLAGS.devices_per_instance, FLAGS.tool_gap_scale)
+    print(format_local_table(res))
+    _write_json(res)
 
 
 def run() -> None:

@@ -39,7 +39,7 @@ class ReplayResult:
     tool_s: dict[str, float]  # session -> tool time it saw (its gaps times this seed's jitter)
     records: list[CallRecord]
     makespan_s: float
-    instances: list[SimInstance]
+    instances: list  # SimInstance, or talaria_jax.instance.Instance
 
     def summary(self) -> dict:
         sct = np.array(sorted(self.sct_s.values()))
@@ -102,6 +102,14 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
                          drop_kv_on_switch=policy.drop_kv_on_switch, reusable_prefix=lambda c: prefix.get(c.key, 0),
                          jitter_sigma=jitter_sigma, rng=np.random.default_rng([seed, k]))
              for k in range(servers)]
+    return run(calls, policy, insts, sessions, seed, gap_factor, max_chunk_s)
+
+
+def run(calls: Sequence[Call], policy: PolicyConfig, insts: Sequence, sessions: SessionTable, seed: int,
+        gap_factor: dict[tuple[str, int], float], max_chunk_s: float = 0.25) -> ReplayResult:
+    """The event loop over any instances with SimInstance's chunk interface (`start_chunk`,
+    `finish_chunk`, `is_busy`, `now`): simulated ones, or real ones (``talaria_jax.instance``) whose
+    chunks run for real and report their measured seconds."""
     sched = Scheduler(policy, insts, sessions)
     heap: list = []
     seq = itertools.count()
@@ -145,4 +153,4 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
         raise RuntimeError(f"policy {policy.name}: sessions never finished: {unfinished[:5]} (scheduler stalled)")
     sct = {s.id: s.finished_s - s.arrived_s for s in sessions}
     start = min(s.arrived_s for s in sessions)
-    return ReplayResult(policy.name, seed, sct, session_tool_s(calls, gap_factor), records, now - start, insts)
+    return ReplayResult(policy.name, seed, sct, session_tool_s(calls, gap_factor), records, now - start, list(insts))

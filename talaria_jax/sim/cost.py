@@ -26,6 +26,9 @@ class CostModel:
     def _hbm_rate(self) -> float:
         return self.hw.num_gpus * self.hw.hbm_bw_gbps * GB * self.hw.hbm_bw_efficiency
 
+    def _overhead_s(self) -> float:
+        return self.hw.step_overhead_us * 1e-6
+
     def _allreduce_s(self, m: ModelShape, tokens: int) -> float:
         if self.hw.num_gpus == 1:
             return 0.0
@@ -48,7 +51,7 @@ class CostModel:
             return 0.0
         compute = self.prefill_flops(m, new_tokens, past_tokens) / self._matmul_rate()
         memory = (m.weight_bytes + (past_tokens + new_tokens) * m.kv_bytes_per_token) / self._hbm_rate()
-        return max(compute, memory) + self._allreduce_s(m, new_tokens)
+        return max(compute, memory) + self._allreduce_s(m, new_tokens) + self._overhead_s()
 
     def expert_touch_fraction(self, m: ModelShape, batch: int) -> float:
         """Expected share of routed experts read by a decode step of `batch` tokens."""
@@ -67,7 +70,14 @@ class CostModel:
         memory = (weights + kv) / self._hbm_rate()
         flops = 2.0 * m.active_params_b * 1e9 * batch + 4.0 * m.full_attn_layers * m.attn_dim * context_tokens
         compute = flops / self._matmul_rate()
-        return max(memory, compute) + self._allreduce_s(m, batch)
+        return max(memory, compute) + self._allreduce_s(m, batch) + self._overhead_s()
+
+    def service_s(self, m: ModelShape, prompt_tokens: int, output_tokens: int, cached: int, batch: int,
+                  context_tokens: int) -> float:
+        """A call's estimated seconds on an instance: prefill of its uncached prompt, then its output
+        decoded in a batch of `batch` sequences holding context_tokens in total."""
+        return (self.prefill_s(m, prompt_tokens - cached, cached)
+                + output_tokens * self.decode_step_s(m, batch, context_tokens))
 
     # --- copies ---------------------------------------------------------------------------
     def h2d_kv_s(self, m: ModelShape, tokens: int) -> float:

@@ -41,6 +41,7 @@ class HardwareConfig:
     prefill_efficiency: float
     nvlink_gbps: float
     allreduce_latency_us: float
+    step_overhead_us: float  # fixed cost of one engine step or prefill (launch, host scheduling, sampling)
     pcie_h2d_gbps: float
     pcie_d2h_gbps: float
     weight_load_efficiency: float
@@ -120,6 +121,7 @@ _HW_LIMITS: dict[str, tuple[float, float]] = {
     "num_gpus": (1, 1024), "hbm_gib_per_gpu": (1, 4096), "memory_utilization": (0.05, 1.0),
     "hbm_bw_gbps": (1, 1e5), "hbm_bw_efficiency": (0.01, 1.0), "matmul_tflops": (0.001, 1e5),
     "prefill_efficiency": (0.01, 1.0), "nvlink_gbps": (0.1, 1e5), "allreduce_latency_us": (0, 1e5),
+    "step_overhead_us": (0, 1e7),
     "pcie_h2d_gbps": (0.1, 1e4), "pcie_d2h_gbps": (0.1, 1e4), "weight_load_efficiency": (0.01, 1.0),
     "d2d_gbps": (1, 1e5), "host_memory_gb": (1, 1e6), "host_reserve_gb": (0, 1e6),
 }

@@ -182,8 +182,7 @@ class SimInstance:
         cached = min(call.prompt_tokens, max(loc.device_tokens, loc.host_tokens))
         batch = len(self.running) + 1
         ctx = sum(r.ctx for r in self.running) + call.prompt_tokens
-        return (self.cost.prefill_s(m, call.prompt_tokens - cached, cached)
-                + call.output_tokens * self.cost.decode_step_s(m, batch, ctx))
+        return self.cost.service_s(m, call.prompt_tokens, call.output_tokens, cached, batch, ctx)
 
     # --- InstanceAPI: actions ---------------------------------------------------------------
     def admit(self, call: Call) -> None:

@@ -1,0 +1,193 @@
+"""Switching the model in a weight slot: staged vs loaded from pinned host memory vs an Orbax restore,
+and what staging the next model costs the decode of the current one.
+
+Two models of one config (a ~125M-parameter fp32 Llama with the defaults, random init, seeds 0 and
+1). Both are copied to pinned host memory (`HostWeights.of`); the slot (`WeightSlot`) holds one at a
+time, and the switches alternate between them. Times are best and median of `--reps` after one
+untimed run of each path (the in-place copy compiles once per model size):
+- activate_staged: the next model was staged (`stage`, a host-to-device copy issued while the current
+  one serves) and has arrived; the switch is the device-to-device copy into the slot;
+- load: host-to-device straight into the slot (nothing staged in advance);
+- Orbax restore: `talaria_jax.weights.checkpoint.restore` of the model from a checkpoint in a temp
+  folder into fresh device arrays (just written, so the files are likely in the OS page cache).
+Each includes waiting until the copy is complete on the device. Also timed: the `stage()` call
+itself (what the serving loop pays) and the staging copy from issue to arrival.
+
+Decode: tokens/s of one engine serving model A from the slot, `--batch` sequences of `--context`
+cached tokens (`common.decode_with_synthetic_prefix`), with nothing staging vs with model B's
+staging copy kept in flight throughout (re-issued as soon as one arrives), and, for scale, an engine
+over model A's own parameters (no slot). The three alternate `--reps` times; best is reported.
+
+  .venv/bin/python benchmarks/model_switch.py --out=/tmp/model_switch.json
+
+On CPU every "device" is host memory, so host-to-device and device-to-device are both memory copies
+and the staging copy competes with decode for the same cores and memory bandwidth; on a GPU the
+staging copy runs on a copy engine over PCIe while decode reads HBM.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+
+from absl import app, flags, logging
+
+import common
+
+_HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
+_LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Decode batch size.")
+_CONTEXT = flags.DEFINE_integer("context", 256, "Tokens already cached per sequence when decode is timed.")
+_STEPS = flags.DEFINE_integer("decode_steps", 8, "Timed decode steps per measurement.")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each switch path and decode mode.")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+
+
+def bench_config(hidden: int, layers: int):
+    """A Llama-shaped fp32 config (common.hf_config's shapes, as host_restore.py builds it)."""
+    from talaria_jax.models.config import ModelConfig
+
+    hf = common.hf_config(hidden, layers)
+    return ModelConfig(name="bench-llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                       num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                       num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn_size=hf["intermediate_size"],
+                       norm_eps=hf["rms_norm_eps"], max_position=4096, weight_dtype="float32", kv_dtype="float32",
+                       dtype="float32")
+
+
+def wait_staged(slot) -> None:
+    while not slot.staged_ready():
+        time.sleep(0.0005)
+
+
+def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:
+    """Seconds per switch of each path, alternating the models; one untimed run of each first."""
+    import jax
+
+    out = {k: [] for k in ("stage_call", "stage_copy", "activate_staged", "load", "restore")}
+    for i in range(reps + 1):
+        host = hosts[i % len(hosts)]
+        t = time.perf_counter()
+        slot.stage(host)
+        issued = time.perf_counter()
+        wait_staged(slot)
+        arrived = time.perf_counter()
+        slot.activate_staged()
+        slot.array.block_until_ready()
+        switched = time.perf_counter()
+        slot.load(hosts[(i + 1) % len(hosts)])
+        slot.array.block_until_ready()
+        loaded = time.perf_counter()
+        jax.block_until_ready(restore().state)
+        restored = time.perf_counter()
+        if i:  # the first run compiles the in-place copy for each model size
+            for k, dt in zip(out, (issued - t, arrived - t, switched - arrived, loaded - switched, restored - loaded)):
+                out[k].append(dt)
+    return out
+
+
+class StepHook:
+    """`engine`, whose step() first calls `hook`: lets common.decode_with_synthetic_prefix time steps
+    with something going on between them."""
+
+    def __init__(self, engine, hook):
+        self._engine, self._hook = engine, hook
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        self._hook()
+        return self._engine.step()
+
+
+def decode_tok_s(eng, hook=None) -> float:
+    """Decode tokens/s (common.decode_with_synthetic_prefix); its requests are aborted afterwards so
+    the same engine (already compiled) can be timed again."""
+    rate = common.decode_with_synthetic_prefix(eng if hook is None else StepHook(eng, hook), _BATCH.value,
+                                               _CONTEXT.value, _STEPS.value, eng.cfg.vocab_size)
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    return rate
+
+
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs each save and restore at INFO, at length
+    import jax
+
+    from talaria_jax.engine import Engine, EngineConfig
+    from talaria_jax.models import init_model
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import checkpoint
+    from talaria_jax.weights.slot import HostWeights, WeightSlot, without_weights
+
+    cfg = bench_config(_HIDDEN.value, _LAYERS.value)
+    mesh = make_mesh(jax.devices()[:1])
+    page = 16
+    ecfg = EngineConfig(page_size=page, max_seqs=_BATCH.value, max_tokens_per_step=max(_BATCH.value, 16),
+                        max_model_len=-(-(_CONTEXT.value + _STEPS.value + 8) // page) * page, warmup=False)
+    a, b = (init_model(cfg, mesh, seed=s) for s in (0, 1))
+    hosts = [HostWeights.of(m) for m in (a, b)]
+    nbytes = hosts[0].layout.bytes_per_device
+    slot = WeightSlot.for_layouts(mesh, [h.layout for h in hosts])
+    print(f"model: {cfg.param_count() / 1e6:.0f}M params fp32, {nbytes / 1e6:.0f} MB per slot row; host memory "
+          f"{hosts[0].data.sharding.memory_kind}; backend {jax.default_backend()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint.save(b, tmp)
+        b = without_weights(b)  # its device copy is not needed any more
+        times = switch_times(slot, hosts, lambda: checkpoint.restore(tmp, mesh), _REPS.value)
+
+    plain = Engine(a, ecfg)
+    served = Engine(without_weights(a), ecfg)
+    served.runner.use_slot(slot)
+    slot.load(hosts[0])
+    staged_copies = 0
+
+    def keep_staging():  # model B's staging copy always in flight
+        nonlocal staged_copies
+        if slot.staged is None or slot.staged_ready():
+            slot.stage(hosts[1])
+            staged_copies += 1
+
+    rates = {k: [] for k in ("plain", "slot_idle", "slot_staging")}
+    staging_s = 0.0
+    for _ in range(_REPS.value):
+        rates["plain"].append(decode_tok_s(plain))
+        rates["slot_idle"].append(decode_tok_s(served))
+        t = time.perf_counter()
+        rates["slot_staging"].append(decode_tok_s(served, keep_staging))
+        staging_s += time.perf_counter() - t
+        wait_staged(slot)  # nothing in flight during the next idle run
+    print(f"  staging kept in flight during decode: {staged_copies} copies of {nbytes / 1e6:.0f} MB in {staging_s:.1f} s "
+          f"of decode runs", flush=True)
+
+    best = {k: min(v) for k, v in times.items()}
+    switch_rows = [dict(path=p, best_ms=best[k] * 1e3, median_ms=statistics.median(times[k]) * 1e3,
+                        gb_s=None if k == "stage_call" else nbytes / best[k] / 1e9,
+                        vs_staged=best[k] / best["activate_staged"])
+                   for p, k in (("activate_staged (D2D, staged in advance)", "activate_staged"),
+                                ("load (H2D from pinned host)", "load"),
+                                ("Orbax restore (disk, page cache)", "restore"),
+                                ("stage() call (returns while copying)", "stage_call"),
+                                ("staging copy, issue to arrival (H2D)", "stage_copy"))]
+    common.print_markdown_table([("switch path", "path", "s"), ("best (ms)", "best_ms", ".1f"),
+                                 ("median (ms)", "median_ms", ".1f"), ("GB/s", "gb_s", ".2f"),
+                                 ("x activate_staged", "vs_staged", ".1f")], switch_rows)
+    decode_rows = [dict(mode=m, tok_s=max(rates[k]), vs_idle=max(rates[k]) / max(rates["slot_idle"]))
+                   for m, k in (("own parameters (no slot)", "plain"), ("slot, nothing staging", "slot_idle"),
+                                ("slot, next model staging", "slot_staging"))]
+    common.print_markdown_table([(f"decode, batch {_BATCH.value}, context {_CONTEXT.value}", "mode", "s"),
+                                 ("tok/s (best)", "tok_s", ".1f"), ("x slot idle", "vs_idle", ".2f")], decode_rows)
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump(dict(params=cfg.param_count(), bytes_per_device=nbytes, memory_kind=hosts[0].data.sharding.memory_kind,
+                           backend=jax.default_backend(), reps=_REPS.value, batch=_BATCH.value, context=_CONTEXT.value,
+                           decode_steps=_STEPS.value, switch_s=times, decode_tok_s=rates, staged_copies=staged_copies,
+                           switch=switch_rows, decode=decode_rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

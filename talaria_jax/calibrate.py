@@ -1,0 +1,169 @@
+"""Calibrates the simulator's hardware profile on the real engine of this machine.
+
+`measure` times one real instance (``talaria_jax.instance``): decode steps against batch and context,
+prefill steps against prompt length, a weight switch loading from pinned host memory and one from the
+staging area (device to device), and a session's KV offloaded to and restored from host memory.
+`fit` turns those into a ``HardwareConfig`` whose cost model (``talaria_jax.sim.cost``) reproduces
+them: a fixed cost per step (the intercept) plus bytes over a bandwidth for decode, FLOPs over a
+matmul rate for prefill, and copy rates for the links. Efficiencies are 1: the rates measured are
+the effective ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.instance import Instance
+from talaria_jax.sim.cost import CostModel
+from talaria_jax.sim.hardware import GB, GIB, HardwareConfig
+
+
+@dataclasses.dataclass
+class Point:
+    model: str
+    kind: str  # decode | prefill
+    batch: int
+    tokens: int  # decode: context per sequence; prefill: prompt tokens
+    seconds: float
+
+
+def _median_step(eng, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _drain(eng) -> None:
+    while eng.has_unfinished():
+        eng.step()
+
+
+def measure_model(inst: Instance, model: str, *, batches=(1, 4), contexts=(64, 512), prompts=(64, 256),
+                  steps: int = 6) -> list[Point]:
+    """Decode and prefill step times of `model` on `inst` (its weights loaded into the slot)."""
+    s = inst.served[model]
+    eng = s.engine
+    inst.slot.load(s.host)
+    rng = np.random.default_rng(0)
+    vocab = eng.cfg.vocab_size
+    out = []
+    for n in prompts:  # one fresh prompt per step: the step is its prefill
+        for _ in range(2):  # the first compiles
+            eng.add_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            t = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t
+            _drain(eng)
+        out.append(Point(model, "prefill", 1, n, dt))
+    for b in batches:
+        for c in contexts:
+            for _ in range(b):
+                eng.add_request(rng.integers(0, vocab, c).tolist(),
+                                SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+            while any(r.num_computed < len(r.prompt) for r in list(eng.running) + list(eng.waiting)):
+                eng.step()  # prefill
+            eng.step()  # compiles the decode shape
+            out.append(Point(model, "decode", b, c, _median_step(eng, steps)))
+            _drain(eng)
+    eng.prefix_cache.clear()
+    return out
+
+
+def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3) -> dict[str, float]:
+    """Seconds of: a weight load from pinned host memory, a staged switch (device to device), and a
+    `tokens`-token KV offload and restore; with the bytes each moved."""
+    s = inst.served[model]
+    eng, slot = s.engine, inst.slot
+    res: dict[str, float] = {"weight_bytes": float(s.layout.bytes_per_device * slot.mesh.devices.size)}
+    load, d2d = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        slot.load(s.host)
+        slot.array.block_until_ready()
+        load.append(time.perf_counter() - t)
+        slot.stage(s.host)
+        while not slot.staged_ready():
+            time.sleep(0.001)
+        t = time.perf_counter()
+        slot.activate_staged()
+        slot.array.block_until_ready()
+        d2d.append(time.perf_counter() - t)
+    res["weight_load_s"], res["d2d_s"] = min(load), min(d2d)
+    rng = np.random.default_rng(1)
+    eng.add_request(rng.integers(0, eng.cfg.vocab_size, tokens).tolist(),  # runs on after its prefill
+                    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    req = next(iter(eng.requests.values()))
+    while req.num_computed < tokens:
+        eng.step()
+    off, on = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        kv = eng.host_tier.offload(eng.runner.kv, req.seq.pages, req.prompt[:tokens])
+        kv.data.block_until_ready()
+        off.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        eng.runner.kv = eng.host_tier.restore(eng.runner.kv, kv, req.seq.pages[:kv.num_pages])
+        eng.runner.kv[0][0].block_until_ready()
+        on.append(time.perf_counter() - t)
+        eng.host_tier.release(kv)
+    _drain(eng)
+    eng.prefix_cache.clear()
+    res["kv_bytes"] = float(kv.nbytes)
+    res["kv_offload_s"], res["kv_restore_s"] = min(off), min(on)
+    return res
+
+
+def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str = "cpu") -> HardwareConfig:
+    """The profile whose cost model best reproduces `points` and `copies` (least squares, see module doc)."""
+    n = inst.slot.mesh.devices.size
+    shapes = inst.shapes()
+    # unit rates: the probe's decode seconds x n x GB are the bytes a step reads
+    probe = HardwareConfig(name=name, num_gpus=n, hbm_gib_per_gpu=1.0, memory_utilization=1.0, hbm_bw_gbps=1.0,
+                           hbm_bw_efficiency=1.0, matmul_tflops=1.0, prefill_efficiency=1.0, nvlink_gbps=1e4,
+                           allreduce_latency_us=0.0, step_overhead_us=0.0, pcie_h2d_gbps=1.0, pcie_d2h_gbps=1.0,
+                           weight_load_efficiency=1.0, d2d_gbps=1.0, host_memory_gb=1.0, host_reserve_gb=0.0)
+    cost = CostModel(probe)
+    dec = [p for p in points if p.kind == "decode"]
+    # decode: t = overhead + bytes read / rate (memory bound at these batches)
+    x = np.array([cost.decode_step_s(shapes[p.model], p.batch, p.batch * p.tokens) * n * GB for p in dec])
+    a, inv = np.linalg.lstsq(np.c_[np.ones(len(dec)), x], np.array([p.seconds for p in dec]), rcond=None)[0]
+    overhead, hbm_rate = max(0.0, float(a)), 1.0 / max(float(inv), 1e-15)
+    # prefill: t = overhead + FLOPs / matmul rate
+    pre = [p for p in points if p.kind == "prefill"]
+    flops = np.array([cost.prefill_flops(shapes[p.model], p.tokens, 0) for p in pre])
+    left = np.array([max(p.seconds - overhead, 1e-6) for p in pre])
+    matmul_rate = float(flops @ flops / (flops @ left))
+    kv_h2d = copies["kv_bytes"] / copies["kv_restore_s"]
+    weight_h2d = copies["weight_bytes"] / copies["weight_load_s"]
+    h2d = max(kv_h2d, weight_h2d)
+    capacity = inst.capacity / n
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    return HardwareConfig(
+        name=name, num_gpus=n, hbm_gib_per_gpu=max(1.0, capacity / GIB), memory_utilization=1.0,
+        hbm_bw_gbps=hbm_rate / n / GB, hbm_bw_efficiency=1.0, matmul_tflops=matmul_rate / n / 1e12,
+        prefill_efficiency=1.0, nvlink_gbps=1e4, allreduce_latency_us=0.0, step_overhead_us=overhead * 1e6,
+        pcie_h2d_gbps=h2d / n / GB, pcie_d2h_gbps=copies["kv_bytes"] / copies["kv_offload_s"] / n / GB,
+        weight_load_efficiency=weight_h2d / h2d, d2d_gbps=max(1.0, 2 * copies["weight_bytes"] / copies["d2d_s"] / n / GB),
+        host_memory_gb=mem, host_reserve_gb=mem / 4)
+
+
+def predicted(hw: HardwareConfig, inst: Instance, points: list[Point]) -> list[tuple[Point, float]]:
+    """Each point next to the fitted cost model's seconds for it."""
+    cost, shapes = CostModel(hw), inst.shapes()
+    return [(p, cost.decode_step_s(shapes[p.model], p.batch, p.batch * p.tokens) if p.kind == "decode"
+             else cost.prefill_s(shapes[p.model], p.tokens, 0)) for p in points]
+
+
+def to_yaml(hw: HardwareConfig, header: str) -> str:
+    lines = [f"# {line}" for line in header.splitlines()]
+    for f in dataclasses.fields(hw):
+        v = getattr(hw, f.name)
+        lines.append(f"{f.name}: {v if isinstance(v, (int, str)) else float(f'{v:.6g}')}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,423 @@
+"""``Instance``: the scheduler's ``InstanceAPI`` over real JAX engines, several models on one mesh.
+
+One instance serves one model at a time out of one weight slot (``talaria_jax.weights.slot``): a
+preallocated flat device buffer per shard, shared by models of any shape, that each model's runner
+carves its parameters from inside the jitted step, so the slot's addresses never change. Every
+model's weights wait in pinned host memory; `stage_model` copies the next one host-to-device into a
+staging area while the current one serves, and the switch then moves it device-to-device into the
+slot (without staging, the switch loads it from host memory).
+
+Each model has its own `Engine` (continuous batching, prefix cache on, a host tier): a call becomes
+one request whose prompt is its session's real history (earlier prompts and the tokens the model
+actually generated) extended by deterministic tokens (`SessionTokens`). With `host_kv`, every
+finished call writes its KV through to host memory, so a switch never loses a session's KV: when
+the session returns, the full pages of its prefix still in the device prefix cache are reused and the
+rest is restored from the host copy, instead of being recomputed. `protect_kv` protects a session's device pages (its prefix-cache path)
+and its host copy until the time given.
+
+Work happens in chunks, as in ``SimInstance``: `start_chunk` carries out what the scheduler asked
+for since the last one (admissions, staging, a switch), then runs one real step (a switch, or one
+engine step) and returns when it ended on the replay's clock: `now` plus the measured seconds. So
+instances stepped one after another in one process replay as if they ran side by side.
+
+Known limit: each model's engine keeps its own KV pool, each sized to the instance's KV budget; the
+scheduler is shown one budget of uniform `page_bytes` pages (as ``SimInstance`` does), but the
+device holds one pool per model rather than one byte pool shared by all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+from collections.abc import Callable, Mapping
+
+from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.kvcache.host_tier import HostKV
+from talaria_jax.models.model import ShardedModel
+from talaria_jax.scheduler.api import PrefixLocation, WeightState
+from talaria_jax.scheduler.session import Call
+from talaria_jax.sim.cost import CostModel
+from talaria_jax.sim.hardware import HardwareConfig, ModelShape
+from talaria_jax.sim.instance import InstanceStats
+from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights, word_for
+
+__all__ = ["Instance", "SessionTokens"]
+
+
+class SessionTokens:
+    """Token ids of every session, shared by all instances (a session may move between them).
+
+    A call's prompt is the session's history (its last prompt plus the tokens generated for it) and
+    then deterministic tokens, a function of (seed, session, position), up to `prompt_tokens`: the
+    tool's observation. So a session's every next prompt extends its last context, as an agent's does.
+    The first `shared_prefix` positions are the same in every session: a system prompt all share."""
+
+    def __init__(self, seed: int = 0, shared_prefix: int = 0):
+        self.seed, self.shared_prefix = seed, shared_prefix
+        self.history: dict[str, list[int]] = {}
+
+    def token(self, session: str, position: int, vocab: int) -> int:
+        owner = "" if position < self.shared_prefix else session
+        d = hashlib.blake2b(f"{self.seed}:{owner}:{position}".encode(), digest_size=8).digest()
+        return int.from_bytes(d, "little") % vocab
+
+    def prompt(self, call: Call, vocab: int) -> list[int]:
+        h = self.history.get(call.session, [])
+        if len(h) > call.prompt_tokens:
+            raise ValueError(f"call {call.key}: prompt_tokens={call.prompt_tokens} is shorter than the "
+                             f"{len(h)} tokens the session already holds")
+        return h + [self.token(call.session, p, vocab) for p in range(len(h), call.prompt_tokens)]
+
+    def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
+        self.history[session] = list(prompt) + list(output)
+
+
+@dataclasses.dataclass
+class _Served:
+    """One model of the instance: its engine, its slot layout and its host weights."""
+    engine: Engine
+    layout: SlotLayout
+    host: HostWeights
+    shape: ModelShape
+
+
+class Instance:
+    """A real instance; see the module docstring. `models` maps the trace's model names to loaded
+    models, all on `mesh`'s devices. `hw` and `shapes` (the calibrated profile of this machine, e.g.
+    configs/hardware/cpu.yaml) give the scheduler's estimates; `tenant(session)` the prefix-cache salt.
+    `host_kv_bytes` bounds each model's host tier (None: unbounded); a copy that does not fit is not
+    kept, and its session's prefix is recomputed when it returns."""
+
+    def __init__(self, name: str, models: Mapping[str, ShardedModel], hw: HardwareConfig,
+                 shapes: Mapping[str, ModelShape], *, engine_config: EngineConfig, tokens: SessionTokens,
+                 host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
+                 page_bytes: int = 64 * 1024, host_kv_bytes: int | None = None,
+                 tenant: Callable[[str], str | None] = lambda sid: None):
+        if not models:
+            raise ValueError(f"instance {name}: give at least one model")
+        mesh = next(iter(models.values())).mesh
+        for m, model in models.items():
+            if model.mesh.devices.tolist() != mesh.devices.tolist():
+                raise ValueError(f"instance {name}: model {m!r} is on devices {model.mesh.devices.ravel().tolist()}, "
+                                 f"not the instance's {mesh.devices.ravel().tolist()}")
+        for m in models:
+            if m not in shapes:
+                raise ValueError(f"instance {name}: model {m!r} has no shape (the calibrated profile's models)")
+        self.name, self.hw, self.cost = name, hw, CostModel(hw)
+        self.tokens, self.tenant, self.page_bytes = tokens, tenant, page_bytes
+        cfg = dataclasses.replace(engine_config, prefix_cache=True, warmup=False)
+        # one word for all models' rows, as wide as most of their bytes (mixed precisions share a slot)
+        word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])
+        layouts = {m: SlotLayout.of(model, word=word) for m, model in models.items()}
+        self.slot = WeightSlot.for_layouts(mesh, layouts.values())
+        self.served: dict[str, _Served] = {}
+        for m, model in models.items():
+            host = HostWeights.of(model, layouts[m])  # the device copy is not kept: the slot is the only one
+            eng = Engine(without_weights(model), cfg)
+            eng.runner.use_slot(self.slot, layouts[m])
+            eng.prefix_cache.clock = lambda: self.now  # protection deadlines are on the replay's clock
+            if host_kv_bytes is not None:  # never above what the tier allows (no host memory kind: a device grant)
+                tier = eng.host_tier
+                tier.capacity_bytes = min(host_kv_bytes, tier.capacity_bytes if tier.capacity_bytes is not None
+                                          else host_kv_bytes)
+            self.served[m] = _Served(eng, layouts[m], host, shapes[m])
+        self.kv_bytes = max(s.engine.pool_spec.page_bytes * s.engine.pool_spec.num_pages for s in self.served.values())
+        self.capacity = float(self.slot.bytes_per_device * 2 * mesh.devices.size + self.kv_bytes)
+        self._host: dict[str, tuple[HostKV, str]] = {}  # session -> (its last host KV copy, model)
+        self._model_of: dict[str, str] = {}  # session -> the model of its last call here
+        self.reset(host_kv=host_kv, staging=staging, drop_kv_on_switch=drop_kv_on_switch)
+        if engine_config.warmup:
+            self.warmup()
+
+    def reset(self, *, host_kv: bool, staging: bool, drop_kv_on_switch: bool) -> None:
+        """Empties the instance for another replay (compiled programs are kept): no model active,
+        no KV on device or host, no calls, fresh stats, and the policy's mechanisms set."""
+        self.host_kv, self.staging, self.drop_kv_on_switch = host_kv, staging, drop_kv_on_switch
+        for s in self.served.values():
+            if s.engine.has_unfinished():
+                raise RuntimeError(f"instance {self.name}: reset with requests in flight")
+            s.engine.prefix_cache.clear()
+        for kv, model in self._host.values():
+            self.served[model].engine.host_tier.release(kv)
+        for sid, model in self._model_of.items():
+            self.served[model].engine.host_tier.protect(sid, False)
+        self._host, self._model_of = {}, {}
+        self._active: str | None = None
+        self._staged: str | None = None  # the model in the staging area (staging or staged)
+        self._stage_to: str | None = None
+        self._switch_to: str | None = None
+        self._pending: list[Call] = []  # admitted, not yet handed to the engine (next step boundary)
+        self._calls: dict[str, Call] = {}  # request id -> call, handed to its engine
+        self.outputs: dict[tuple[str, int], RequestOutput] = {}  # call key -> its finished output
+        self._protect: dict[str, float] = {}
+        self._chunk: tuple | None = None
+        self.now = 0.0
+        self.busy_until: float | None = None
+        self.stats = InstanceStats()
+
+    def warmup(self) -> None:
+        """Compiles every model's step shapes and host copies (each through the slot)."""
+        for s in self.served.values():
+            self.slot.load(s.host)
+            s.engine.warmup(progress=None)
+        self._active = self._staged = None  # the slot holds the last one warmed: the next switch loads
+
+    def shapes(self) -> dict[str, ModelShape]:
+        """The cost-model shape of each hosted model (what the simulator needs to predict this instance)."""
+        return {m: s.shape for m, s in self.served.items()}
+
+    # --- InstanceAPI: weights ---------------------------------------------------------------
+    def models(self) -> tuple[str, ...]:
+        return tuple(self.served)
+
+    def active_model(self) -> str | None:
+        return self._active
+
+    def weight_state(self, model: str) -> WeightState:
+        if model == self._active:
+            return WeightState.ACTIVE
+        if model == self._staged:
+            return WeightState.STAGED if self.slot.staged_ready() else WeightState.STAGING
+        return WeightState.HOST
+
+    def estimate_switch_s(self, model: str) -> float:
+        s, shape = self.weight_state(model), self.served[model].shape
+        if s == WeightState.ACTIVE:
+            return 0.0
+        if s == WeightState.STAGED:
+            return self.cost.d2d_weights_s(shape)
+        return self.cost.weight_load_s(shape)  # staging in progress: at most a whole load
+
+    # --- InstanceAPI: KV pages --------------------------------------------------------------
+    def _kv_bytes_per_token(self, model: str) -> float:
+        spec = self.served[model].engine.pool_spec
+        return spec.page_bytes / spec.page_size
+
+    def pages_for(self, model: str, tokens: int) -> int:
+        return math.ceil(tokens * self._kv_bytes_per_token(model) / self.page_bytes)
+
+    def kv_pages_total(self) -> int:
+        return int(self.kv_bytes // self.page_bytes)
+
+    def kv_pages_used(self) -> int:
+        calls = [c for c in self._calls.values()] + self._pending
+        return sum(self.pages_for(c.model, c.context_after) for c in calls)
+
+    def _in_use(self) -> set[str]:
+        return {c.session for c in self._calls.values()} | {c.session for c in self._pending}
+
+    def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
+        busy = self._in_use()
+        out = 0
+        for sid, until in self._protect.items():
+            if until > self.now and sid != exclude_session and sid not in busy and sid in self.tokens.history:
+                model = self._model_of.get(sid)
+                if model is not None:
+                    out += self.pages_for(model, self._device_tokens(sid, model))
+        return out
+
+    def _device_bytes(self) -> float:
+        """Weight slot and staging area (when it holds a model) plus the KV pages in use."""
+        slot = self.slot.bytes_per_device * self.slot.mesh.devices.size
+        return slot * (2 if self._staged else 1) + self.kv_pages_used() * self.page_bytes
+
+    def kv_pages_free(self) -> int:
+        return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
+
+    def _device_tokens(self, session: str, model: str) -> int:
+        eng = self.served[model].engine
+        return eng.prefix_cache.peek(eng.prefix_key(self.tenant(session)), self.tokens.history.get(session, ()))
+
+    def _host_copy(self, session: str, model: str) -> HostKV | None:
+        h = self._host.get(session)
+        if not self.host_kv or h is None or h[1] != model or not self.served[model].engine.host_tier.usable(h[0]):
+            return None
+        return h[0]
+
+    def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
+        if model not in self.served or session_id in self._in_use():
+            return PrefixLocation()
+        kv = self._host_copy(session_id, model)
+        return PrefixLocation(self._device_tokens(session_id, model), kv.num_tokens if kv is not None else 0)
+
+    # --- InstanceAPI: queue -----------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return len(self._pending) + sum(len(s.engine.waiting) for s in self.served.values())
+
+    def num_running(self) -> int:
+        return sum(len(s.engine.running) for s in self.served.values())
+
+    def is_busy(self) -> bool:
+        return self.busy_until is not None
+
+    def pressure(self) -> float:
+        total = self.kv_pages_total()
+        return 1.0 if total <= 0 else (self.kv_pages_used() + self.kv_pages_reserved()) / total
+
+    def estimate_service_s(self, call: Call) -> float:
+        loc = self.cached_prefix(call.session, call.model)
+        cached = min(call.prompt_tokens, max(loc.device_tokens, loc.host_tokens))
+        running = [c for c in self._calls.values()]
+        ctx = sum(c.prompt_tokens for c in running) + call.prompt_tokens
+        return self.cost.service_s(self.served[call.model].shape, call.prompt_tokens, call.output_tokens, cached,
+                                   len(running) + 1, ctx)
+
+    # --- InstanceAPI: actions (carried out at the next step boundary) -------------------------
+    def admit(self, call: Call) -> None:
+        if call.model not in self.served:
+            raise ValueError(f"instance {self.name} does not host model {call.model!r}")
+        self._pending.append(call)
+
+    def abort(self, call: Call) -> bool:
+        for k, c in enumerate(self._pending):
+            if c.key == call.key:
+                del self._pending[k]
+                return True
+        for rid, c in list(self._calls.items()):
+            eng = self.served[c.model].engine
+            if c.key == call.key and eng.requests.get(rid) in eng.waiting:
+                eng.abort(rid)
+                del self._calls[rid]
+                return True
+        return False
+
+    def switch_model(self, model: str) -> None:
+        if model not in self.served:
+            raise ValueError(f"instance {self.name} does not host model {model!r}")
+        if self._calls or self._pending:
+            raise RuntimeError(f"instance {self.name}: switch to {model} with calls in flight")
+        self._switch_to = model
+
+    def stage_model(self, model: str) -> bool:
+        """Asks for `model`'s weights to be copied into the staging area at the next step boundary
+        (one staging area: False while it holds another model, or without staging)."""
+        if not self.staging or model not in self.served:
+            return False
+        if model in (self._active, self._staged, self._stage_to):
+            return True
+        if self._staged is not None or self._stage_to is not None:
+            return False
+        self._stage_to = model
+        return True
+
+    def protect_kv(self, session_id: str, until_s: float) -> None:
+        self._protect[session_id] = until_s
+        model = self._model_of.get(session_id)
+        if model is None:
+            return
+        eng = self.served[model].engine
+        eng.prefix_cache.protect_path(eng.prefix_key(self.tenant(session_id)),
+                                      self.tokens.history.get(session_id, ()), until_s)
+        eng.host_tier.protect(session_id)
+
+    # --- chunks -----------------------------------------------------------------------------
+    def _expire_protection(self) -> None:
+        for sid, until in list(self._protect.items()):
+            if until <= self.now:
+                del self._protect[sid]
+                model = self._model_of.get(sid)
+                if model is not None:
+                    self.served[model].engine.host_tier.protect(sid, False)
+
+    def start_chunk(self, now: float, horizon: float | None = None) -> float | None:
+        """Carries out the recorded actions, then runs the next chunk (a switch or one engine step)
+        and returns when it ends on the replay's clock (now + measured seconds); None when idle."""
+        assert self.busy_until is None, "start_chunk while busy"
+        self.now = now
+        self._expire_protection()
+        if self._stage_to is not None and self._switch_to is None:
+            self.slot.stage(self.served[self._stage_to].host)
+            self._staged, self._stage_to = self._stage_to, None
+        if self._switch_to is not None:
+            model, self._switch_to = self._switch_to, None
+            t0 = time.perf_counter()
+            self._switch(model)
+            dur = time.perf_counter() - t0
+            self.stats.switches += 1
+            self.stats.switch_s += dur
+            self.stats.switch_log.append((now, model, dur))
+            return self._busy(("switch", model), dur)
+        if self._pending:
+            self._submit()
+        eng = self.served[self._active].engine if self._active else None
+        if eng is None or not eng.has_unfinished():
+            return None
+        before = dataclasses.replace(eng.stats)
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dur = time.perf_counter() - t0
+        st = self.stats
+        st.restored_tokens += eng.stats.restored_tokens - before.restored_tokens
+        st.device_hit_tokens += eng.stats.prefix_hit_tokens - before.prefix_hit_tokens
+        st.prefill_tokens += eng.stats.prefill_tokens - before.prefill_tokens
+        st.peak_kv_pages = max(st.peak_kv_pages, self.kv_pages_used())
+        st.peak_device_bytes = max(st.peak_device_bytes, self._device_bytes())
+        return self._busy(("step", outs), dur)
+
+    def _busy(self, chunk: tuple, seconds: float) -> float:
+        self._chunk = chunk
+        self.busy_until = self.now + seconds
+        return self.busy_until
+
+    def _switch(self, model: str) -> None:
+        old = self._active
+        if old is not None and self.drop_kv_on_switch:  # sleep mode level 1 discards the KV cache
+            self.served[old].engine.prefix_cache.clear()
+        if self._staged == model:
+            self.slot.activate_staged()
+        else:
+            self.slot.load(self.served[model].host)
+        self._staged = None  # one staging area: whatever it held is dropped at a switch
+        self.slot.array.block_until_ready()
+        self._active = model
+
+    def _submit(self) -> None:
+        """Hands the admitted calls to the active engine: each prompt from its session's history,
+        its prefix restored from host memory when the host copy holds more than the device cache."""
+        for call in self._pending:
+            if call.model != self._active:
+                raise RuntimeError(f"instance {self.name}: call {call.key} for {call.model} admitted while "
+                                   f"{self._active} is active")
+            s = self.served[call.model]
+            eng = s.engine
+            prompt = self.tokens.prompt(call, eng.cfg.vocab_size)
+            # tokens an earlier call computed KV for: all of the history but its last token
+            reusable = max(0, len(self.tokens.history.get(call.session, ())) - 1)
+            device = self._device_tokens(call.session, call.model)
+            kv = self._host_copy(call.session, call.model)
+            # the engine takes the device cache's full pages and restores only the rest from the host copy
+            if kv is not None and (kv.num_tokens <= device or kv.num_tokens >= len(prompt)
+                                   or tuple(prompt[:kv.num_tokens]) != kv.token_ids):
+                kv = None
+            self.stats.recomputed_tokens += max(0, reusable - max(device, kv.num_tokens if kv is not None else 0))
+            rid = eng.add_request(prompt, SamplingParams(max_tokens=call.output_tokens, temperature=0.0, ignore_eos=True),
+                                  f"{call.session}/{call.turn}", keep_kv=self.host_kv, restore=kv,
+                                  cache_salt=self.tenant(call.session), session=call.session)
+            self._calls[rid] = call
+            self._model_of[call.session] = call.model
+        self._pending = []
+
+    def finish_chunk(self, now: float) -> list[Call]:
+        """Applies the chunk that ends at `now`; returns the calls that completed."""
+        assert self.busy_until is not None and abs(now - self.busy_until) < 1e-9, "finish_chunk at wrong time"
+        self.now, self.busy_until = now, None
+        kind, arg = self._chunk
+        self._chunk = None
+        if kind == "switch":
+            return []
+        return [self._finished(out) for out in arg if out.finished]
+
+    def _finished(self, out: RequestOutput) -> Call:
+        call = self._calls.pop(out.request_id)
+        self.outputs[call.key] = out
+        self.tokens.finished(call.session, out.prompt_token_ids, out.token_ids)
+        if out.kv is not None:
+            eng = self.served[call.model].engine
+            eng.prefix_cache.mark_backed(eng.prefix_key(self.tenant(call.session)), out.kv.token_ids)
+            old = self._host.get(call.session)
+            self._host[call.session] = (out.kv, call.model)
+            if old is not None and old[0] is not out.kv:
+                self.served[old[1]].engine.host_tier.release(old[0])
+        return call

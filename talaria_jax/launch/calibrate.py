@@ -1,0 +1,76 @@
+"""talaria-calibrate: measure this machine's real engine and write the simulator's hardware profile.
+
+    python -m talaria_jax.launch.calibrate --out=configs/hardware/cpu.yaml
+
+Builds one real instance (``talaria_jax.instance``) hosting the local replay's models, times decode
+and prefill steps, a weight switch from pinned host memory and from the staging area, and a session's
+KV offload and restore (``talaria_jax.calibrate``), fits the cost model's rates, prints every measured
+point next to the fitted cost model's prediction, and writes the profile. `talaria-replay
+--backend=local --hardware=<the profile>` then predicts a local replay with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pathlib
+import platform
+import sys
+from typing import Sequence
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["smollm2-135m-instruct", "tiny-dense", "tiny-moe"], "Models to time (as talaria-replay --backend=local hosts them).")
+flags.DEFINE_integer("devices_per_instance", 1, "Devices (TP) of the instance measured.")
+flags.DEFINE_string("out", "configs/hardware/cpu.yaml", "Where to write the profile.")
+flags.DEFINE_integer("steps", 6, "Decode steps timed per point (the median is kept).")
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(8, FLAGS.devices_per_instance)}".strip()
+    from talaria_jax import calibrate, local
+    from talaria_jax.engine.engine import EngineConfig
+    from talaria_jax.instance import SessionTokens
+    from talaria_jax.sim.hardware import load_hardware
+
+    hw0 = dataclasses.replace(load_hardware("h200x8"), num_gpus=FLAGS.devices_per_instance)  # estimates unused here
+    ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=1040, warmup=False)
+    inst = local.build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
+                                 engine_config=ec, tokens=SessionTokens())[0]
+    points = []
+    for m in FLAGS.models:
+        print(f"timing {m} ...", file=sys.stderr)
+        points += calibrate.measure_model(inst, m, steps=FLAGS.steps)
+    biggest = max(FLAGS.models, key=lambda m: inst.served[m].layout.bytes_per_device)
+    copies = calibrate.measure_copies(inst, biggest)
+    hw = calibrate.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem)
+    print("| model | kind | batch | tokens | measured (ms) | cost model (ms) | error |\n|---|---|---:|---:|---:|---:|---:|")
+    for p, pred in calibrate.predicted(hw, inst, points):
+        print(f"| {p.model} | {p.kind} | {p.batch} | {p.tokens} | {p.seconds * 1e3:.1f} | {pred * 1e3:.1f} "
+              f"| {pred / p.seconds - 1:+.0%} |")
+    print(f"\nweights ({copies['weight_bytes'] / 1e6:.0f} MB of {biggest}): load from pinned host "
+          f"{copies['weight_load_s'] * 1e3:.1f} ms, staged switch (D2D) {copies['d2d_s'] * 1e3:.1f} ms; KV "
+          f"({copies['kv_bytes'] / 1e6:.1f} MB): offload {copies['kv_offload_s'] * 1e3:.1f} ms, restore "
+          f"{copies['kv_restore_s'] * 1e3:.1f} ms")
+    header = (f"Measured by talaria-calibrate on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs,\n"
+              f"{FLAGS.devices_per_instance} simulated device(s) per instance; models {', '.join(FLAGS.models)}).\n"
+              f"Rates are effective ones (efficiencies 1); step_overhead_us is the fitted fixed cost of a step.\n"
+              f"Regenerate: python -m talaria_jax.launch.calibrate --out={FLAGS.out}")
+    path = pathlib.Path(FLAGS.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(calibrate.to_yaml(hw, header))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def run() -> None:
+    """Console-script entry point (talaria-calibrate)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

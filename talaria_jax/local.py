@@ -1,0 +1,86 @@
+"""Local replay: a trace through the scheduler over real instances (``talaria_jax.instance``) in one
+process, next to the simulator's prediction of the same scenario.
+
+Models: the embedded SmolLM2-135M-Instruct and the tiny test configs (configs/models/), random
+weights for those, so switching is necessary and the shapes differ. A trace's model names map to
+them by `model_map` (`LOCAL_TRACE`'s names are the local ones already). Token ids are real: each
+call's prompt is its session's history plus deterministic tokens (`SessionTokens`), and the outputs
+are the model's greedy tokens. Instance chunks report their measured seconds, so tool gaps cost no
+wall time and two instances stepped one after the other replay as if side by side.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+
+from talaria_jax.engine.engine import EngineConfig
+from talaria_jax.instance import Instance, SessionTokens
+from talaria_jax.models.config import load_model_config
+from talaria_jax.models.model import ShardedModel, init_model
+from talaria_jax.scheduler.policies import PolicyConfig
+from talaria_jax.scheduler.session import Call, SessionTable
+from talaria_jax.sharding import make_mesh
+from talaria_jax.sim.cluster import ReplayResult, run, tool_gap_factors
+from talaria_jax.sim.hardware import HardwareConfig, ModelShape
+from talaria_jax.sim.traces import TraceSpec, generate
+from talaria_jax.weights.named import NAMED_MODELS, load_model
+
+LOCAL_MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
+
+# 12 sessions of 4 calls over the three local models (Zipf popularity, as the default trace): prompts
+# of a few hundred tokens so a CPU replays them in minutes; tool gaps keep REFERENCES' TraceLab
+# distribution unscaled (median 0.3 s, p90 13.6 s), which is the order of a call's time here.
+LOCAL_TRACE = TraceSpec(sessions=12, turns=4, models=LOCAL_MODELS, arrival_rate_per_s=0.5, system_tokens=(96, 320),
+                        obs_median_tokens=48.0, obs_max_tokens=256, output_mean_tokens=24.0, output_range=(8, 64),
+                        max_context_tokens=1024)
+
+
+def local_trace(spec: TraceSpec = LOCAL_TRACE) -> list[Call]:
+    return generate(spec)
+
+
+def map_models(calls: Sequence[Call], model_map: Mapping[str, str]) -> list[Call]:
+    """Renames each call's model by `model_map`; a name the map lacks is an error naming it."""
+    missing = sorted({c.model for c in calls} - set(model_map))
+    if missing:
+        raise ValueError(f"trace models {missing} have no local model (model_map has {sorted(model_map)})")
+    return [dataclasses.replace(c, model=model_map[c.model]) for c in calls]
+
+
+def load_local_model(name: str, mesh, seed: int = 0) -> ShardedModel:
+    """A named model (the embedded GGUF) or a configs/models/ config with random weights."""
+    if name in NAMED_MODELS:
+        return load_model(name, mesh=mesh).model
+    return init_model(load_model_config(name), mesh, seed)
+
+
+def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelShape]:
+    """The cost model's shape of each loaded model, at its served precision and the instance's TP."""
+    return {n: ModelShape.from_config(m.cfg, m.cfg.weight_dtype, tp, name=n) for n, m in models.items()}
+
+
+def build_instances(names: Sequence[str], hw: HardwareConfig, *, instances: int = 2, devices_per_instance: int = 1,
+                    engine_config: EngineConfig, tokens: SessionTokens, seed: int = 0) -> list[Instance]:
+    """`instances` real instances on disjoint devices, each hosting every model of `names`."""
+    need = instances * devices_per_instance
+    if need > len(jax.devices()):
+        raise ValueError(f"{instances} instances x {devices_per_instance} devices need {need} devices; "
+                         f"{len(jax.devices())} are visible")
+    out = []
+    for k in range(instances):
+        mesh = make_mesh(jax.devices()[k * devices_per_instance:(k + 1) * devices_per_instance])
+        models = {n: load_local_model(n, mesh, seed) for n in names}
+        out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance),
+                            engine_config=engine_config, tokens=tokens))
+    return out
+
+
+def replay_local(calls: Sequence[Call], policy: PolicyConfig, instances: Sequence[Instance], *, seed: int = 0,
+                 gap_jitter_sigma: float = 0.0) -> ReplayResult:
+    """Replays `calls` under `policy` on `instances` (reset first, so one set serves every policy)."""
+    for inst in instances:
+        inst.reset(host_kv=policy.host_kv, staging=policy.staging, drop_kv_on_switch=policy.drop_kv_on_switch)
+    instances[0].tokens.history.clear()
+    return run(calls, policy, instances, SessionTable(list(calls)), seed, tool_gap_factors(calls, seed, gap_jitter_sigma))
