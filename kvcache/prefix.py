@@ -47,7 +47,7 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_used = 0
         self.protected_until: float | None = None
-        self.backed = False  # a host copy holds this page's KV: losing it costs a restore, not a recompute
+        self.backed: Callable[[], bool] | None = None  # whether a host copy still holds this page's KV
 
 
 class _Root:
@@ -157,10 +157,11 @@ class PrefixCache:
         system prompt's siblings) evictable as usual. Returns the tokens protected."""
         return self._set(key, token_ids, "protected_until", until)
 
-    def mark_backed(self, key: Hashable, token_ids: Sequence[int]) -> int:
-        """Marks the cached full pages of `token_ids` (a host copy's tokens) as backed by that copy, so
-        they are evicted before pages only a recompute could bring back. Returns the tokens marked."""
-        return self._set(key, token_ids, "backed", True)
+    def mark_backed(self, key: Hashable, token_ids: Sequence[int], alive: Callable[[], bool]) -> int:
+        """Marks the cached full pages of `token_ids` (a host copy's tokens) as backed by that copy while
+        `alive()` says it still exists (a host budget may evict it), so they are evicted before pages
+        only a recompute could bring back. Returns the tokens marked."""
+        return self._set(key, token_ids, "backed", alive)
 
     def _set(self, key: Hashable, token_ids: Sequence[int], attr: str, value) -> int:
         nodes = list(self._path(key, token_ids))
@@ -169,7 +170,8 @@ class PrefixCache:
         return len(nodes) * self.page_size
 
     def _order(self, node: _Node, now: float, tie: int) -> tuple:
-        return self._protected(node, now), not node.backed, node.last_used, tie, node
+        backed = node.backed is not None and node.backed()
+        return self._protected(node, now), not backed, node.last_used, tie, node
 
     def _protected(self, node: _Node, now: float) -> bool:
         return _root_protected(node.root, now) or (node.protected_until is not None and node.protected_until > now)

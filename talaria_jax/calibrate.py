@@ -64,14 +64,17 @@ def measure_model(inst: Instance, model: str, *, batches=(1, 4), contexts=(64, 5
         out.append(Point(model, "prefill", 1, n, dt))
     for b in batches:
         for c in contexts:
-            for _ in range(b):
+            for _ in range(b):  # long enough that none finishes before the timed steps end
                 eng.add_request(rng.integers(0, vocab, c).tolist(),
-                                SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+                                SamplingParams(max_tokens=c + steps + 4, temperature=0.0, ignore_eos=True))
             while any(r.num_computed < len(r.prompt) for r in list(eng.running) + list(eng.waiting)):
                 eng.step()  # prefill
             eng.step()  # compiles the decode shape
+            if len(eng.running) != b:
+                raise RuntimeError(f"calibration: {len(eng.running)} of {b} sequences decoding (raise max_seqs)")
             out.append(Point(model, "decode", b, c, _median_step(eng, steps)))
-            _drain(eng)
+            for rid in list(eng.requests):
+                eng.abort(rid)
     eng.prefix_cache.clear()
     return out
 

@@ -20,9 +20,9 @@ for since the last one (admissions, staging, a switch), then runs one real step 
 engine step) and returns when it ended on the replay's clock: `now` plus the measured seconds. So
 instances stepped one after another in one process replay as if they ran side by side.
 
-Known limit: each model's engine keeps its own KV pool, each sized to the instance's KV budget; the
-scheduler is shown one budget of uniform `page_bytes` pages (as ``SimInstance`` does), but the
-device holds one pool per model rather than one byte pool shared by all.
+Known limit: each model's engine keeps its own KV pool (each `kv_bytes_per_device`); the scheduler is
+shown one budget of uniform `page_bytes` pages (the smallest pool, as ``SimInstance`` shows its one
+pool), but the device holds one pool per model rather than one byte pool shared by all.
 """
 from __future__ import annotations
 
@@ -87,13 +87,14 @@ class Instance:
     """A real instance; see the module docstring. `models` maps the trace's model names to loaded
     models, all on `mesh`'s devices. `hw` and `shapes` (the calibrated profile of this machine, e.g.
     configs/hardware/cpu.yaml) give the scheduler's estimates; `tenant(session)` the prefix-cache salt.
-    `host_kv_bytes` bounds each model's host tier (None: unbounded); a copy that does not fit is not
-    kept, and its session's prefix is recomputed when it returns."""
+    `kv_bytes_per_device` sizes every model's KV pool in bytes (None: as `engine_config` says, the same
+    page count for each). `host_kv_bytes` bounds each model's host tier (None: unbounded); a copy that
+    does not fit is not kept, and its session's prefix is recomputed when it returns."""
 
     def __init__(self, name: str, models: Mapping[str, ShardedModel], hw: HardwareConfig,
                  shapes: Mapping[str, ModelShape], *, engine_config: EngineConfig, tokens: SessionTokens,
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
-                 page_bytes: int = 64 * 1024, host_kv_bytes: int | None = None,
+                 page_bytes: int = 64 * 1024, kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
                  tenant: Callable[[str], str | None] = lambda sid: None):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
@@ -108,6 +109,8 @@ class Instance:
         self.name, self.hw, self.cost = name, hw, CostModel(hw)
         self.tokens, self.tenant, self.page_bytes = tokens, tenant, page_bytes
         cfg = dataclasses.replace(engine_config, prefix_cache=True, warmup=False)
+        if kv_bytes_per_device is not None:
+            cfg = dataclasses.replace(cfg, num_pages=None, kv_memory_bytes_per_device=kv_bytes_per_device)
         # one word for all models' rows, as wide as most of their bytes (mixed precisions share a slot)
         word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])
         layouts = {m: SlotLayout.of(model, word=word) for m, model in models.items()}
@@ -123,7 +126,8 @@ class Instance:
                 tier.capacity_bytes = min(host_kv_bytes, tier.capacity_bytes if tier.capacity_bytes is not None
                                           else host_kv_bytes)
             self.served[m] = _Served(eng, layouts[m], host, shapes[m])
-        self.kv_bytes = max(s.engine.pool_spec.page_bytes * s.engine.pool_spec.num_pages for s in self.served.values())
+        # the budget the scheduler sees: the smallest pool, so no model is promised more than it has
+        self.kv_bytes = min(s.engine.pool_spec.page_bytes * s.engine.pool_spec.num_pages for s in self.served.values())
         self.capacity = float(self.slot.bytes_per_device * 2 * mesh.devices.size + self.kv_bytes)
         self._host: dict[str, tuple[HostKV, str]] = {}  # session -> (its last host KV copy, model)
         self._model_of: dict[str, str] = {}  # session -> the model of its last call here
@@ -141,8 +145,10 @@ class Instance:
             s.engine.prefix_cache.clear()
         for kv, model in self._host.values():
             self.served[model].engine.host_tier.release(kv)
-        for sid, model in self._model_of.items():
-            self.served[model].engine.host_tier.protect(sid, False)
+        for s in self.served.values():
+            for sid in self._model_of:
+                s.engine.host_tier.protect(sid, False)
+        self.slot.drop_staged()
         self._host, self._model_of = {}, {}
         self._active: str | None = None
         self._staged: str | None = None  # the model in the staging area (staging or staged)
@@ -150,6 +156,7 @@ class Instance:
         self._switch_to: str | None = None
         self._pending: list[Call] = []  # admitted, not yet handed to the engine (next step boundary)
         self._calls: dict[str, Call] = {}  # request id -> call, handed to its engine
+        self._reusable: dict[str, int] = {}  # request id -> prefix tokens an earlier call computed
         self.outputs: dict[tuple[str, int], RequestOutput] = {}  # call key -> its finished output
         self._protect: dict[str, float] = {}
         self._chunk: tuple | None = None
@@ -279,7 +286,7 @@ class Instance:
             eng = self.served[c.model].engine
             if c.key == call.key and eng.requests.get(rid) in eng.waiting:
                 eng.abort(rid)
-                del self._calls[rid]
+                del self._calls[rid], self._reusable[rid]
                 return True
         return False
 
@@ -327,6 +334,8 @@ class Instance:
         assert self.busy_until is None, "start_chunk while busy"
         self.now = now
         self._expire_protection()
+        if self._stage_to in (self._active, self._switch_to):
+            self._stage_to = None  # a switch asked for in the same plan loads it anyway
         if self._stage_to is not None and self._switch_to is None:
             self.slot.stage(self.served[self._stage_to].host)
             self._staged, self._stage_to = self._stage_to, None
@@ -368,8 +377,9 @@ class Instance:
         if self._staged == model:
             self.slot.activate_staged()
         else:
+            self.slot.drop_staged()  # one staging area: whatever it held is dropped at a switch
             self.slot.load(self.served[model].host)
-        self._staged = None  # one staging area: whatever it held is dropped at a switch
+        self._staged = None
         self.slot.array.block_until_ready()
         self._active = model
 
@@ -383,19 +393,16 @@ class Instance:
             s = self.served[call.model]
             eng = s.engine
             prompt = self.tokens.prompt(call, eng.cfg.vocab_size)
-            # tokens an earlier call computed KV for: all of the history but its last token
-            reusable = max(0, len(self.tokens.history.get(call.session, ())) - 1)
-            device = self._device_tokens(call.session, call.model)
             kv = self._host_copy(call.session, call.model)
-            # the engine takes the device cache's full pages and restores only the rest from the host copy
-            if kv is not None and (kv.num_tokens <= device or kv.num_tokens >= len(prompt)
-                                   or tuple(prompt[:kv.num_tokens]) != kv.token_ids):
+            # at admission the engine takes the device cache's full pages and restores only the rest
+            if kv is not None and (kv.num_tokens >= len(prompt) or tuple(prompt[:kv.num_tokens]) != kv.token_ids):
                 kv = None
-            self.stats.recomputed_tokens += max(0, reusable - max(device, kv.num_tokens if kv is not None else 0))
             rid = eng.add_request(prompt, SamplingParams(max_tokens=call.output_tokens, temperature=0.0, ignore_eos=True),
                                   f"{call.session}/{call.turn}", keep_kv=self.host_kv, restore=kv,
                                   cache_salt=self.tenant(call.session), session=call.session)
             self._calls[rid] = call
+            # tokens an earlier call computed KV for: all of the history but its last token
+            self._reusable[rid] = max(0, len(self.tokens.history.get(call.session, ())) - 1)
             self._model_of[call.session] = call.model
         self._pending = []
 
@@ -411,11 +418,13 @@ class Instance:
 
     def _finished(self, out: RequestOutput) -> Call:
         call = self._calls.pop(out.request_id)
+        self.stats.recomputed_tokens += max(0, self._reusable.pop(out.request_id) - out.cached_tokens)
         self.outputs[call.key] = out
         self.tokens.finished(call.session, out.prompt_token_ids, out.token_ids)
         if out.kv is not None:
             eng = self.served[call.model].engine
-            eng.prefix_cache.mark_backed(eng.prefix_key(self.tenant(call.session)), out.kv.token_ids)
+            eng.prefix_cache.mark_backed(eng.prefix_key(self.tenant(call.session)), out.kv.token_ids,
+                                         lambda kv=out.kv, tier=eng.host_tier: tier.usable(kv))
             old = self._host.get(call.session)
             self._host[call.session] = (out.kv, call.model)
             if old is not None and old[0] is not out.kv:

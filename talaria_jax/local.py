@@ -62,8 +62,12 @@ def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelSha
 
 
 def build_instances(names: Sequence[str], hw: HardwareConfig, *, instances: int = 2, devices_per_instance: int = 1,
-                    engine_config: EngineConfig, tokens: SessionTokens, seed: int = 0) -> list[Instance]:
-    """`instances` real instances on disjoint devices, each hosting every model of `names`."""
+                    engine_config: EngineConfig, tokens: SessionTokens, seed: int = 0,
+                    kv_bytes_per_device: int | None = None) -> list[Instance]:
+    """`instances` real instances on disjoint devices, each hosting every model of `names` (each model's
+    KV pool `kv_bytes_per_device`, or as engine_config says)."""
+    if instances < 1 or devices_per_instance < 1:
+        raise ValueError(f"instances={instances} and devices_per_instance={devices_per_instance} must be >= 1")
     need = instances * devices_per_instance
     if need > len(jax.devices()):
         raise ValueError(f"{instances} instances x {devices_per_instance} devices need {need} devices; "
@@ -73,13 +77,15 @@ def build_instances(names: Sequence[str], hw: HardwareConfig, *, instances: int 
         mesh = make_mesh(jax.devices()[k * devices_per_instance:(k + 1) * devices_per_instance])
         models = {n: load_local_model(n, mesh, seed) for n in names}
         out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance),
-                            engine_config=engine_config, tokens=tokens))
+                            engine_config=engine_config, tokens=tokens, kv_bytes_per_device=kv_bytes_per_device))
     return out
 
 
 def replay_local(calls: Sequence[Call], policy: PolicyConfig, instances: Sequence[Instance], *, seed: int = 0,
                  gap_jitter_sigma: float = 0.0) -> ReplayResult:
     """Replays `calls` under `policy` on `instances` (reset first, so one set serves every policy)."""
+    if any(inst.tokens is not instances[0].tokens for inst in instances):
+        raise ValueError("the instances of a replay must share one SessionTokens (sessions move between them)")
     for inst in instances:
         inst.reset(host_kv=policy.host_kv, staging=policy.staging, drop_kv_on_switch=policy.drop_kv_on_switch)
     instances[0].tokens.history.clear()

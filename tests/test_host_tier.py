@@ -264,3 +264,18 @@ def test_engine_recomputes_an_evicted_restore_and_counts_a_copy_over_budget():
     eng.host_tier.capacity_bytes = kv2.host_bytes - 1  # no copy fits: the request finishes without its KV
     out = run(p1, keep_kv=True)
     assert out.kv is None and eng.stats.offload_failures == 1 and len(out.token_ids) == greedy.max_tokens
+
+
+def test_restore_skip_leaves_the_first_pages_untouched():
+    # a prefix cache holds the first page already (maybe shared): the restore writes only the rest
+    mesh = make_mesh(jax.devices()[:2], tp=2)
+    spec = pool_spec(load_model_config("tiny-dense"), 4, mesh, num_pages=8)
+    pool, full = _filled_pool(spec, mesh)
+    tier = HostTier(spec, mesh)
+    kv = tier.offload(pool, [1, 2, 3], range(12))
+    pool = tier.restore(pool, kv, [5, 6, 7], skip=1)
+    want = full.copy()
+    want[:, :, [6, 7]] = full[:, :, [2, 3]]  # page 5 keeps its own (sentinel) contents
+    np.testing.assert_array_equal(_host(pool), want)
+    with pytest.raises(ValueError, match="skip=4 must be in"):
+        tier.restore(pool, kv, [5, 6, 7], skip=4)

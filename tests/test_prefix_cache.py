@@ -332,5 +332,8 @@ def test_pages_a_host_copy_holds_are_evicted_first():
         cache.insert("k", toks, pages)
         alloc.free(pages)
     alloc.free(cache.match("k", [1, 2]))  # [3, 4] is the least recently used
-    assert cache.mark_backed("k", [1, 2, 7]) == 2  # but a host copy holds [1, 2]: restoring it is cheaper
-    assert cache.evict(2) == 2 and cache.peek("k", [1, 2]) == 0 and cache.peek("k", [3, 4]) == 2
+    alive = [True]
+    assert cache.mark_backed("k", [1, 2, 7], lambda: alive[0]) == 2  # a host copy holds [1, 2]: cheaper to lose
+    assert cache.evict(1) == 1 and cache.peek("k", [1, 2]) == 1 and cache.peek("k", [3, 4]) == 2
+    alive[0] = False  # the host copy was evicted: [1] costs a recompute now, and [3, 4] is older
+    assert cache.evict(1) == 1 and cache.peek("k", [1, 2]) == 1 and cache.peek("k", [3, 4]) == 1

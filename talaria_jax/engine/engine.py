@@ -96,6 +96,9 @@ class RequestOutput:
     # keep_kv requests, once finished: the KV of every token but the last, in host memory (pass it
     # as `restore` with the next turn's prompt to skip recomputing that prefix)
     kv: HostKV | None = dataclasses.field(default=None, repr=False, compare=False)
+    # prompt tokens whose KV came from the prefix cache or a host restore at the request's last
+    # admission instead of a prefill (vLLM's usage.prompt_tokens_details.cached_tokens)
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -122,6 +125,7 @@ class _Request:
     keep_kv: bool = False  # offload the KV to host memory when the request finishes
     restore: HostKV | None = None  # KV of a prompt prefix to restore from host memory at admission
     restore_skip: int = 0  # leading pages of `restore` the prefix cache held already (not copied in)
+    cached: int = 0  # tokens the last admission found cached (prefix cache) or restored from host memory
     kv: HostKV | None = None  # the offloaded KV, once finished
     cache_salt: str | None = None  # prefix-cache tenant: only requests with the same salt share KV
     session: str | None = None  # tags the keep_kv host copy (HostTier.protect and bytes_by_session)
@@ -378,7 +382,7 @@ class Engine:
             if restore:
                 restores.append(req)
                 req.restore_skip = hit // self.config.page_size
-            req.num_computed = cached
+            req.num_computed = req.cached = cached
             if self.prefix_cache is not None:
                 self.stats.prefix_query_tokens += req.num_tokens - 1
                 self.stats.prefix_hit_tokens += hit
@@ -525,7 +529,7 @@ class Engine:
         ids = list(req.output)
         text_ids = ids[:-1] if req.finish_reason == "stop" else list(ids)
         return RequestOutput(req.id, req.prompt, ids, list(req.logprobs), list(req.top_logprobs), req.finish_reason,
-                             list(new or []), text_ids, self.tokenizer, req.kv)
+                             list(new or []), text_ids, self.tokenizer, req.kv, req.cached)
 
     # ---- library API ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]

@@ -156,9 +156,11 @@ def plot_cdf(res: dict, path: str) -> None:
 
 
 def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers: int, local_models: Sequence[str],
-              model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0) -> dict:
+              model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0,
+              seeds: Sequence[int] = (0,)) -> dict:
     """Replays every policy on real instances (one warm-up replay first compiles the step shapes the
-    trace uses; it is not reported), then the simulator on the same calls, models and hardware."""
+    trace uses; it is not reported), then the simulator on the same calls, models, hardware and
+    tool-time jitter (seeded per call as in the simulator; kernel time is the real engine's own)."""
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax.instance import SessionTokens
     from talaria_jax import local
@@ -169,21 +171,36 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     longest = max(c.context_after for c in calls)
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
     insts = local.build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
-                                  engine_config=ec, tokens=SessionTokens())
+                                  engine_config=ec, tokens=SessionTokens(), kv_bytes_per_device=_KV_BYTES)
     shapes = insts[0].shapes()
     print(f"warm-up replay ({len(calls)} calls; compiles the step shapes they use) ...", file=sys.stderr)
     local.replay_local(calls, get_policy(policies[0]), insts)
     out: dict = {"backend": "local", "trace": trace or "local-12x4", "hardware": hw.name, "servers": servers,
-                 "models": list(local_models), "devices_per_instance": devices_per_instance, "policies": {}}
+                 "models": list(local_models), "devices_per_instance": devices_per_instance, "seeds": list(seeds),
+                 "policies": {}}
+    keys = ("sct_p50_s", "sct_p95_s")
     for name in policies:
         pol = get_policy(name)
-        t = time.perf_counter()
-        real = local.replay_local(calls, pol, insts).summary()
-        print(f"{name}: replayed in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-        sim = replay(calls, pol, hw, shapes, servers=servers, seed=0, jitter_sigma=0.0, gap_jitter_sigma=0.0).summary()
-        err = {k: sim[k] / real[k] - 1.0 for k in ("sct_p50_s", "sct_p95_s")}
-        out["policies"][name] = {"measured": real, "simulated": sim, "relative_error": err}
+        runs = []
+        for seed in seeds:
+            t = time.perf_counter()
+            real = local.replay_local(calls, pol, insts, seed=seed, gap_jitter_sigma=_GAP_SIGMA)
+            print(f"{name}, seed {seed}: replayed in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            sim = replay(calls, pol, hw, shapes, servers=servers, seed=seed, jitter_sigma=0.0,
+                         gap_jitter_sigma=_GAP_SIGMA, page_bytes=insts[0].page_bytes)
+            runs.append({"measured": {**real.summary(), "sct_s": real.sct_s},
+                         "simulated": {**sim.summary(), "sct_s": sim.sct_s}})
+        mean = lambda side: {k: float(np.mean([r[side][k] for r in runs])) for k in runs[0][side] if k != "sct_s"}
+        m, sim = mean("measured"), mean("simulated")
+        out["policies"][name] = {"measured": m, "simulated": sim, "per_seed": runs,
+                                 "relative_error": {k: sim[k] / m[k] - 1.0 for k in keys}}
+    order = lambda side, k: sorted(out["policies"], key=lambda n: out["policies"][n][side][k])
+    out["same_order"] = {k: order("measured", k) == order("simulated", k) for k in keys}
     return out
+
+
+_GAP_SIGMA = 0.1  # tool-time jitter per call (the simulator's default), the same draws on both sides
+_KV_BYTES = 512 * 2**20  # each model's KV pool per device: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
 
 
 def format_local_table(res: dict) -> str:
@@ -196,6 +213,9 @@ def format_local_table(res: dict) -> str:
         lines.append(f"| {name} | {m['sct_p50_s']:.1f} | {m['sct_p95_s']:.1f} | {s['sct_p50_s']:.1f} | {s['sct_p95_s']:.1f} "
                      f"| {e['sct_p50_s']:+.0%} | {e['sct_p95_s']:+.0%} | {m['model_switches']:.0f} "
                      f"| {m['kv_restored_tokens']:.0f} | {m['kv_recomputed_tokens']:.0f} |")
+    same = res["same_order"]
+    lines += ["", f"seeds {','.join(map(str, res['seeds']))} (means); the simulator ranks the policies in the measured "
+              f"order at p50: {'yes' if same['sct_p50_s'] else 'no'}, at p95: {'yes' if same['sct_p95_s'] else 'no'}"]
     return "\n".join(lines)
 
 
@@ -242,15 +262,18 @@ def _write_json(res: dict) -> None:
 
 
 def _main_local() -> None:
-    need = FLAGS.servers * FLAGS.devices_per_instance
+    servers = FLAGS.servers if FLAGS["servers"].present else 2  # two instances, so placement matters
+    if FLAGS.devices_per_instance < 1:
+        raise app.UsageError(f"--devices_per_instance={FLAGS.devices_per_instance} must be >= 1")
     flag = "--xla_force_host_platform_device_count"
     if flag not in os.environ.get("XLA_FLAGS", ""):  # CPU: one simulated device per instance rank
+        need = servers * FLAGS.devices_per_instance
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(need, 8)}".strip()
     trace_given = FLAGS["trace"].present
-    servers = FLAGS.servers if FLAGS["servers"].present else 2  # two instances, so placement matters
     hardware = FLAGS.hardware if FLAGS["hardware"].present else "cpu"  # talaria-calibrate's profile
-    res = run_local(FLAGS.trace if trace_given else None, hardware, FLAGS.policies, servers,
-                    FLAGS.local_models, _parse_map(FLAGS.model_map), FLAGS.devices_per_instance, FLAGS.tool_gap_scale)
+    seeds = _parse_seeds(FLAGS.seeds) if FLAGS["seeds"].present else [0]  # a local replay takes minutes
+    res = run_local(FLAGS.trace if trace_given else None, hardware, FLAGS.policies, servers, FLAGS.local_models,
+                    _parse_map(FLAGS.model_map), FLAGS.devices_per_instance, FLAGS.tool_gap_scale, seeds)
     print(format_local_table(res))
     _write_json(res)
 

@@ -82,7 +82,7 @@ def session_tool_s(calls: Sequence[Call], factors: dict[tuple[str, int], float])
 
 def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shapes: dict[str, ModelShape], *,
            servers: int = 1, seed: int = 0, jitter_sigma: float = 0.05, gap_jitter_sigma: float = 0.1,
-           max_chunk_s: float = 0.25) -> ReplayResult:
+           max_chunk_s: float = 0.25, page_bytes: int = 4 * 2**20) -> ReplayResult:
     """Replays `calls` under `policy` on `servers` instances of `hw`, each able to host every model
     of the trace. `seed` drives run-to-run variance: kernel-time jitter (lognormal jitter_sigma per
     chunk) and tool-time jitter (lognormal gap_jitter_sigma per gap); the trace itself is fixed."""
@@ -99,7 +99,8 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
             prefix[b.key] = a.context_after
     gap_factor = tool_gap_factors(calls, seed, gap_jitter_sigma)
     insts = [SimInstance(f"i{k}", hw, shapes, models, host_kv=policy.host_kv, staging=policy.staging,
-                         drop_kv_on_switch=policy.drop_kv_on_switch, reusable_prefix=lambda c: prefix.get(c.key, 0),
+                         drop_kv_on_switch=policy.drop_kv_on_switch, page_bytes=page_bytes,
+                         reusable_prefix=lambda c: prefix.get(c.key, 0),
                          jitter_sigma=jitter_sigma, rng=np.random.default_rng([seed, k]))
              for k in range(servers)]
     return run(calls, policy, insts, sessions, seed, gap_factor, max_chunk_s)

@@ -260,6 +260,10 @@ class WeightSlot:
         self.active, self.staged, self._staging = self.staged, None, None
         return self.active
 
+    def drop_staged(self) -> None:
+        """Frees the staging buffer (whatever it holds, arrived or not)."""
+        self.staged, self._staging = None, None
+
     def require_active(self, layout: SlotLayout, fingerprint: str) -> None:
         """ValueError unless the slot holds the weights `fingerprint` laid out as `layout`: stepping
         one model over another's bytes would compute garbage without any error."""
