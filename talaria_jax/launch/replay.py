@@ -158,9 +158,9 @@ def plot_cdf(res: dict, path: str) -> None:
 def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers: int, local_models: Sequence[str],
               model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0,
               seeds: Sequence[int] = (0,)) -> dict:
-    """Replays every policy on real instances (one warm-up replay first compiles the step shapes the
-    trace uses; it is not reported), then the simulator on the same calls, models, hardware and
-    tool-time jitter (seeded per call as in the simulator; kernel time is the real engine's own)."""
+    """Replays every policy on real instances (after a warm-up replay of each: a compile inside a
+    measured chunk would count as serving time), then the simulator on the same calls, models, hardware and tool-time
+    jitter (seeded per call as in the simulator; kernel time is the real engine's own)."""
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax.instance import SessionTokens
     from talaria_jax import local
@@ -171,10 +171,15 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     longest = max(c.context_after for c in calls)
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
     insts = local.build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
-                                  engine_config=ec, tokens=SessionTokens(), kv_bytes_per_device=_KV_BYTES)
+                                  engine_config=ec, tokens=SessionTokens())
     shapes = insts[0].shapes()
-    print(f"warm-up replay ({len(calls)} calls; compiles the step shapes they use) ...", file=sys.stderr)
-    local.replay_local(calls, get_policy(policies[0]), insts)
+    # One unreported replay per policy first compiles the step shapes and copies it meets, so no measured
+    # chunk includes a compile. (Instance.warmup compiles every shape of every model instead: twice the
+    # programs, and on this 24 GiB machine the second SmolLM2 instance's compiles ran out of memory.)
+    for name in policies:
+        t = time.perf_counter()
+        local.replay_local(calls, get_policy(name), insts)
+        print(f"{name}: warm-up replay in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     out: dict = {"backend": "local", "trace": trace or "local-12x4", "hardware": hw.name, "servers": servers,
                  "models": list(local_models), "devices_per_instance": devices_per_instance, "seeds": list(seeds),
                  "policies": {}}
@@ -200,7 +205,6 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
 
 
 _GAP_SIGMA = 0.1  # tool-time jitter per call (the simulator's default), the same draws on both sides
-_KV_BYTES = 512 * 2**20  # each model's KV pool per device: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
 
 
 def format_local_table(res: dict) -> str:
