@@ -384,9 +384,11 @@ class Instance:
         self._active = model
 
     def _submit(self) -> None:
-        """Hands the admitted calls to the active engine: each prompt from its session's history,
-        its prefix restored from host memory when the host copy holds more than the device cache."""
-        for call in self._pending:
+        """Hands the admitted calls to the active engine: each prompt from its session's history, and
+        the session's host copy, which tops up what the device cache holds. A call the engine refuses
+        (RequestError, e.g. longer than max_model_len) leaves the queue with the error; the rest stay."""
+        while self._pending:
+            call = self._pending.pop(0)
             if call.model != self._active:
                 raise RuntimeError(f"instance {self.name}: call {call.key} for {call.model} admitted while "
                                    f"{self._active} is active")
@@ -404,7 +406,6 @@ class Instance:
             # tokens an earlier call computed KV for: all of the history but its last token
             self._reusable[rid] = max(0, len(self.tokens.history.get(call.session, ())) - 1)
             self._model_of[call.session] = call.model
-        self._pending = []
 
     def finish_chunk(self, now: float) -> list[Call]:
         """Applies the chunk that ends at `now`; returns the calls that completed."""

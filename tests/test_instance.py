@@ -195,3 +195,18 @@ def test_every_policy_drives_real_instances(pair, round_history, policy):
     # greedy outputs depend only on each session's tokens: KV restored, reused or recomputed, every policy
     # must produce the same sessions, token for token
     assert pair[0].tokens.history == round_history
+
+
+def test_a_refused_call_leaves_with_its_error_and_the_rest_are_served(shared4):
+    from talaria_jax.engine.errors import RequestError
+
+    inst = fresh(shared4)
+    inst.switch_model("A")
+    run(inst)
+    too_long = Call("x", 0, "A", 300, 4, 1.0, start_s=0.0)  # max_model_len is 256
+    ok = Call("y", 0, "A", 20, 4, 1.0, start_s=0.0)
+    inst.admit(too_long)
+    inst.admit(ok)
+    with pytest.raises(RequestError, match="exceeds the context limit of 256"):
+        inst.start_chunk(inst.now)
+    assert [c.key for c in run(inst)] == [ok.key] and inst.num_waiting() == 0
