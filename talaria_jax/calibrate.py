@@ -1,6 +1,6 @@
 """Calibrates the simulator's hardware profile on the real engine of this machine.
 
-`measure` times one real instance (``talaria_jax.instance``): decode steps against batch and context,
+`measure_model` and `measure_copies` time one real instance (``talaria_jax.instance``): decode steps against batch and context,
 prefill steps against prompt length, a weight switch loading from pinned host memory and one from the
 staging area (device to device), and a session's KV offloaded to and restored from host memory.
 `fit` turns those into a ``HardwareConfig`` whose cost model (``talaria_jax.sim.cost``) reproduces
@@ -84,7 +84,7 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
     `tokens`-token KV offload and restore; with the bytes each moved."""
     s = inst.served[model]
     eng, slot = s.engine, inst.slot
-    res: dict[str, float] = {"weight_bytes": float(s.layout.bytes_per_device * slot.mesh.devices.size)}
+    res: dict[str, float] = {"weight_bytes": float(s.host.layout.bytes_per_device * slot.mesh.devices.size)}
     load, d2d = [], []
     for _ in range(reps):
         t = time.perf_counter()

@@ -76,9 +76,8 @@ class SessionTokens:
 
 @dataclasses.dataclass
 class _Served:
-    """One model of the instance: its engine, its slot layout and its host weights."""
+    """One model of the instance: its engine and its host weights (`host.layout`: where it sits in the slot)."""
     engine: Engine
-    layout: SlotLayout
     host: HostWeights
     shape: ModelShape
 
@@ -125,7 +124,7 @@ class Instance:
                 tier = eng.host_tier
                 tier.capacity_bytes = min(host_kv_bytes, tier.capacity_bytes if tier.capacity_bytes is not None
                                           else host_kv_bytes)
-            self.served[m] = _Served(eng, layouts[m], host, shapes[m])
+            self.served[m] = _Served(eng, host, shapes[m])
         # the budget the scheduler sees: the smallest pool, so no model is promised more than it has
         self.kv_bytes = min(s.engine.pool_spec.page_bytes * s.engine.pool_spec.num_pages for s in self.served.values())
         self.capacity = float(self.slot.bytes_per_device * 2 * mesh.devices.size + self.kv_bytes)
@@ -209,7 +208,7 @@ class Instance:
         return int(self.kv_bytes // self.page_bytes)
 
     def kv_pages_used(self) -> int:
-        calls = [c for c in self._calls.values()] + self._pending
+        calls = [*self._calls.values(), *self._pending]
         return sum(self.pages_for(c.model, c.context_after) for c in calls)
 
     def _in_use(self) -> set[str]:
@@ -266,7 +265,7 @@ class Instance:
     def estimate_service_s(self, call: Call) -> float:
         loc = self.cached_prefix(call.session, call.model)
         cached = min(call.prompt_tokens, max(loc.device_tokens, loc.host_tokens))
-        running = [c for c in self._calls.values()]
+        running = list(self._calls.values())
         ctx = sum(c.prompt_tokens for c in running) + call.prompt_tokens
         return self.cost.service_s(self.served[call.model].shape, call.prompt_tokens, call.output_tokens, cached,
                                    len(running) + 1, ctx)

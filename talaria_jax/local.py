@@ -11,6 +11,7 @@ wall time and two instances stepped one after the other replay as if side by sid
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -36,6 +37,14 @@ LOCAL_KV_BYTES = 512 * 2**20  # each model's KV pool per device: ~11K tokens of 
 LOCAL_TRACE = TraceSpec(sessions=12, turns=4, models=LOCAL_MODELS, arrival_rate_per_s=0.5, system_tokens=(96, 320),
                         obs_median_tokens=48.0, obs_max_tokens=256, output_mean_tokens=24.0, output_range=(8, 64),
                         max_context_tokens=1024)
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """On the CPU backend, at least `n` (and 8) simulated devices, one per instance rank, unless XLA_FLAGS
+    already sets a count. Call it before anything touches a device (the count is read once)."""
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(n, 8)}".strip()
 
 
 def local_trace(spec: TraceSpec = LOCAL_TRACE) -> list[Call]:

@@ -30,10 +30,9 @@ flags.DEFINE_integer("steps", 6, "Decode steps timed per point (the median is ke
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    flag = "--xla_force_host_platform_device_count"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(8, FLAGS.devices_per_instance)}".strip()
     from talaria_jax import calibrate, local
+
+    local.simulate_cpu_devices(FLAGS.devices_per_instance)
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax.instance import SessionTokens
     from talaria_jax.sim.hardware import load_hardware
@@ -46,7 +45,7 @@ def main(argv: Sequence[str]) -> None:
     for m in FLAGS.models:
         print(f"timing {m} ...", file=sys.stderr)
         points += calibrate.measure_model(inst, m, steps=FLAGS.steps)
-    biggest = max(FLAGS.models, key=lambda m: inst.served[m].layout.bytes_per_device)
+    biggest = max(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device)
     copies = calibrate.measure_copies(inst, biggest)
     hw = calibrate.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem)
     print("| model | kind | batch | tokens | measured (ms) | cost model (ms) | error |\n|---|---|---:|---:|---:|---:|---:|")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 import time
@@ -269,10 +268,9 @@ def _main_local() -> None:
     servers = FLAGS.servers if FLAGS["servers"].present else 2  # two instances, so placement matters
     if FLAGS.devices_per_instance < 1:
         raise app.UsageError(f"--devices_per_instance={FLAGS.devices_per_instance} must be >= 1")
-    flag = "--xla_force_host_platform_device_count"
-    if flag not in os.environ.get("XLA_FLAGS", ""):  # CPU: one simulated device per instance rank
-        need = servers * FLAGS.devices_per_instance
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(need, 8)}".strip()
+    from talaria_jax.local import simulate_cpu_devices
+
+    simulate_cpu_devices(servers * FLAGS.devices_per_instance)
     trace_given = FLAGS["trace"].present
     hardware = FLAGS.hardware if FLAGS["hardware"].present else "cpu"  # talaria-calibrate's profile
     seeds = _parse_seeds(FLAGS.seeds) if FLAGS["seeds"].present else [0]  # a local replay takes minutes
