@@ -14,9 +14,11 @@ Each includes waiting until the copy is complete on the device. Also timed: the 
 itself (what the serving loop pays) and the staging copy from issue to arrival.
 
 Decode: tokens/s of one engine serving model A from the slot, `--batch` sequences of `--context`
-cached tokens (`common.decode_with_synthetic_prefix`), with nothing staging vs with model B's
-staging copy kept in flight throughout (re-issued as soon as one arrives), and, for scale, an engine
-over model A's own parameters (no slot). The three alternate `--reps` times; best is reported.
+cached tokens, with nothing staging vs with model B's staging copy kept in flight throughout
+(re-issued as soon as one arrives), and, for scale, an engine over model A's own parameters (no
+slot). The three alternate `--reps` times; best is reported. The steps are timed by
+`talaria_jax.calibrate.decode_step_times` and `KeepStaging`, the same code with which
+`talaria-calibrate` fits the simulator's `staging_step_slowdown` (there: the ratio of median steps).
 
   .venv/bin/python benchmarks/model_switch.py --out=/tmp/model_switch.json
 
@@ -87,29 +89,8 @@ def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:
     return out
 
 
-class StepHook:
-    """`engine`, whose step() first calls `hook`: lets common.decode_with_synthetic_prefix time steps
-    with something going on between them."""
-
-    def __init__(self, engine, hook):
-        self._engine, self._hook = engine, hook
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def step(self):
-        self._hook()
-        return self._engine.step()
-
-
-def decode_tok_s(eng, hook=None) -> float:
-    """Decode tokens/s (common.decode_with_synthetic_prefix); its requests are aborted afterwards so
-    the same engine (already compiled) can be timed again."""
-    rate = common.decode_with_synthetic_prefix(eng if hook is None else StepHook(eng, hook), _BATCH.value,
-                                               _CONTEXT.value, _STEPS.value, eng.cfg.vocab_size)
-    for rid in list(eng.requests):
-        eng.abort(rid)
-    return rate
+def decode_tok_s(times: list[float]) -> float:
+    return _BATCH.value * len(times) / sum(times)
 
 
 def main(argv):
@@ -118,6 +99,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs each save and restore at INFO, at length
     import jax
 
+    from talaria_jax import calibrate
     from talaria_jax.engine import Engine, EngineConfig
     from talaria_jax.models import init_model
     from talaria_jax.sharding import make_mesh
@@ -127,8 +109,9 @@ def main(argv):
     cfg = bench_config(_HIDDEN.value, _LAYERS.value)
     mesh = make_mesh(jax.devices()[:1])
     page = 16
+    # calibrate.decode_step_times decodes 3 warm-up steps + 2 x decode_steps (idle, then staging) + 1
     ecfg = EngineConfig(page_size=page, max_seqs=_BATCH.value, max_tokens_per_step=max(_BATCH.value, 16),
-                        max_model_len=-(-(_CONTEXT.value + _STEPS.value + 8) // page) * page, warmup=False)
+                        max_model_len=-(-(_CONTEXT.value + 2 * _STEPS.value + 8) // page) * page, warmup=False)
     a, b = (init_model(cfg, mesh, seed=s) for s in (0, 1))
     hosts = [HostWeights.of(m) for m in (a, b)]
     nbytes = hosts[0].layout.bytes_per_device
@@ -144,25 +127,20 @@ def main(argv):
     served = Engine(without_weights(a), ecfg)
     served.runner.use_slot(slot)
     slot.load(hosts[0])
-    staged_copies = 0
-
-    def keep_staging():  # model B's staging copy always in flight
-        nonlocal staged_copies
-        if slot.staged is None or slot.staged_ready():
-            slot.stage(hosts[1])
-            staged_copies += 1
-
+    keep = calibrate.KeepStaging(slot, hosts[1])  # model B's staging copy always in flight
     rates = {k: [] for k in ("plain", "slot_idle", "slot_staging")}
-    staging_s = 0.0
+    idle_steps, staging_steps = [], []
     for _ in range(_REPS.value):
-        rates["plain"].append(decode_tok_s(plain))
-        rates["slot_idle"].append(decode_tok_s(served))
-        t = time.perf_counter()
-        rates["slot_staging"].append(decode_tok_s(served, keep_staging))
-        staging_s += time.perf_counter() - t
-        wait_staged(slot)  # nothing in flight during the next idle run
-    print(f"  staging kept in flight during decode: {staged_copies} copies of {nbytes / 1e6:.0f} MB in {staging_s:.1f} s "
-          f"of decode runs", flush=True)
+        plain_s, _ = calibrate.decode_step_times(plain, _BATCH.value, _CONTEXT.value, _STEPS.value)
+        idle_s, busy_s = calibrate.decode_step_times(served, _BATCH.value, _CONTEXT.value, _STEPS.value, keep)
+        for k, v in (("plain", plain_s), ("slot_idle", idle_s), ("slot_staging", busy_s)):
+            rates[k].append(decode_tok_s(v))
+        idle_steps += idle_s
+        staging_steps += busy_s
+    slowdown = statistics.median(staging_steps) / statistics.median(idle_steps)
+    print(f"  staging kept in flight during decode: {keep.copies} copies of {nbytes / 1e6:.0f} MB in "
+          f"{sum(staging_steps):.1f} s of timed steps; median step {slowdown:.2f}x idle (as talaria-calibrate "
+          f"fits staging_step_slowdown)", flush=True)
 
     best = {k: min(v) for k, v in times.items()}
     switch_rows = [dict(path=p, best_ms=best[k] * 1e3, median_ms=statistics.median(times[k]) * 1e3,
@@ -185,7 +163,7 @@ def main(argv):
         with open(_OUT.value, "w") as f:
             json.dump(dict(params=cfg.param_count(), bytes_per_device=nbytes, memory_kind=hosts[0].data.sharding.memory_kind,
                            backend=jax.default_backend(), reps=_REPS.value, batch=_BATCH.value, context=_CONTEXT.value,
-                           decode_steps=_STEPS.value, switch_s=times, decode_tok_s=rates, staged_copies=staged_copies,
+                           decode_steps=_STEPS.value, switch_s=times, decode_tok_s=rates, staged_copies=keep.copies, staging_step_slowdown=slowdown,
                            switch=switch_rows, decode=decode_rows), f, indent=1)
 
 

@@ -41,8 +41,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from talaria_jax.kvcache.pool import KV_AXES, PoolSpec, pool_shardings
-from talaria_jax.sharding import spec_for
+from talaria_jax.kvcache.pool import PoolSpec, arena_sharding, read_pages, view_sharding, write_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +164,9 @@ class HostTier:
         self.source = KVSource(model, weights, spec.page_size, spec.num_layers, spec.kv_heads, spec.head_dim,
                                str(jnp.dtype(spec.dtype)))
         self.compilations = 0  # traces of gather and scatter (each is a compile): a steady workload adds none
-        page = spec_for(KV_AXES, (1, spec.page_size, spec.kv_heads, spec.head_dim), mesh)
-        pspec = PartitionSpec(None, None, *page)
-        self.device_sharding = NamedSharding(mesh, pspec)  # the pool's: what a restore writes back
+        view = view_sharding(spec, mesh).spec  # [pages, rows, kv_heads, head_dim]
+        pspec = PartitionSpec(None, None, None, *(tuple(view) + (None,) * 4)[1:4])
+        self.device_sharding = NamedSharding(mesh, pspec)  # a copy sharded like the pool
         split, self.host_replicas, why = _split_spec(pspec, spec, mesh)
         if why:
             logging.warning("host KV copies of %s on mesh %s stay replicated %dx: %s (+%d bytes of host memory "
@@ -187,8 +186,10 @@ class HostTier:
         self._live: collections.OrderedDict[int, tuple[weakref.ref, str | None, int]] = collections.OrderedDict()
         self._protected: set[str | None] = set()
         self._keys = iter(range(1 << 62))
-        self._gather = jax.jit(self._counted(_gather), out_shardings=self.transfer_sharding)
-        self._scatter = jax.jit(self._counted(_scatter), donate_argnums=0, out_shardings=pool_shardings(spec, mesh))
+        self._gather = jax.jit(self._counted(functools.partial(_gather, spec=spec, mesh=mesh)),
+                               out_shardings=self.transfer_sharding)
+        self._scatter = jax.jit(self._counted(functools.partial(_scatter, spec=spec, mesh=mesh)), donate_argnums=0,
+                                out_shardings=arena_sharding(mesh))
 
     def _counted(self, fn):
         @functools.wraps(fn)  # programs keep their names (jit(_gather)) in logs and profiles
@@ -387,12 +388,14 @@ def _split_spec(pspec: PartitionSpec, spec: PoolSpec, mesh: Mesh) -> tuple[Parti
     return out, replicas, "; ".join(why)
 
 
-def _gather(pool, idx):
-    # padding indices are out of bounds and read as zeros: no other sequence's KV leaves with the copy
-    get = lambda a: a.at[idx].get(mode="fill", fill_value=0)
-    return jnp.stack([jnp.stack([get(k), get(v)]) for k, v in pool])
+def _gather(pool, idx, *, spec: PoolSpec, mesh: Mesh):
+    """The pages `idx` of the arena `pool` as [layers, 2, pages, page_size, kv_heads, head_dim]. Padding
+    indices are out of bounds and read as zeros: no other sequence's KV leaves with the copy."""
+    pages = read_pages(pool, spec, mesh, idx)
+    return pages.reshape(len(idx), spec.num_layers, 2, *pages.shape[2:]).transpose(1, 2, 0, 3, 4, 5)
 
 
-def _scatter(pool, data, idx):
-    return tuple((k.at[idx].set(data[l, 0], mode="drop"), v.at[idx].set(data[l, 1], mode="drop"))
-                 for l, (k, v) in enumerate(pool))
+def _scatter(pool, data, idx, *, spec: PoolSpec, mesh: Mesh):
+    """Writes a copy `data` ([layers, 2, pages, ...]) into pages `idx` of the arena (out of bounds: dropped)."""
+    pages = data.transpose(2, 0, 1, 3, 4, 5).reshape(data.shape[2], 2 * spec.num_layers, *data.shape[3:])
+    return write_pages(pool, spec, mesh, idx, pages)

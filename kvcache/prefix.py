@@ -14,7 +14,9 @@ Eviction order, cheapest to bring back per byte first (the simulator's order): u
 before protected ones (`protect`); within each group, pages a host copy holds (`mark_backed`: a
 restore brings them back) before pages only a recompute would, and then least recently used first.
 Protected entries (a session the scheduler expects back, for its `protect_kv`: a whole key, or one
-token path with `protect_path`) go only when nothing else is left.
+token path with `protect_path`) go only when nothing else is left. Caches over one allocator (the
+models sharing a KV arena) evict together in that order (`evict`): recency is counted on one clock
+for all caches.
 
 Pure Python; no JAX.
 """
@@ -28,7 +30,9 @@ from collections.abc import Callable, Hashable, Sequence
 
 from talaria_jax.kvcache.allocator import PageAllocator
 
-__all__ = ["PrefixCache", "PrefixCacheStats"]
+__all__ = ["PrefixCache", "PrefixCacheStats", "evict"]
+
+_TICK = itertools.count(1)  # recency, comparable across caches
 
 
 @dataclasses.dataclass
@@ -67,7 +71,6 @@ class PrefixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator, self.page_size, self.clock = allocator, page_size, clock
         self._roots: dict[Hashable, _Root] = {}
-        self._tick = itertools.count(1)
         self._num_pages = 0
         self.stats = PrefixCacheStats()
 
@@ -86,7 +89,7 @@ class PrefixCache:
         `max_tokens` tokens), in token order, each incref'd for the caller (free them when done)."""
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
         self.stats.queried_tokens += limit
-        tick = next(self._tick)
+        tick = next(_TICK)
         pages: list[int] = []
         for node in self._path(key, token_ids, limit):
             node.last_used = tick
@@ -123,7 +126,7 @@ class PrefixCache:
         root = self._roots.get(key)
         if root is None:
             root = self._roots[key] = _Root(key)
-        tick = next(self._tick)
+        tick = next(_TICK)
         parent: _Node | None = None
         children = root.children
         added = 0
@@ -187,25 +190,8 @@ class PrefixCache:
             stack.extend(node.children.values())
 
     def evict(self, n: int) -> int:
-        """Frees up to `n` pages only the cache holds, leaves first: unprotected before protected, then
-        host-backed before not, then least recently used first. A page a running sequence holds (refcount > 1) is never freed, nor
-        is any page above it. Returns how many were freed."""
-        if n <= 0:
-            return 0
-        now = self.clock()
-        order = itertools.count()  # ties: any order, but never compare nodes
-        heap = [self._order(x, now, next(order)) for x in self._nodes() if self._evictable(x)]
-        heapq.heapify(heap)
-        freed = 0
-        while heap and freed < n:
-            *_, node = heapq.heappop(heap)
-            self._remove(node)
-            freed += 1
-            parent = node.parent
-            if parent is not None and self._evictable(parent):
-                heapq.heappush(heap, self._order(parent, now, next(order)))
-        self.stats.evicted_pages += freed
-        return freed
+        """Frees up to `n` pages only the cache holds (see the module `evict`). Returns how many were freed."""
+        return evict([self], n)
 
     def _remove(self, node: _Node) -> None:
         siblings = node.parent.children if node.parent is not None else node.root.children
@@ -221,6 +207,31 @@ class PrefixCache:
         self.allocator.free([x.page for x in self._nodes()])
         self._roots.clear()
         self._num_pages = 0
+
+
+def evict(caches: Sequence[PrefixCache], n: int) -> int:
+    """Frees up to `n` pages that only their cache holds, from any of `caches` (over one allocator),
+    leaves first: unprotected before protected, then host-backed before not, then least recently used
+    first. A page a running sequence holds (refcount > 1) is never freed, nor is any page above it.
+    Returns how many were freed."""
+    if n <= 0:
+        return 0
+    order = itertools.count()  # ties: any order, but never compare nodes
+    heap = []
+    for cache in caches:
+        now = cache.clock()
+        heap += [(*cache._order(x, now, next(order)), cache) for x in cache._nodes() if cache._evictable(x)]
+    heapq.heapify(heap)
+    freed = 0
+    while heap and freed < n:
+        *_, node, cache = heapq.heappop(heap)
+        cache._remove(node)
+        cache.stats.evicted_pages += 1
+        freed += 1
+        parent = node.parent
+        if parent is not None and cache._evictable(parent):
+            heapq.heappush(heap, (*cache._order(parent, cache.clock(), next(order)), cache))
+    return freed
 
 
 def _root_protected(root: _Root, now: float) -> bool:

@@ -6,13 +6,16 @@ staging area (device to device), and a session's KV offloaded to and restored fr
 `fit` turns those into a ``HardwareConfig`` whose cost model (``talaria_jax.sim.cost``) reproduces
 them: a fixed cost per step (the intercept) plus bytes over a bandwidth for decode, FLOPs over a
 matmul rate for prefill, and copy rates for the links. Efficiencies are 1: the rates measured are
-the effective ones.
+the effective ones. `measure_staging` times decode steps with another model's staging copy kept in
+flight against steps with nothing staging; their ratio is ``staging_step_slowdown``
+(``benchmarks/model_switch.py`` times the same thing with `decode_step_times`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -113,7 +116,7 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
         off.append(time.perf_counter() - t)
         t = time.perf_counter()
         eng.runner.kv = eng.host_tier.restore(eng.runner.kv, kv, req.seq.pages[:kv.num_pages])
-        eng.runner.kv[0][0].block_until_ready()
+        eng.runner.kv.block_until_ready()
         on.append(time.perf_counter() - t)
         eng.host_tier.release(kv)
     _drain(eng)
@@ -123,8 +126,106 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
     return res
 
 
-def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str = "cpu") -> HardwareConfig:
-    """The profile whose cost model best reproduces `points` and `copies` (least squares, see module doc)."""
+class KeepStaging:
+    """Called before each step, keeps a staging copy of `host` in flight in `slot` (a ``WeightSlot``):
+    it issues ``slot.stage(host)`` whenever nothing is staging or the last copy has arrived. Between
+    an arrival and the next call nothing is in flight, so a step slowed by the copy is slightly
+    under-counted. `copies` counts the copies issued; `settle` waits for the one in flight and frees
+    the staging buffer."""
+
+    def __init__(self, slot, host):
+        self.slot, self.host, self.copies = slot, host, 0
+
+    def __call__(self) -> None:
+        if self.slot.staged is None or self.slot.staged_ready():
+            self.slot.stage(self.host)
+            self.copies += 1
+
+    def settle(self) -> None:
+        while self.slot.staged is not None and not self.slot.staged_ready():
+            time.sleep(0.0005)
+        self.slot.drop_staged()
+
+
+def decode_step_times(eng, batch: int, context: int, steps: int, keep: KeepStaging | None = None,
+                      warmup: int = 3, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Seconds of each of `steps` decode steps of `eng` with nothing staging and, when `keep` is
+    given, of `steps` more with its staging copy kept in flight (``keep()`` runs before each of
+    them, inside the timed step: a serving loop pays it too; the copy has arrived and its buffer is
+    freed when this returns). The batch: `batch` sequences of random tokens whose first `context`
+    count as cached (pages held, contents whatever the pool holds: only the last prompt token is
+    computed, so every timed step is decode-shaped), `warmup` untimed steps first (the first
+    compiles). The sequences are aborted at the end, so the engine can be timed again."""
+    from talaria_jax.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    for _ in range(batch):
+        rid = eng.add_request(rng.integers(0, eng.cfg.vocab_size, context).tolist(),
+                              SamplingParams(max_tokens=warmup + 2 * steps + 1, temperature=0.0, ignore_eos=True))
+        req = eng.requests[rid]
+        req.seq.grow(eng.allocator, context)
+        req.num_computed = context - 1
+        eng.waiting.remove(req)
+        eng.running.append(req)
+    try:
+        for _ in range(warmup):
+            eng.step()
+        if len(eng.running) != batch:
+            raise RuntimeError(f"calibration: {len(eng.running)} of {batch} sequences decoding (raise max_seqs)")
+
+        def timed(before) -> list[float]:
+            out = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                before()
+                eng.step()
+                out.append(time.perf_counter() - t)
+            return out
+
+        idle = timed(lambda: None)
+        staging = [] if keep is None else timed(keep)
+    finally:
+        if keep is not None:
+            keep.settle()
+        for rid in list(eng.requests):
+            eng.abort(rid)
+    return idle, staging
+
+
+def measure_staging(inst: Instance, model: str, staged: str, *, batch: int = 4, context: int = 256, steps: int = 6,
+                    reps: int = 3) -> dict[str, float]:
+    """Median decode step seconds of `model` on `inst` (loaded into the slot) with nothing staging
+    (`step_idle_s`) and with a staging copy of `staged` kept in flight (`step_staging_s`), over
+    `reps` alternations of `steps` steps each (`decode_step_times`); `slowdown` is their ratio."""
+    if model == staged:
+        raise ValueError(f"measure_staging: the staged model must differ from the active one ({model!r})")
+    s = inst.served[model]
+    inst.slot.load(s.host)
+    keep = KeepStaging(inst.slot, inst.served[staged].host)
+    idle, staging = [], []
+    for r in range(reps):
+        i, b = decode_step_times(s.engine, batch, context, steps, keep, seed=r)
+        idle += i
+        staging += b
+    s.engine.prefix_cache.clear()
+    res = {"step_idle_s": float(np.median(idle)), "step_staging_s": float(np.median(staging)),
+           "staging_copies": float(keep.copies)}
+    res["slowdown"] = res["step_staging_s"] / res["step_idle_s"]
+    return res
+
+
+def staging_slowdown(measured: Sequence[dict[str, float]]) -> float:
+    """``staging_step_slowdown`` from `measure_staging` results: the mean of their step-time ratios,
+    at least 1 (a copy that seems to speed a step up is noise); 1 when nothing was measured."""
+    if not measured:
+        return 1.0
+    return max(1.0, float(np.mean([m["step_staging_s"] / m["step_idle_s"] for m in measured])))
+
+
+def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str = "cpu",
+        staging: Sequence[dict[str, float]] = ()) -> HardwareConfig:
+    """The profile whose cost model best reproduces `points` and `copies` (least squares, see module
+    doc), with ``staging_step_slowdown`` from the `measure_staging` results `staging`."""
     n = inst.slot.mesh.devices.size
     shapes = inst.shapes()
     # unit rates: the probe's decode seconds x n x GB are the bytes a step reads
@@ -154,7 +255,7 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
         prefill_efficiency=1.0, nvlink_gbps=1e4, allreduce_latency_us=0.0, step_overhead_us=overhead * 1e6,
         pcie_h2d_gbps=h2d / n / GB, pcie_d2h_gbps=copies["kv_bytes"] / copies["kv_offload_s"] / n / GB,
         weight_load_efficiency=weight_h2d / h2d, d2d_gbps=max(1.0, 2 * copies["weight_bytes"] / copies["d2d_s"] / n / GB),
-        host_memory_gb=mem, host_reserve_gb=mem / 4)
+        host_memory_gb=mem, host_reserve_gb=mem / 4, staging_step_slowdown=staging_slowdown(staging))
 
 
 def predicted(hw: HardwareConfig, inst: Instance, points: list[Point]) -> list[tuple[Point, float]]:

@@ -20,9 +20,11 @@ for since the last one (admissions, staging, a switch), then runs one real step 
 engine step) and returns when it ended on the replay's clock: `now` plus the measured seconds. So
 instances stepped one after another in one process replay as if they ran side by side.
 
-Known limit: each model's engine keeps its own KV pool (each `kv_bytes_per_device`); the scheduler is
-shown one budget of uniform `page_bytes` pages (the smallest pool, as ``SimInstance`` shows its one
-pool), but the device holds one pool per model rather than one byte pool shared by all.
+All models' engines share one KV arena (``talaria_jax.kvcache.pool.KVArena``): one donated buffer of
+uniform byte pages and one page allocator, so the scheduler's page budget is the device's. A page
+holds `engine_config.page_size` tokens of the model with the most KV bytes per token and as many
+tokens of each other model as fit the same bytes; when the active model runs short, the cached pages
+of every model are evicted in one order (unprotected, host-backed, least recently used first).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from collections.abc import Callable, Mapping
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.host_tier import HostKV
+from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.scheduler.api import PrefixLocation, WeightState
 from talaria_jax.scheduler.session import Call
@@ -86,14 +89,15 @@ class Instance:
     """A real instance; see the module docstring. `models` maps the trace's model names to loaded
     models, all on `mesh`'s devices. `hw` and `shapes` (the calibrated profile of this machine, e.g.
     configs/hardware/cpu.yaml) give the scheduler's estimates; `tenant(session)` the prefix-cache salt.
-    `kv_bytes_per_device` sizes every model's KV pool in bytes (None: as `engine_config` says, the same
-    page count for each). `host_kv_bytes` bounds each model's host tier (None: unbounded); a copy that
-    does not fit is not kept, and its session's prefix is recomputed when it returns."""
+    `kv_bytes_per_device` sizes the shared KV arena in bytes per device (None: as engine_config says,
+    its default room for max_seqs sequences of max_model_len at page_size tokens a page).
+    `host_kv_bytes` bounds each model's host tier (None: unbounded); a copy that does not fit is not
+    kept, and its session's prefix is recomputed when it returns."""
 
     def __init__(self, name: str, models: Mapping[str, ShardedModel], hw: HardwareConfig,
                  shapes: Mapping[str, ModelShape], *, engine_config: EngineConfig, tokens: SessionTokens,
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
-                 page_bytes: int = 64 * 1024, kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
+                 kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
                  tenant: Callable[[str], str | None] = lambda sid: None):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
@@ -106,10 +110,15 @@ class Instance:
             if m not in shapes:
                 raise ValueError(f"instance {name}: model {m!r} has no shape (the calibrated profile's models)")
         self.name, self.hw, self.cost = name, hw, CostModel(hw)
-        self.tokens, self.tenant, self.page_bytes = tokens, tenant, page_bytes
-        cfg = dataclasses.replace(engine_config, prefix_cache=True, warmup=False)
-        if kv_bytes_per_device is not None:
-            cfg = dataclasses.replace(cfg, num_pages=None, kv_memory_bytes_per_device=kv_bytes_per_device)
+        self.tokens, self.tenant = tokens, tenant
+        cfgs = [model.cfg for model in models.values()]
+        kv_bytes = kv_bytes_per_device if kv_bytes_per_device is not None else engine_config.kv_memory_bytes_per_device
+        num_pages = None if kv_bytes is not None else engine_config.num_pages or \
+            engine_config.max_seqs * -(-engine_config.max_model_len // engine_config.page_size)
+        self.arena = KVArena.for_models(cfgs, mesh, engine_config.page_size, num_pages=num_pages,
+                                        memory_bytes_per_device=kv_bytes)
+        cfg = dataclasses.replace(engine_config, prefix_cache=True, warmup=False, num_pages=None,
+                                  kv_memory_bytes_per_device=None)
         # one word for all models' rows, as wide as most of their bytes (mixed precisions share a slot)
         word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])
         layouts = {m: SlotLayout.of(model, word=word) for m, model in models.items()}
@@ -117,7 +126,7 @@ class Instance:
         self.served: dict[str, _Served] = {}
         for m, model in models.items():
             host = HostWeights.of(model, layouts[m])  # the device copy is not kept: the slot is the only one
-            eng = Engine(without_weights(model), cfg)
+            eng = Engine(without_weights(model), cfg, arena=self.arena)
             eng.runner.use_slot(self.slot, layouts[m])
             eng.prefix_cache.clock = lambda: self.now  # protection deadlines are on the replay's clock
             if host_kv_bytes is not None:  # never above what the tier allows (no host memory kind: a device grant)
@@ -125,8 +134,9 @@ class Instance:
                 tier.capacity_bytes = min(host_kv_bytes, tier.capacity_bytes if tier.capacity_bytes is not None
                                           else host_kv_bytes)
             self.served[m] = _Served(eng, host, shapes[m])
-        # the budget the scheduler sees: the smallest pool, so no model is promised more than it has
-        self.kv_bytes = min(s.engine.pool_spec.page_bytes * s.engine.pool_spec.num_pages for s in self.served.values())
+        # the scheduler's page: one arena page over the instance's devices (ModelShape counts bytes the same way)
+        self.page_bytes = self.arena.page_bytes_per_device * mesh.devices.size
+        self.kv_bytes = self.arena.bytes_per_device * mesh.devices.size
         self.capacity = float(self.slot.bytes_per_device * 2 * mesh.devices.size + self.kv_bytes)
         self._host: dict[str, tuple[HostKV, str]] = {}  # session -> (its last host KV copy, model)
         self._model_of: dict[str, str] = {}  # session -> the model of its last call here
@@ -197,15 +207,11 @@ class Instance:
         return self.cost.weight_load_s(shape)  # staging in progress: at most a whole load
 
     # --- InstanceAPI: KV pages --------------------------------------------------------------
-    def _kv_bytes_per_token(self, model: str) -> float:
-        spec = self.served[model].engine.pool_spec
-        return spec.page_bytes / spec.page_size
-
     def pages_for(self, model: str, tokens: int) -> int:
-        return math.ceil(tokens * self._kv_bytes_per_token(model) / self.page_bytes)
+        return math.ceil(tokens / self.served[model].engine.page_size)
 
     def kv_pages_total(self) -> int:
-        return int(self.kv_bytes // self.page_bytes)
+        return self.arena.num_pages
 
     def kv_pages_used(self) -> int:
         calls = [*self._calls.values(), *self._pending]

@@ -29,7 +29,7 @@ from talaria_jax.sim.traces import TraceSpec, generate
 from talaria_jax.weights.named import NAMED_MODELS, load_model
 
 LOCAL_MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
-LOCAL_KV_BYTES = 512 * 2**20  # each model's KV pool per device: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
+LOCAL_KV_BYTES = 512 * 2**20  # an instance's KV arena per device, all models: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
 
 # 12 sessions of 4 calls over the three local models (Zipf popularity, as the default trace): prompts
 # of a few hundred tokens so a CPU replays them in minutes; tool gaps keep REFERENCES' TraceLab
@@ -74,8 +74,8 @@ def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelSha
 def build_instances(names: Sequence[str], hw: HardwareConfig, *, instances: int = 2, devices_per_instance: int = 1,
                     engine_config: EngineConfig, tokens: SessionTokens, seed: int = 0,
                     kv_bytes_per_device: int | None = LOCAL_KV_BYTES) -> list[Instance]:
-    """`instances` real instances on disjoint devices, each hosting every model of `names` (each model's
-    KV pool `kv_bytes_per_device`, or as engine_config says)."""
+    """`instances` real instances on disjoint devices, each hosting every model of `names` on one KV
+    arena of `kv_bytes_per_device` per device (None: as engine_config says)."""
     if instances < 1 or devices_per_instance < 1:
         raise ValueError(f"instances={instances} and devices_per_instance={devices_per_instance} must be >= 1")
     need = instances * devices_per_instance

@@ -10,7 +10,7 @@ import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestError, StepError
 from talaria_jax.engine.sampling import SamplingError, SamplingParams
-from talaria_jax.kvcache.pool import buffer_pointers, pool_spec
+from talaria_jax.kvcache.pool import buffer_pointers, pool_spec, read_pages
 from talaria_jax.models import greedy_generate, init_model, load_model_config
 from talaria_jax.models.model import forward
 from talaria_jax.sharding import make_mesh
@@ -59,8 +59,7 @@ def test_greedy_on_tp8_mesh(name):
     eng = Engine(eight, config(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=96))
     out = eng.generate(ps, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), progress=False)
     assert [o.token_ids for o in out] == ref
-    k = eng.runner.kv[0][0]
-    assert len(k.addressable_shards) == 8  # the pool lives on all 8 devices
+    assert len(eng.runner.kv.addressable_shards) == 8  # the pool lives on all 8 devices
 
 
 def _steady(eng, steps, rng, sessions=False):
@@ -89,10 +88,10 @@ def test_pool_buffers_stable_and_donation_usable():
     # TP=4: 4 kv heads split over 4 devices, so every device holds its own shard of each page.
     model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:4], tp=4), seed=1)
     eng = Engine(model, config(page_size=8, max_seqs=6, max_tokens_per_step=64, max_model_len=128))
-    k = eng.runner.kv[0][0]
-    assert k.sharding.spec[2] == "tp" and k.addressable_shards[0].data.shape[2] == 1
+    pages = read_pages(eng.runner.kv, eng.pool_spec, model.mesh, np.arange(2))
+    assert pages.sharding.spec[3] == "tp" and pages.addressable_shards[0].data.shape[3] == 1
     before = buffer_pointers(eng.runner.kv)
-    assert len(before) == 4 * 2 * model.cfg.num_layers
+    assert len(before) == 4  # one buffer per device, every layer's K and V in it
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Some donated buffers were not usable")
         _steady(eng, 100, np.random.RandomState(0))

@@ -13,7 +13,7 @@ from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache import host_tier as host_tier_module
 from talaria_jax.kvcache.host_tier import (HostBudgetError, HostKVEvicted, HostTier, KVSource, NoHostMemory,
                                            padded_page_counts)
-from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, buffer_pointers, pool_spec
+from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, buffer_pointers, pool_spec, read_pages
 from talaria_jax.models import greedy_generate, init_model, load_model_config
 from talaria_jax.sharding import make_mesh
 
@@ -31,8 +31,10 @@ def _filled_pool(spec, mesh, seed=0):
     return pool, full
 
 
-def _host(pool):
-    return np.stack([np.stack([np.asarray(k), np.asarray(v)]) for k, v in pool])
+def _host(pool, spec, mesh):
+    """The pool's pages as [layers, 2, pages, page_size, kv_heads, head_dim]."""
+    pages = np.asarray(read_pages(pool, spec, mesh, np.arange(spec.num_pages)))
+    return pages.reshape(spec.num_pages, spec.num_layers, 2, *pages.shape[2:]).transpose(1, 2, 0, 3, 4, 5)
 
 
 def test_pages_round_trip_through_host_memory_on_a_tp4_mesh():
@@ -50,7 +52,7 @@ def test_pages_round_trip_through_host_memory_on_a_tp4_mesh():
         warnings.filterwarnings("error", message="Some donated buffers were not usable")
         pool = tier.restore(pool, kv, [5, 0, 11])
     assert buffer_pointers(pool) == before
-    got = _host(pool)
+    got = _host(pool, spec, mesh)
     want = full.copy()
     want[:, :, [5, 0, 11]] = full[:, :, [3, 7, 1]]
     np.testing.assert_array_equal(got, want)  # bit-exact, and every other page untouched
@@ -95,7 +97,7 @@ def test_warmup_compiles_every_padded_page_count():
     tier = HostTier(spec, mesh)
     pool = tier.warmup(pool, 5)
     assert tier.compilations == 2 * 4
-    np.testing.assert_array_equal(_host(pool), full)  # all padding: nothing read or written
+    np.testing.assert_array_equal(_host(pool, spec, mesh), full)  # all padding: nothing read or written
     for pages in ([1], [2, 3], [4, 5, 6], [7, 8, 9, 10, 11]):
         pool = tier.restore(pool, tier.offload(pool, pages, range(4 * len(pages))), pages)
     assert tier.compilations == 2 * 4
@@ -127,7 +129,7 @@ def test_one_host_copy_where_the_pool_replicates_kv_heads(kv_heads, tp, ep):
     assert buffer_pointers(pool) == before
     want = full.copy()
     want[:, :, [5, 0, 11]] = full[:, :, [3, 7, 1]]
-    np.testing.assert_array_equal(_host(pool), want)
+    np.testing.assert_array_equal(_host(pool, spec, mesh), want)
 
 
 def test_host_copy_stays_replicated_when_nothing_divides_and_says_why(caplog):
@@ -142,7 +144,7 @@ def test_host_copy_stays_replicated_when_nothing_divides_and_says_why(caplog):
     pool = tier.restore(pool, kv, [0])
     want = full.copy()
     want[:, :, 0] = full[:, :, 4]
-    np.testing.assert_array_equal(_host(pool), want)
+    np.testing.assert_array_equal(_host(pool, spec, mesh), want)
 
 
 def _tier_and_pool(**pages):
@@ -190,7 +192,7 @@ def test_budget_evicts_the_least_recently_used_and_refuses_what_does_not_fit():
     pool = tier.restore(pool, f, [0, 1])
     want = full.copy()
     want[:, :, [0, 1]] = full[:, :, [6, 7]]
-    np.testing.assert_array_equal(_host(pool), want)
+    np.testing.assert_array_equal(_host(pool, tier.spec, tier.mesh), want)
 
 
 def test_a_copy_that_fails_to_arrive_evicts_nobody(monkeypatch):
@@ -225,7 +227,7 @@ def test_no_host_memory_kind_means_a_granted_device_budget_or_nothing(monkeypatc
     pool = tier.restore(pool, c, [0])
     want = full.copy()
     want[:, :, 0] = full[:, :, 3]
-    np.testing.assert_array_equal(_host(pool), want)
+    np.testing.assert_array_equal(_host(pool, tier.spec, tier.mesh), want)
 
 
 def test_engine_recomputes_an_evicted_restore_and_counts_a_copy_over_budget():
@@ -276,6 +278,6 @@ def test_restore_skip_leaves_the_first_pages_untouched():
     pool = tier.restore(pool, kv, [5, 6, 7], skip=1)
     want = full.copy()
     want[:, :, [6, 7]] = full[:, :, [2, 3]]  # page 5 keeps its own (sentinel) contents
-    np.testing.assert_array_equal(_host(pool), want)
+    np.testing.assert_array_equal(_host(pool, spec, mesh), want)
     with pytest.raises(ValueError, match="skip=4 must be in"):
         tier.restore(pool, kv, [5, 6, 7], skip=4)

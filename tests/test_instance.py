@@ -104,6 +104,8 @@ def test_session_kv_survives_a_to_b_to_a(models4, shared4, drop):
 def test_slot_and_pool_addresses_stay_put_over_20_switches(shared4):
     inst = fresh(shared4)
     pools = {m: buffer_pointers(s.engine.runner.kv) for m, s in inst.served.items()}
+    assert len({tuple(p) for p in pools.values()}) == 1  # one KV arena for both models
+    assert inst.kv_pages_total() == inst.arena.num_pages == inst.served["A"].engine.allocator.num_pages
     slot = inst.slot.pointers()
     turn = {"A": 0, "B": 0}
     with warnings.catch_warnings():

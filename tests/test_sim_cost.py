@@ -61,12 +61,24 @@ def test_switch_calibrated_to_sleep_mode_wake():
     assert 5.3 / 4 * 0.9 < t < 5.7 / 4 * 1.1
 
 
-def test_bad_hardware_config_names_field(tmp_path):
+@pytest.mark.parametrize("field,bad,match", [
+    ("memory_utilization", "1.5", r"memory_utilization.*outside \[0.05, 1.0\]"),
+    ("staging_step_slowdown", "0.5", r"field 'staging_step_slowdown'=0.5 outside \[1.0, 100.0\]")])
+def test_bad_hardware_config_names_field(tmp_path, field, bad, match):
     p = tmp_path / "bad.yaml"
     good = (CONFIG_ROOT / "hardware" / "h200x8.yaml").read_text()
-    p.write_text(good.replace("memory_utilization: 0.90", "memory_utilization: 1.5"))
-    with pytest.raises(ConfigError, match=r"memory_utilization.*outside \[0.05, 1.0\]"):
+    p.write_text("\n".join(f"{field}: {bad}" if line.startswith(f"{field}:") else line for line in good.splitlines()))
+    with pytest.raises(ConfigError, match=match):
         load_hardware(p)
-    p.write_text("name: x\nnum_gpus: 8\n")
-    with pytest.raises(ConfigError, match="missing field 'hbm_gib_per_gpu'"):
+    p.write_text("\n".join(line for line in good.splitlines() if not line.startswith(f"{field}:")))
+    with pytest.raises(ConfigError, match=f"missing field '{field}'"):
         load_hardware(p)
+    with pytest.raises(ConfigError, match=r"'staging_step_slowdown'=0.9 must be a finite number >= 1.0"):
+        dataclasses.replace(TOY_HW, staging_step_slowdown=0.9)
+
+
+def test_staging_step_slowdown_in_profiles():
+    # GPUs copy on a copy engine over PCIe (free overlap); the CPU profile's staging copy slows decode
+    assert load_hardware("h200x8").staging_step_slowdown == load_hardware("h100x8").staging_step_slowdown == 1.0
+    assert load_hardware("cpu").staging_step_slowdown > 1.0
+    assert TOY_HW.staging_step_slowdown == 1.0

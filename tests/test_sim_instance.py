@@ -1,5 +1,9 @@
 """SimInstance memory accounting and eviction on hand-computable toys (talaria_jax.sim.toys: 30 GB of
 HBM, 10 GB models, 1 MB of KV per token; pages of 1 MB here so tokens and pages coincide)."""
+import dataclasses
+
+import pytest
+
 from talaria_jax.scheduler.api import WeightState
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.instance import SimInstance
@@ -62,3 +66,43 @@ def test_eviction_drops_host_backed_kv_before_weights():
     inst = _two_models_and_idle_kv(host_kv=True)
     assert inst.weight_state("m1") == WeightState.RESIDENT
     assert inst.cached_prefix("s", "m1") == type(inst.cached_prefix("s", "m1"))(0, 1100)
+
+
+def _staged_call_chunks(slowdown, stage=True):
+    """m1 active at t=1 (a 1 s load); if `stage`, m2's 1 s staging copy (10 GB at 10 GB/s) starts
+    then. A call (10-token prompt, 5 output tokens) is served from t=1: its prefill (0.1001 s of
+    work) and 5 decode steps (0.10012 s each: 10 GB of weights + 12 MB of KV at 100 GB/s) as two chunks. Returns each chunk's (start, end)."""
+    hw = dataclasses.replace(TOY_HW, staging_step_slowdown=slowdown)
+    inst = SimInstance("i", hw, TOY_SHAPES, ("m1", "m2"), host_kv=True, staging=True, drop_kv_on_switch=False,
+                       page_bytes=1_000_000)
+    inst.switch_model("m1")
+    t = _run(inst)
+    assert t == pytest.approx(1.0)
+    if stage:
+        assert inst.stage_model("m2") and inst.weight_state("m2") == WeightState.STAGING
+    inst.admit(Call("s", 0, "m1", 10, 5, 0.0, 0.0))
+    chunks = []
+    while (end := inst.start_chunk(t)) is not None:
+        inst.finish_chunk(end)
+        chunks.append((t, end))
+        t = end
+    return [x for c in chunks for x in c]
+
+
+def test_steps_slow_down_while_staging_only():
+    base = _staged_call_chunks(1.0)
+    slow = _staged_call_chunks(2.0)
+    p0, p1, d0, d1 = base
+    prefill, decode = p1 - p0, d1 - d0
+    assert prefill == pytest.approx(0.1001) and decode == pytest.approx(5 * 0.10012)
+    # the prefill runs wholly inside the copy: 2x; the decode outlasts it (the copy arrives at t=2):
+    # its first 2 - 1.2002 s run at half speed, the rest of its work at full speed
+    q0, q1, e0, e1 = slow
+    assert q1 - q0 == pytest.approx(2 * prefill)
+    overlap = 2.0 - e0
+    assert 0 < overlap < e1 - e0
+    assert e1 - e0 == pytest.approx(overlap + decode - overlap / 2)
+    assert e1 > d1 + 0.3
+    # nothing staging: the factor changes nothing
+    assert _staged_call_chunks(2.0, stage=False) == pytest.approx(_staged_call_chunks(1.0, stage=False))
+    assert _staged_call_chunks(2.0, stage=False) == pytest.approx(base)

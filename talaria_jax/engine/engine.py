@@ -30,8 +30,8 @@ from talaria_jax.engine.runner import Runner
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.allocator import OutOfPages, PageAllocator, SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
-from talaria_jax.kvcache.pool import pool_spec
-from talaria_jax.kvcache.prefix import PrefixCache
+from talaria_jax.kvcache.pool import KVArena
+from talaria_jax.kvcache.prefix import PrefixCache, evict
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
 
@@ -160,8 +160,12 @@ class EngineStats:
 class Engine:
     """Continuous-batching generation over one model on one mesh."""
 
-    def __init__(self, model: ShardedModel, config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None):
-        """Allocates the KV pool and, unless `config.warmup` is off, compiles everything serving runs."""
+    def __init__(self, model: ShardedModel, config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
+                 arena: KVArena | None = None):
+        """Allocates the KV pool and, unless `config.warmup` is off, compiles everything serving runs.
+        `arena`: a KV arena shared with other engines on the same mesh (`KVArena.for_models`), which
+        then sizes the pool and its pages (EngineConfig.num_pages and kv_memory_bytes_per_device must be
+        unset); None: the engine's own, of config.page_size tokens per page."""
         config.validate()
         if config.max_model_len > model.cfg.max_position:
             raise ValueError(f"EngineConfig.max_model_len ({config.max_model_len}) exceeds {model.cfg.name}'s "
@@ -169,18 +173,28 @@ class Engine:
         self.model, self.config = model, config
         self.cfg = model.cfg
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.max_pages_per_seq = max_pages_per_seq = -(-config.max_model_len // config.page_size)
-        num_pages = config.num_pages
-        if num_pages is None and config.kv_memory_bytes_per_device is None:
-            num_pages = config.max_seqs * max_pages_per_seq
-        self.pool_spec = pool_spec(self.cfg, config.page_size, model.mesh, num_pages=num_pages,
-                                   memory_bytes_per_device=config.kv_memory_bytes_per_device)
-        self.allocator = PageAllocator(self.pool_spec.num_pages)
-        self.prefix_cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
+        if arena is None:
+            num_pages = config.num_pages
+            if num_pages is None and config.kv_memory_bytes_per_device is None:
+                num_pages = config.max_seqs * -(-config.max_model_len // config.page_size)
+            arena = KVArena.for_models([self.cfg], model.mesh, config.page_size, num_pages=num_pages,
+                                       memory_bytes_per_device=config.kv_memory_bytes_per_device)
+        elif config.num_pages is not None or config.kv_memory_bytes_per_device is not None:
+            raise ValueError("EngineConfig.num_pages and kv_memory_bytes_per_device must be unset with a shared "
+                             "arena: the arena sizes the pool")
+        elif arena.mesh.devices.tolist() != model.mesh.devices.tolist():
+            raise ValueError(f"the KV arena is on devices {arena.mesh.devices.ravel().tolist()}, {self.cfg.name} on "
+                             f"{model.mesh.devices.ravel().tolist()}")
+        self.arena, self.pool_spec = arena, arena.spec_for(self.cfg)
+        self.page_size = self.pool_spec.page_size  # tokens per page: config.page_size unless the arena is shared
+        self.max_pages_per_seq = max_pages_per_seq = -(-config.max_model_len // self.page_size)
+        self.allocator = arena.allocator
+        self.prefix_cache = PrefixCache(self.allocator, self.page_size) if config.prefix_cache else None
         self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.cfg.name, weights=model.fingerprint)
-        self.runner = Runner(model, self.pool_spec, max_seqs=config.max_seqs, max_pages_per_seq=max_pages_per_seq,
-                             max_tokens_per_step=config.max_tokens_per_step, pages_per_block=config.pages_per_block,
-                             query_tile=config.query_tile)
+        self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
+                             max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
+                             pages_per_block=config.pages_per_block, query_tile=config.query_tile)
+        arena.attach(self)
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.requests: dict[str, _Request] = {}  # in flight; finished ones leave at once
@@ -293,7 +307,7 @@ class Engine:
             self._check_restore(tuple(int(t) for t in ids), restore)
         # id, seed and arrival come at _enqueue: a request rejected here (or a batch that fails on a
         # later prompt) takes no arrival, so the next one gets the default seed it would have had
-        return _Request(request_id, tuple(int(t) for t in ids), params, -1, -1, SequencePages(self.config.page_size),
+        return _Request(request_id, tuple(int(t) for t in ids), params, -1, -1, SequencePages(self.page_size),
                         owner=owner)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -328,6 +342,14 @@ class Engine:
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
+    def kv_lost(self) -> None:
+        """The arena's buffer was replaced (a failed step consumed it): every running request is requeued
+        for recompute and the prefix cache, whose KV went with it, is emptied."""
+        for req in reversed(self.running[:]):  # appendleft in reverse keeps their order at the queue head
+            self._preempt(req)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def _schedule(self, restores: list[_Request]) -> list[tuple[_Request, int]]:
         """The step's (request, tokens) pairs; admitted requests whose prefix comes from host memory
         are appended to `restores` (their pages are allocated and num_computed counts the prefix)."""
@@ -361,7 +383,7 @@ class Engine:
                 # the last known token is always computed: its logits give the next token
                 req.seq.pages = self.prefix_cache.match(self._prefix_key(req), self._known_tokens(req),
                                                         req.num_tokens - 1)
-                hit = len(req.seq.pages) * self.config.page_size
+                hit = len(req.seq.pages) * self.page_size
             # a host copy fills in what the device cache lacks: its pages past the hit are restored
             restore = req.restore is not None and req.restore.num_tokens > hit
             cached = req.restore.num_tokens if restore else hit
@@ -381,7 +403,7 @@ class Engine:
             self.running.append(req)
             if restore:
                 restores.append(req)
-                req.restore_skip = hit // self.config.page_size
+                req.restore_skip = hit // self.page_size
             req.num_computed = req.cached = cached
             if self.prefix_cache is not None:
                 self.stats.prefix_query_tokens += req.num_tokens - 1
@@ -401,11 +423,13 @@ class Engine:
         return req.prompt + tuple(req.output) if req.output else req.prompt
 
     def _evict_cached(self, need: int) -> bool:
-        """Frees cached pages so `need` can be allocated; whether any were freed."""
+        """Frees cached pages so `need` can be allocated (from the prefix caches of every engine on the
+        arena, in the caches' eviction order); whether any were freed."""
         short = need - self.allocator.num_free
-        if self.prefix_cache is None or short <= 0:
+        caches = [e.prefix_cache for e in self.arena.engines if e.prefix_cache is not None]
+        if not caches or short <= 0:
             return False
-        freed = self.prefix_cache.evict(short)
+        freed = evict(caches, short)
         self.stats.prefix_evicted_pages += freed
         return freed > 0
 
@@ -440,7 +464,7 @@ class Engine:
         t = 0
         max_pages = 0
         for i, (req, n) in enumerate(batch):
-            first = req.seq.pages[req.num_computed // self.config.page_size]
+            first = req.seq.pages[req.num_computed // self.page_size]
             if self.prefix_cache is not None and self.allocator.refcount(first) != 1:
                 # the pages written from here on must be this sequence's own: cached pages are shared
                 raise AssertionError(f"request {req.id} would write into shared page {first}")
@@ -467,15 +491,11 @@ class Engine:
             self.stats.step_failures += 1
             for req in restores:
                 req.restore = None  # a restore that may have failed is not retried: the prefix is recomputed
-            self.runner.reset_pool()
-            for req in reversed(self.running[:]):  # appendleft in reverse keeps their order at the queue head
-                self._preempt(req)
-            if self.prefix_cache is not None:
-                self.prefix_cache.clear()  # the cached KV went with the old pool
+            self.arena.reset()  # every engine on the arena recomputes (kv_lost), this one too
             raise StepError(f"engine step failed ({type(e).__name__}: {e}); {len(self.waiting)} requests "
                             f"requeued for recompute") from e
         self.stats.steps += 1
-        self.stats.restored_tokens += sum(req.restore.num_tokens - req.restore_skip * self.config.page_size
+        self.stats.restored_tokens += sum(req.restore.num_tokens - req.restore_skip * self.page_size
                                           for req in restores)
         for req, n in batch:
             if req.num_computed + n > len(req.prompt):

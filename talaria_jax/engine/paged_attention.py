@@ -10,30 +10,25 @@ whatever the context length, and the loop runs only as many blocks as the longes
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 _NEG = -1e30  # finite "minus infinity": a fully masked block then contributes exp(0) that a later max wipes out
 
 
-def write_kv(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array):
-    """Scatters new K/V [T, KV, D] into flat slots; slots >= num_slots (padding) are dropped, never clamped."""
-    p, ps, kvh, d = pool_k.shape
-    flat_k = pool_k.reshape(p * ps, kvh, d).at[slots].set(k.astype(pool_k.dtype), mode="drop")
-    flat_v = pool_v.reshape(p * ps, kvh, d).at[slots].set(v.astype(pool_v.dtype), mode="drop")
-    return flat_k.reshape(p, ps, kvh, d), flat_v.reshape(p, ps, kvh, d)
-
-
-def ragged_paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_tables: jax.Array,
+def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_size: int, page_tables: jax.Array,
                            pos: jax.Array, tile_tok: jax.Array, tile_seq: jax.Array, tok_slot: jax.Array,
                            num_blocks: jax.Array, pages_per_block: int, window: int = 0) -> jax.Array:
-    """q: [T, H, D]; pools: [P, page_size, KV, D]; page_tables: [B, MP] (MP a multiple of pages_per_block);
+    """q: [T, H, D]; read(pages [NT, n]) -> K, V [NT, n, page_size, kv_heads, D] of those pages (one layer's,
+    e.g. `talaria_jax.kvcache.pool.read_kv`); page_tables: [B, MP] (MP a multiple of pages_per_block);
     pos: [T]; tile_tok: [NT, Q], the token in each tile slot (T for an empty slot); tile_seq: [NT];
     tok_slot: [T], each token's flat tile slot (NT x Q for a padding token, whose output is zero);
     num_blocks: scalar, blocks of pages to visit. Returns [T, H, D]."""
     t, h, d = q.shape
     nt, qt = tile_tok.shape
-    _, ps, kvh, _ = pool_k.shape
+    ps, kvh = page_size, kv_heads
     g = h // kvh
     blk = pages_per_block * ps
     q_pad = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])
@@ -47,8 +42,9 @@ def ragged_paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, p
     def body(i, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tile_pages, i * pages_per_block, pages_per_block, axis=1)
-        kb = pool_k[pages].reshape(nt, blk, kvh, d).astype(jnp.float32)
-        vb = pool_v[pages].reshape(nt, blk, kvh, d).astype(jnp.float32)
+        kb, vb = read(pages)
+        kb = kb.reshape(nt, blk, kvh, d).astype(jnp.float32)
+        vb = vb.reshape(nt, blk, kvh, d).astype(jnp.float32)
         key_pos = i * blk + jnp.arange(blk)
         mask = key_pos[None, None, :] <= qpos[:, :, None]  # [NT, Q, blk]
         if window:

@@ -2,11 +2,11 @@
 
 A step takes a flat batch of tokens in which each sequence contributes some query tokens (a
 prefill chunk, one decode token, later k draft tokens), writes their K/V into the pool, attends
-over each sequence's pages, and samples at the rows asked for. The pool is donated into the step
-and re-bound from its output, so its device buffers keep their addresses. Token counts are padded
-to a few buckets, and a step with a prefill chunk groups its query tokens in tiles of one sequence
-(`query_tile`, a few tile counts per bucket) so the chunk reads its context once per tile, not once
-per token. `step_shapes()` lists every shape, `warmup()` compiles them, and `compilations` counts
+over each sequence's pages, and samples at the rows asked for. The pool is a `KVArena` (maybe
+shared with other models' runners), donated into the step and re-bound from its output, so its
+device buffers keep their addresses. Token counts are padded to a few buckets, and a step with a
+prefill chunk groups its query tokens in tiles of one sequence (`query_tile`, a few tile counts per
+bucket) so the chunk reads its context once per tile, not once per token. `step_shapes()` lists every shape, `warmup()` compiles them, and `compilations` counts
 traces, so a steady workload can be checked to add none. After `use_slot`, the step reads its parameters
 from a shared `WeightSlot` (talaria_jax.weights.slot), carved by the model's `SlotLayout`, instead of
 the model's own state.
@@ -14,14 +14,15 @@ the model's own state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 from flax import nnx
 
-from talaria_jax.engine.paged_attention import ragged_paged_attention, write_kv
+from talaria_jax.engine.paged_attention import ragged_paged_attention
 from talaria_jax.engine.sampling import SamplingBatch, sample
-from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, pool_shardings
+from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.sharding import replicated
 
@@ -97,10 +98,10 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
 
 
 class Runner:
-    def __init__(self, model: ShardedModel, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
+    def __init__(self, model: ShardedModel, arena: KVArena, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
                  max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16):
         self.model = model
-        self.spec = spec
+        self.arena, self.spec = arena, spec
         self.max_seqs = max_seqs
         self.pages_per_block = pages_per_block
         self.query_tile = query_tile
@@ -108,11 +109,10 @@ class Runner:
         self.table_width = -(-max_pages_per_seq // pages_per_block) * pages_per_block
         self.buckets = token_buckets(max_tokens_per_step)
         self.compilations = 0
-        self.kv = allocate_pool(spec, model.mesh)
         self.slot, self.layout = None, None  # see use_slot
         rep = replicated(model.mesh)
         self._step = jax.jit(self._step_fn, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
-                             out_shardings=(pool_shardings(spec, model.mesh), rep, rep, rep, rep, rep))
+                             out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep))
 
     def use_slot(self, slot, layout=None) -> None:
         """Reads the parameters from `slot` (a WeightSlot shared by several models' runners), carved by
@@ -127,9 +127,14 @@ class Runner:
             slot.check(layout)
         self.slot, self.layout = slot, layout if slot is not None else None
 
-    def reset_pool(self) -> None:
-        """A fresh zeroed pool (after a failed step may have consumed the donated one)."""
-        self.kv = allocate_pool(self.spec, self.model.mesh)
+    @property
+    def kv(self) -> jax.Array:
+        """The KV arena's buffer (shared with every runner on the arena; each step donates it)."""
+        return self.arena.array
+
+    @kv.setter
+    def kv(self, array: jax.Array) -> None:
+        self.arena.array = array
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -187,11 +192,14 @@ class Runner:
         cfg = model.cfg
         ppb = self.pages_per_block
 
-        def attn(layer, q, k, v, kv_state):
-            pk, pv = write_kv(*kv_state[layer], k, v, slots)
-            out = ragged_paged_attention(q, pk, pv, page_tables, positions, tile_tok, tile_seq, tok_slot, num_blocks,
-                                         ppb, cfg.window(layer))
-            return out, kv_state[:layer] + ((pk, pv),) + kv_state[layer + 1:]
+        spec, mesh = self.spec, self.model.mesh
+
+        def attn(layer, q, k, v, arena):
+            arena = write_kv(arena, spec, mesh, layer, k, v, slots)
+            read = functools.partial(read_kv, arena, spec, mesh, layer)
+            out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, positions, tile_tok,
+                                         tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer))
+            return out, arena
 
         h, kv = model.hidden(tokens, positions, attn, kv)
         logits = model.logits(h[logits_idx])

@@ -4,7 +4,8 @@
 
 Builds one real instance (``talaria_jax.instance``) hosting the local replay's models, times decode
 and prefill steps, a weight switch from pinned host memory and from the staging area, and a session's
-KV offload and restore (``talaria_jax.calibrate``), fits the cost model's rates, prints every measured
+KV offload and restore, and decode steps while another model's staging copy is in flight
+(``talaria_jax.calibrate``), fits the cost model's rates, prints every measured
 point next to the fitted cost model's prediction, and writes the profile. `talaria-replay
 --backend=local --hardware=<the profile>` then predicts a local replay with it.
 """
@@ -47,7 +48,14 @@ def main(argv: Sequence[str]) -> None:
         points += calibrate.measure_model(inst, m, steps=FLAGS.steps)
     biggest = max(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device)
     copies = calibrate.measure_copies(inst, biggest)
-    hw = calibrate.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem)
+    staging = []
+    if len(FLAGS.models) > 1:  # each model decoding while the biggest other one stages
+        by_size = sorted(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device, reverse=True)
+        for m in FLAGS.models:
+            other = next(o for o in by_size if o != m)
+            print(f"timing {m} while {other} stages ...", file=sys.stderr)
+            staging.append((m, other, calibrate.measure_staging(inst, m, other, steps=FLAGS.steps)))
+    hw = calibrate.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem, staging=[r for _, _, r in staging])
     print("| model | kind | batch | tokens | measured (ms) | cost model (ms) | error |\n|---|---|---:|---:|---:|---:|---:|")
     for p, pred in calibrate.predicted(hw, inst, points):
         print(f"| {p.model} | {p.kind} | {p.batch} | {p.tokens} | {p.seconds * 1e3:.1f} | {pred * 1e3:.1f} "
@@ -56,9 +64,14 @@ def main(argv: Sequence[str]) -> None:
           f"{copies['weight_load_s'] * 1e3:.1f} ms, staged switch (D2D) {copies['d2d_s'] * 1e3:.1f} ms; KV "
           f"({copies['kv_bytes'] / 1e6:.1f} MB): offload {copies['kv_offload_s'] * 1e3:.1f} ms, restore "
           f"{copies['kv_restore_s'] * 1e3:.1f} ms")
+    for m, other, r in staging:
+        print(f"decode step of {m}: {r['step_idle_s'] * 1e3:.1f} ms idle, {r['step_staging_s'] * 1e3:.1f} ms while "
+              f"{other} stages ({r['slowdown']:.2f}x, {r['staging_copies']:.0f} copies)")
+    print(f"staging_step_slowdown: {hw.staging_step_slowdown:.3g} (mean ratio, at least 1)")
     header = (f"Measured by talaria-calibrate on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs,\n"
               f"{FLAGS.devices_per_instance} simulated device(s) per instance; models {', '.join(FLAGS.models)}).\n"
-              f"Rates are effective ones (efficiencies 1); step_overhead_us is the fitted fixed cost of a step.\n"
+              f"Rates are effective ones (efficiencies 1); step_overhead_us is the fitted fixed cost of a step;\n"
+              f"staging_step_slowdown is a decode step's time with another model staging over its idle time.\n"
               f"Regenerate: python -m talaria_jax.launch.calibrate --out={FLAGS.out}")
     path = pathlib.Path(FLAGS.out)
     path.parent.mkdir(parents=True, exist_ok=True)

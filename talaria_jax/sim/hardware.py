@@ -48,6 +48,18 @@ class HardwareConfig:
     d2d_gbps: float
     host_memory_gb: float
     host_reserve_gb: float
+    # factor by which an engine step's time grows while a staging copy (the next model's weights,
+    # host to device) is in flight on the same device(s): 1.0 when the copy overlaps for free, as a
+    # GPU's copy engine over PCIe does while compute reads HBM; above 1 on a CPU, where the copy takes
+    # the step's cores and memory bandwidth (talaria-calibrate measures it)
+    staging_step_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        v = self.staging_step_slowdown
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1.0:
+            raise ConfigError(f"hardware {self.name!r}: field 'staging_step_slowdown'={v!r} must be a finite number "
+                              f">= 1.0 (a step's time while a staging copy is in flight over its time without; "
+                              f"1.0: the copy overlaps for free)")
 
     @property
     def usable_hbm_bytes(self) -> float:
@@ -124,6 +136,7 @@ _HW_LIMITS: dict[str, tuple[float, float]] = {
     "step_overhead_us": (0, 1e7),
     "pcie_h2d_gbps": (0.1, 1e4), "pcie_d2h_gbps": (0.1, 1e4), "weight_load_efficiency": (0.01, 1.0),
     "d2d_gbps": (1, 1e5), "host_memory_gb": (1, 1e6), "host_reserve_gb": (0, 1e6),
+    "staging_step_slowdown": (1.0, 100.0),
 }
 
 

@@ -4,6 +4,8 @@ It implements ``InstanceAPI``. Work happens in chunks started by ``start_chunk``
 ``finish_chunk`` at the time the chunk returned: a model switch, one prefill of the admitted calls
 (prefill first, as vLLM's default scheduler does), or k decode steps of the running batch. HBM is
 accounted in bytes (weights of resident/staged models + KV pages) and never exceeds the usable HBM.
+While a staging copy is in flight, prefill and decode work runs `HardwareConfig.staging_step_slowdown`
+times slower (``_staging_stretch_s``); switches and KV restores do not.
 """
 from __future__ import annotations
 
@@ -238,6 +240,23 @@ class SimInstance:
             if now >= self._staging_start + self.cost.weight_load_s(self.shapes[m]) - 1e-12:
                 self.weights[m] = WeightState.STAGED
 
+    def _staging_stretch_s(self, start: float, work_s: float) -> float:
+        """Wall seconds of `work_s` seconds of engine step work (prefill or decode) begun at `start`,
+        while a staging copy may be in flight: the copy competes with the step for the device's
+        cores and memory bandwidth (on a CPU; a GPU's copy engine does not), so work runs
+        ``staging_step_slowdown`` (f) times slower until the copy arrives, and at full speed after.
+        A chunk that outlasts the copy is charged proportionally: the part of it before the copy's
+        arrival at f, the rest at 1. The copy's own duration stays `weight_load_s` (its slowdown
+        by the step is not modelled). With f = 1, or no copy in flight, this is `work_s`."""
+        f = self.hw.staging_step_slowdown
+        m = self._staging_model
+        if f == 1.0 or work_s <= 0.0 or m is None or self.weights[m] != WeightState.STAGING:
+            return work_s
+        slow = max(0.0, self._staging_start + self.cost.weight_load_s(self.shapes[m]) - start)  # wall s of overlap
+        if work_s * f <= slow:
+            return work_s * f
+        return slow + (work_s - slow / f)
+
     def _check_capacity(self) -> None:
         used = self.device_bytes()
         if used > self.capacity + 1.0:
@@ -363,7 +382,7 @@ class SimInstance:
     def _start_prefill(self) -> float | None:
         model = self._active
         m = self.shapes[model]
-        batch, keep, dur = [], [], 0.0
+        batch, keep, restore_s, work_s = [], [], 0.0, 0.0
         for r in self.waiting:
             c = r.call
             if c.model != model:
@@ -395,7 +414,8 @@ class SimInstance:
             t_restore = self.cost.h2d_kv_s(m, restore)
             if self._staging_model is not None and self.weights[self._staging_model] == WeightState.STAGING:
                 self._staging_start += t_restore  # KV restore and weight staging share the PCIe link
-            dur += t_restore + self.cost.prefill_s(m, new, cached + restore)
+            restore_s += t_restore
+            work_s += self.cost.prefill_s(m, new, cached + restore)
             r.ctx = c.prompt_tokens
             batch.append(r)
         self._check_capacity()
@@ -403,6 +423,9 @@ class SimInstance:
             return None
         self.waiting = keep
         self._chunk = ("prefill", batch)
+        # the restores go first (the staging copy waits for them: _staging_start moved by as much),
+        # then the prefill work, slowed while the copy is in flight
+        dur = restore_s + self._staging_stretch_s(self.now + restore_s, work_s)
         return dur * self._jitter()
 
     def _start_decode(self, now: float, horizon: float | None) -> float:
@@ -410,11 +433,11 @@ class SimInstance:
         b = len(self.running)
         ctx = sum(r.ctx for r in self.running)
         kmax = min(r.remaining for r in self.running)
-        step0 = self.cost.decode_step_s(m, b, ctx)
+        step0 = self._staging_stretch_s(now, self.cost.decode_step_s(m, b, ctx))
         k = kmax
         if horizon is not None and step0 > 0:
             k = max(1, min(kmax, math.ceil((horizon - now) / step0)))
-        dur = k * self.cost.decode_step_s(m, b, ctx + b * k // 2)
+        dur = self._staging_stretch_s(now, k * self.cost.decode_step_s(m, b, ctx + b * k // 2))
         self._chunk = ("decode", k)
         return dur * self._jitter()
 

@@ -1,0 +1,123 @@
+"""One KV arena shared by several models' engines: uniform byte pages with per-model tokens, one page
+budget, eviction across models, and a device's rows never read or written for another device."""
+import dataclasses
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from talaria_jax.engine.engine import Engine, EngineConfig, StepError
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.kvcache.pool import KVArena, buffer_pointers
+from talaria_jax.models import greedy_generate, init_model, load_model_config
+from talaria_jax.sharding import make_mesh
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=256, warmup=False,
+                      prefix_cache=True)
+
+
+def small(**kw):
+    return dataclasses.replace(load_model_config("tiny-dense"), name="tiny-small", **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """On 4 devices: A splits its 4 kv heads one per device; B's 2 kv heads are replicated on every
+    device, and it has half the layers, so a page holds other bytes of each on each device."""
+    mesh = make_mesh(jax.devices()[:4])
+    return (init_model(load_model_config("tiny-dense"), mesh, seed=1),
+            init_model(small(num_layers=2, num_kv_heads=2, hidden_size=128), mesh, seed=2))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.RandomState(seed).randint(0, 256, n).tolist()
+
+
+def test_pages_are_uniform_in_bytes_and_hold_each_models_tokens():
+    mesh = make_mesh(jax.devices()[:4])
+    fat, thin = load_model_config("tiny-dense"), small(num_layers=2, num_kv_heads=4)
+    arena = KVArena.for_models([fat, thin], mesh, 8, num_pages=10)
+    # a token of tiny-dense takes 2 x 4 layers x 1 kv head x 32 per device; the thin one half of that
+    assert arena.words == 8 * 2 * 4 * 32
+    a, b = arena.spec_for(fat), arena.spec_for(thin)
+    assert (a.page_size, a.rows) == (8, 64) and (b.page_size, b.rows) == (16, 64)
+    assert a.num_pages == b.num_pages == arena.allocator.num_pages == 10
+    # sized in bytes: a page costs every device its rows
+    assert KVArena.for_models([fat, thin], mesh, 8, memory_bytes_per_device=arena.bytes_per_device).num_pages == 10
+    # a model whose rows do not tile the page is refused, as is another KV dtype
+    odd = small(num_layers=5, num_kv_heads=4, head_dim=24)
+    with pytest.raises(ValueError, match="does not hold whole rows"):
+        arena.spec_for(odd)
+    with pytest.raises(ValueError, match="must share one kv_dtype"):
+        KVArena.for_models([fat, dataclasses.replace(thin, kv_dtype="bfloat16")], mesh, 8, num_pages=4)
+    # for_models rounds the page up to whole rows of every model (66 of tiny-dense's, 88 of the odd one's)
+    mixed = KVArena.for_models([fat, odd], mesh, 8, num_pages=2)
+    assert mixed.words == 2112 and mixed.spec_for(fat).page_size == mixed.spec_for(odd).page_size == 8
+    with pytest.raises(ValueError, match="unset with a shared arena"):
+        Engine(init_model(fat, mesh, seed=0), dataclasses.replace(CONFIG, num_pages=4), arena=arena)
+
+
+def test_models_on_one_arena_keep_each_others_kv(pair):
+    # A's cached pages hold different heads on each device; B (replicated heads) must neither read nor
+    # write them while it serves, so A's next request hits its cache and still decodes exactly
+    a, b = pair
+    arena = KVArena.for_models([a.cfg, b.cfg], a.mesh, 8, num_pages=64)
+    ea, eb = Engine(a, CONFIG, arena=arena), Engine(b, CONFIG, arena=arena)
+    assert ea.allocator is eb.allocator and ea.runner.kv is eb.runner.kv
+    pa, pb = prompt(0, 40), prompt(1, 30)
+    before = buffer_pointers(arena.array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Some donated buffers were not usable")
+        first = ea.generate([pa], GREEDY, progress=False)[0]
+        cached = ea.prefix_cache.num_pages
+        assert cached == 5
+        out_b = eb.generate([pb], GREEDY, progress=False)[0]
+        again = ea.generate([pa + first.token_ids], GREEDY, progress=False)[0]
+    assert buffer_pointers(arena.array) == before
+    assert out_b.token_ids == greedy_generate(b, [pb], GREEDY.max_tokens)[0]
+    assert again.cached_tokens == 40 and ea.prefix_cache.num_pages >= cached
+    assert again.token_ids == greedy_generate(a, [pa + first.token_ids], GREEDY.max_tokens)[0]
+
+
+def test_one_models_shortage_evicts_anothers_cached_pages(pair):
+    a, b = pair
+    arena = KVArena.for_models([a.cfg, b.cfg], a.mesh, 8, num_pages=12)
+    ea, eb = Engine(a, CONFIG, arena=arena), Engine(b, CONFIG, arena=arena)
+    pa = prompt(2, 60)
+    ea.generate([pa], GREEDY, progress=False)
+    assert ea.prefix_cache.num_pages == 8 and arena.allocator.num_free == 4
+    pb = prompt(3, 80)  # 86 tokens: 11 pages, so B takes A's cached pages
+    out = eb.generate([pb], GREEDY, progress=False)[0]
+    assert out.token_ids == greedy_generate(b, [pb], GREEDY.max_tokens)[0]
+    assert ea.prefix_cache.num_pages < 8 and ea.prefix_cache.stats.evicted_pages > 0
+    # A recomputes what was evicted: the same tokens
+    again = ea.generate([pa], GREEDY, progress=False)[0]
+    assert again.token_ids == greedy_generate(a, [pa], GREEDY.max_tokens)[0]
+
+
+def test_a_failed_step_tells_every_engine_on_the_arena(pair):
+    a, b = pair
+    arena = KVArena.for_models([a.cfg, b.cfg], a.mesh, 8, num_pages=32)
+    ea, eb = Engine(a, CONFIG, arena=arena), Engine(b, CONFIG, arena=arena)
+    pa, pb = prompt(4, 20), prompt(5, 20)
+    ea.generate([pa], GREEDY, progress=False)
+    assert ea.prefix_cache.num_pages == 3  # 25 computed tokens
+    eb.add_request(pb, GREEDY, "b")
+    good = eb.runner._step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected device failure")
+
+    eb.runner._step = broken
+    with pytest.raises(StepError, match="injected device failure"):
+        eb.step()
+    eb.runner._step = good
+    # the arena was replaced: A's cached KV went with it, and no page is held for it any more
+    assert ea.prefix_cache.num_pages == 0 and arena.allocator.num_free == arena.num_pages
+    outs = []
+    while eb.has_unfinished():
+        outs += [o for o in eb.step() if o.finished]
+    assert outs[0].token_ids == greedy_generate(b, [pb], GREEDY.max_tokens)[0]
+    assert ea.generate([pa], GREEDY, progress=False)[0].token_ids == greedy_generate(a, [pa], GREEDY.max_tokens)[0]
