@@ -141,7 +141,9 @@ def write_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, k: jax.Ar
         ps = spec.page_size
         flat = _view(rows, spec).reshape(spec.num_pages * spec.rows, -1, spec.head_dim)
         row = slots // ps * spec.rows + 2 * layer * ps + slots % ps  # padding: page == num_pages, out of bounds
-        flat = flat.at[row].set(k.astype(rows.dtype), mode="drop").at[row + ps].set(v.astype(rows.dtype), mode="drop")
+        # one scatter of K and V together: at least two indices, since XLA turns a one-index scatter
+        # into a select over the whole arena (a copy of it every step)
+        flat = flat.at[jnp.concatenate([row, row + ps])].set(jnp.concatenate([k, v]).astype(rows.dtype), mode="drop")
         return flat.reshape(rows.shape)
 
     arena_spec = arena_sharding(mesh).spec
@@ -178,6 +180,8 @@ def write_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array, pa
 
     def local(rows, idx, pages):
         pages = pages.reshape(len(idx), -1, *pages.shape[3:]).astype(rows.dtype)
+        if len(idx) == 1:  # a second, dropped index: XLA copies the arena for a one-index scatter (write_kv)
+            idx, pages = jnp.concatenate([idx, jnp.full_like(idx, spec.num_pages)]), jnp.concatenate([pages, pages])
         view = _view(rows, spec).at[idx, :2 * spec.num_layers * spec.page_size].set(pages, mode="drop")
         return view.reshape(rows.shape)
 

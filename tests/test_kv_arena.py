@@ -1,6 +1,8 @@
 """One KV arena shared by several models' engines: uniform byte pages with per-model tokens, one page
 budget, eviction across models, and a device's rows never read or written for another device."""
 import dataclasses
+import math
+import re
 import warnings
 
 import jax
@@ -9,7 +11,8 @@ import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig, StepError
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.kvcache.pool import KVArena, buffer_pointers
+from talaria_jax.kvcache.host_tier import HostTier
+from talaria_jax.kvcache.pool import KVArena, buffer_pointers, read_kv, write_kv
 from talaria_jax.models import greedy_generate, init_model, load_model_config
 from talaria_jax.sharding import make_mesh
 
@@ -121,3 +124,43 @@ def test_a_failed_step_tells_every_engine_on_the_arena(pair):
         outs += [o for o in eb.step() if o.finished]
     assert outs[0].token_ids == greedy_generate(b, [pb], GREEDY.max_tokens)[0]
     assert ea.generate([pa], GREEDY, progress=False)[0].token_ids == greedy_generate(a, [pa], GREEDY.max_tokens)[0]
+
+
+def _copies_of_at_least(hlo: str, numel: int) -> list[str]:
+    """The copy instructions of a compiled program whose result has at least `numel` elements."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
+        if m and math.prod(int(d) for d in m.group(1).split(",") if d) >= numel:
+            out.append(line.strip())
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_writes_update_the_arena_in_place(tokens):
+    # XLA rewrites a one-index scatter into a select over its whole operand: a copy of the arena every
+    # step. The compiled step-like program and the host tier's restore must hold no arena-sized copy.
+    mesh = make_mesh(jax.devices()[:1])
+    cfg = load_model_config("tiny-dense")
+    arena = KVArena.for_models([cfg], mesh, 8, num_pages=256)
+    spec = arena.spec_for(cfg)
+    numel = arena.num_pages * arena.words
+
+    def step(a, k, slots, pages):
+        acc = 0.0
+        for layer in range(spec.num_layers):
+            a = write_kv(a, spec, mesh, layer, k, k, slots)
+            kb, vb = read_kv(a, spec, mesh, layer, pages)
+            k = k + (kb.sum() + vb.sum()) * 1e-9  # the next layer depends on this one, as in a model
+        return a, k
+
+    k = np.ones((tokens, spec.kv_heads, spec.head_dim), np.float32)
+    args = (arena.array, k, np.arange(tokens, dtype=np.int32), np.zeros((1, 4), np.int32))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(step, donate_argnums=0).lower(*args).compile().as_text()
+    assert _copies_of_at_least(hlo, numel) == []
+    tier = HostTier(spec, mesh)
+    data = np.zeros((spec.num_layers, 2, 1, spec.page_size, spec.kv_heads, spec.head_dim), np.float32)
+    with jax.set_mesh(mesh):
+        hlo = tier._scatter.lower(arena.array, data, np.zeros(1, np.int32)).compile().as_text()
+    assert _copies_of_at_least(hlo, numel) == []
