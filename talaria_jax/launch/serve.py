@@ -1,0 +1,112 @@
+"""talaria-serve: one instance's OpenAI-compatible server (FastAPI + uvicorn) over the paged engine.
+
+Defaults run on one CPU with no downloads: the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000.
+
+  talaria-serve --api_key=sk-local                          # or TALARIA_API_KEY=sk-local talaria-serve
+  curl -s 127.0.0.1:8000/v1/chat/completions -H "Authorization: Bearer sk-local" \\
+      -H "Content-Type: application/json" \\
+      -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Without a key one is made up and printed: every route but /health wants one. SIGTERM drains: new
+requests get 503 while the running ones finish (at most --drain_timeout_s), then the server exits; a
+second SIGTERM exits at once.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+
+import uvicorn
+from absl import app, flags, logging
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct",
+                             "Named model, .gguf file, HF or Orbax checkpoint folder, or config name (random weights).")
+_NAME = flags.DEFINE_string("served_model_name", None, "The model's name in requests (default: --model).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (127.0.0.1: this machine only).")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
+_KEY = flags.DEFINE_string("api_key", None, "Comma-separated API keys (each a tenant); default $TALARIA_API_KEY, "
+                           "else one is made up and printed.")
+_TP = flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices used).", lower_bound=1)
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype (default: the checkpoint's).")
+_MAX_LEN = flags.DEFINE_integer("max_model_len", 2048, "Context limit (tokens).", lower_bound=16)
+_MAX_SEQS = flags.DEFINE_integer("max_seqs", 16, "Requests decoding at once.", lower_bound=1)
+_KV_MB = flags.DEFINE_integer("kv_mib_per_device", None, "KV pool per device in MiB (default: room for max_seqs "
+                              "sequences of max_model_len).", lower_bound=1)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens_limit", 4096, "Largest max_tokens a request may ask.", lower_bound=1)
+_MAX_N = flags.DEFINE_integer("max_n", 8, "Largest n a request may ask.", lower_bound=1)
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body (bytes; larger: 413).",
+                                 lower_bound=1024)
+_DRAIN = flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long running requests may finish.",
+                            lower_bound=0.0)
+_WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving.")
+_XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
+                                 "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    import jax
+
+    from talaria_jax.engine import Engine, EngineConfig, enable_compilation_cache
+    from talaria_jax.serve.app import ServedModel, build_app
+    from talaria_jax.serve.protocol import Limits
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import CheckpointError, load_model
+
+    keys = [k for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k]
+    if not keys:
+        keys = ["sk-" + secrets.token_urlsafe(24)]
+        print(f"no --api_key or $TALARIA_API_KEY: this server's key is {keys[0]}", file=sys.stderr)
+    if _XLA_CACHE.value != "off":
+        enable_compilation_cache(_XLA_CACHE.value)
+    if _TP.value > jax.device_count():
+        raise app.UsageError(f"--tp={_TP.value} exceeds the {jax.device_count()} available devices")
+    mesh = make_mesh(jax.devices()[: _TP.value])
+    try:
+        lm = load_model(_MODEL.value, mesh, dtype=_DTYPE.value)
+    except CheckpointError as e:
+        raise app.UsageError(str(e)) from None
+    cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
+                       max_model_len=min(lm.cfg.max_position, _MAX_LEN.value), prefix_cache=True,
+                       kv_memory_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
+                       warmup=_WARMUP.value)
+    engine = Engine(lm.model, cfg, tokenizer=lm.tokenizer)
+    api = build_app(ServedModel(_NAME.value or _MODEL.value, engine), api_keys=keys,
+                    limits=Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value, max_n=_MAX_N.value))
+    server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning"),
+                            api.state.engine, _DRAIN.value)
+    print(f"serving {_NAME.value or _MODEL.value} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
+    server.run()
+    api.state.engine.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM (or SIGINT) drains the engine (503 to new requests, running
+    ones finish within `drain_s`) before it exits; a second one exits at once."""
+
+    def __init__(self, config: uvicorn.Config, async_engine, drain_s: float):
+        super().__init__(config)
+        self.async_engine, self.drain_s, self.draining = async_engine, drain_s, False
+
+    def handle_exit(self, sig, frame):
+        if self.draining:
+            return super().handle_exit(sig, frame)
+        self.draining = True
+        threading.Thread(target=self._drain_then_exit, args=(sig, frame), daemon=True).start()
+
+    def _drain_then_exit(self, sig, frame):
+        if not self.async_engine.drain(self.drain_s):
+            logging.warning("drain timeout (%.0f s): %d requests still running", self.drain_s,
+                            self.async_engine.num_in_flight())
+        super().handle_exit(sig, frame)
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,305 @@
+"""The instance server: OpenAI's completions and chat completions over one engine (FastAPI).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both plain and SSE streams: text
+deltas, usage in the last chunk, then `data: [DONE]`), `GET /v1/models`, `GET /health` (503 once
+draining or dead) and `GET /metrics` (Prometheus). Every route but /health wants
+`Authorization: Bearer <key>` with one of the server's keys. The prefix cache's tenant salt is derived
+here from the caller's key (`tenant_salt`), never taken from the client, so callers with different
+keys never share KV. Bad input gets OpenAI's error body naming the problem (400, 404 for an unknown
+model, 413 for a body over the limit, 401 for a missing or wrong key), and the server keeps serving.
+A client that disconnects has its requests aborted and their pages freed. `stop` strings are matched
+on the text: the request is aborted there and the text cut before the match.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from talaria_jax.engine.engine import Engine, RequestOutput
+from talaria_jax.engine.errors import RequestError
+from talaria_jax.serve import protocol
+from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
+from talaria_jax.serve.metrics import ServerMetrics
+from talaria_jax.serve.protocol import ApiError, Limits, Parsed
+
+__all__ = ["ServedModel", "build_app", "tenant_salt"]
+
+
+@dataclasses.dataclass
+class ServedModel:
+    """The model a server answers for: its name in requests, its engine and tokenizer."""
+    name: str
+    engine: Engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
+def tenant_salt(api_key: str) -> str:
+    """The prefix-cache salt of a caller: a digest of its API key (the key itself never reaches the cache)."""
+    return hashlib.sha256(b"talaria-tenant\0" + api_key.encode()).hexdigest()[:32]
+
+
+def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = Limits(),
+              session_idle_s: float = 60.0) -> FastAPI:
+    """The app; `app.state.engine` is its `AsyncEngine` (stop it with `.close()`), `app.state.metrics`
+    its metrics."""
+    if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
+        raise ValueError("build_app: give at least one non-empty API key")
+    app = FastAPI(title="talaria-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics_box: list[ServerMetrics] = []
+    ae = AsyncEngine(model.engine, on_output=lambda *a: metrics_box[0].on_output(*a))
+    metrics = ServerMetrics(ae, model.name, session_idle_s)
+    metrics_box.append(metrics)
+    app.state.engine, app.state.metrics, app.state.limits = ae, metrics, limits
+    keys = [k.encode() for k in api_keys]
+
+    def caller(request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not key or not any(hmac.compare_digest(key.encode(), k) for k in keys):
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        return key
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.get("/health")
+    async def health():
+        if ae.state != "running":
+            return JSONResponse({"status": ae.state, "error": ae.error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        caller(request)
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "talaria",
+                                            "max_model_len": model.engine.config.max_model_len}]}
+
+    @app.get("/metrics")
+    async def get_metrics(request: Request):
+        caller(request)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool):
+        key = caller(request)
+        if ae.state != "running":
+            raise ApiError(503, f"the server is {ae.state}", code="unavailable")
+        body = await _read_json(request, limits.max_body_bytes)
+        p = protocol.parse_chat(body, limits) if chat else protocol.parse_completion(body, limits)
+        if p.model != model.name:
+            raise ApiError(404, f"the model '{p.model}' does not exist (this server serves '{model.name}')", "model",
+                           "model_not_found")
+        p.session = request.headers.get("x-session-id") or p.session
+        prompt = _prompt_ids(model, p)
+        if p.session is not None:
+            metrics.session_started(p.session)
+        loop = asyncio.get_running_loop()
+        choices: list[_Choice] = []
+        try:
+            for i, params in enumerate(p.params):
+                rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=tenant_salt(key),
+                                                     session=p.session)
+                choices.append(_Choice(i, rid, queue, p, model.tokenizer))
+        except RequestError as e:
+            _abort_all(ae, choices)
+            raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
+        except Unavailable as e:
+            _abort_all(ae, choices)
+            raise ApiError(503, str(e), code="unavailable") from None
+        rid = protocol.new_id(chat)
+        if p.stream:
+            return StreamingResponse(_stream(ae, request, choices, chat, rid, p, len(prompt)),
+                                     media_type="text/event-stream")
+        try:
+            await _wait_all(request, choices, ae)
+        finally:
+            _abort_all(ae, choices)
+        body = protocol.envelope(chat, rid, p.model, [c.body(chat) for c in choices], chunk=False,
+                                 usage_=_usage(choices, len(prompt)))
+        return body
+
+    return app
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"the request body is {size} bytes, over the limit of {limit}", code="body_too_large")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _prompt_ids(model: ServedModel, p: Parsed) -> list[int]:
+    tok = model.tokenizer
+    if p.messages is not None:
+        if getattr(tok, "chat_template", None) is None:
+            raise ApiError(400, f"the model '{model.name}' has no chat template; use /v1/completions", "messages",
+                           "no_chat_template")
+        try:
+            text = tok.apply_chat_template(p.messages, add_generation_prompt=True, tools=p.tools)
+        except Exception as e:  # noqa: BLE001 - the template refused the conversation (raise_exception)
+            raise ApiError(400, f"the chat template refused the messages: {e}", "messages", "invalid_messages") from None
+        return tok.encode(text)
+    if isinstance(p.prompt, str):
+        return tok.encode(p.prompt, add_bos=bool(getattr(tok, "add_bos", False)))
+    return p.prompt
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine error names (its messages start with it)."""
+    first = message.split(" ", 1)[0].strip("'")
+    return {"prompt": "prompt", "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+            "seed": "seed", "logprobs": "logprobs"}.get(first)
+
+
+class _Choice:
+    """One choice of a request: its engine request, the text so far with `stop` strings applied, and
+    what a stream has sent."""
+
+    def __init__(self, index: int, rid: str, queue: asyncio.Queue, p: Parsed, tokenizer):
+        self.index, self.rid, self.queue, self.p, self.tok = index, rid, queue, p, tokenizer
+        self.out: RequestOutput | None = None
+        self.text, self.sent, self.sent_tokens = "", 0, 0
+        self.finish_reason: str | None = None
+        self.holdback = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be completing
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: RequestOutput | EngineDead) -> None:
+        if isinstance(out, EngineDead):
+            raise ApiError(503, f"the engine failed: {out}", code="engine_dead")
+        self.out = out
+        text = out.text
+        for s in self.p.stop:
+            k = text.find(s)
+            if k >= 0:
+                text, self.finish_reason = text[:k], "stop"
+        if self.finish_reason is None and out.finished:
+            self.finish_reason = "length" if out.finish_reason == "length" else "stop"
+        if not self.done and text.endswith("\ufffd"):
+            text = text[:-1]  # an incomplete UTF-8 character: wait for its other bytes
+        self.text = text
+
+    def delta(self) -> str:
+        end = len(self.text) if self.done else max(self.sent, len(self.text) - self.holdback)
+        d, self.sent = self.text[self.sent:end], end
+        return d
+
+    def logprobs(self, chat: bool, new_only: bool = False) -> dict | None:
+        if self.p.logprobs is None or self.out is None:
+            return None
+        start = self.sent_tokens if new_only else 0
+        ids = self.out.token_ids[start:]
+        self.sent_tokens = len(self.out.token_ids)
+        tops = self.out.top_logprobs[start:] if self.p.logprobs else [{} for _ in ids]
+        dec = self.tok.decode
+        return protocol.logprobs_body(chat, [dec([t]) for t in ids], self.out.logprobs[start:],
+                                      [{dec([k]): v for k, v in top.items()} for top in tops])
+
+    def body(self, chat: bool) -> dict:
+        return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat))
+
+
+def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
+    outs = [c.out for c in choices if c.out is not None]
+    return protocol.usage(prompt_tokens, sum(len(o.token_ids) for o in outs), outs[0].cached_tokens if outs else 0)
+
+
+def _abort_all(ae: AsyncEngine, choices: list[_Choice]) -> None:
+    for c in choices:
+        ae.abort(c.rid)  # a no-op for finished ones
+
+
+async def _next(request: Request, choices: list[_Choice], ae: AsyncEngine) -> None:
+    """Waits for the next output of any unfinished choice and applies it; aborts a choice whose stop
+    string matched. Raises ApiError(499) once the client is gone."""
+    pending = {asyncio.ensure_future(c.queue.get()): c for c in choices if not c.done}
+    try:
+        while True:
+            done, _ = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                break
+            if await request.is_disconnected():
+                raise ApiError(499, "the client disconnected", code="client_disconnected")
+    finally:
+        for fut in pending:
+            if not fut.done():
+                fut.cancel()
+    for fut in done:
+        c = pending[fut]
+        c.update(fut.result())
+        while not c.done and not c.queue.empty():
+            c.update(c.queue.get_nowait())
+        if c.done:
+            ae.abort(c.rid)
+
+
+async def _wait_all(request: Request, choices: list[_Choice], ae: AsyncEngine) -> None:
+    while not all(c.done for c in choices):
+        await _next(request, choices, ae)
+
+
+async def _stream(ae: AsyncEngine, request: Request, choices: list[_Choice], chat: bool, rid: str, p: Parsed,
+                  prompt_tokens: int):
+    """SSE events: (chat) each choice's role, then text deltas as they come, each choice's finish reason
+    with its last delta, the usage, and `[DONE]`. A client gone aborts every choice (finally)."""
+    def event(choice_or_none, usage_=None) -> str:
+        chunk = protocol.envelope(chat, rid, p.model, [choice_or_none] if choice_or_none else [], True, usage_)
+        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+    try:
+        if chat:  # the role first, as OpenAI sends it
+            for c in choices:
+                yield event(protocol.choice(chat, c.index, "", None, None, delta=True, first=True))
+        ended: set[int] = set()
+        while True:
+            for c in choices:
+                d, final = c.delta(), c.done and c.index not in ended
+                if d or final:
+                    yield event(protocol.choice(chat, c.index, d, c.finish_reason if final else None,
+                                                c.logprobs(chat, new_only=True), delta=True))
+                if final:
+                    ended.add(c.index)
+            if len(ended) == len(choices):
+                break
+            try:
+                await _next(request, choices, ae)
+            except ApiError as e:
+                if e.status != 499:  # the client is still there: tell it why the stream ends
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                return
+        if p.include_usage:
+            yield event(None, _usage(choices, prompt_tokens))
+        yield "data: [DONE]\n\n"
+    finally:
+        _abort_all(ae, choices)

@@ -1,0 +1,117 @@
+"""Prometheus metrics of the instance server (`GET /metrics`), named as vLLM names its own where one
+exists (`vllm:` becomes `talaria:`).
+
+Gauges and counters are read from the engine at scrape time (its stats are the counters); the
+histograms are observed as outputs arrive: time to first token, inter-token latency, end-to-end
+latency, and session completion time (SCT), the span from a session's first call to the end of its
+last, closed once the session has made no call for `session_idle_s`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from talaria_jax.engine.engine import RequestOutput
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_SCT = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+class ServerMetrics:
+    """One registry per server (several servers may share a process, as the tests run them)."""
+
+    def __init__(self, async_engine, model: str, session_idle_s: float = 60.0):
+        self.async_engine, self.model, self.session_idle_s = async_engine, model, session_idle_s
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram("talaria:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY, registry=self.registry)
+        self.itl = Histogram("talaria:inter_token_latency_seconds", "Time between output tokens", labels,
+                             buckets=_LATENCY, registry=self.registry)
+        self.e2e = Histogram("talaria:e2e_request_latency_seconds", "Request latency, arrival to finish", labels,
+                             buckets=_LATENCY + (120.0, 300.0), registry=self.registry)
+        self.sct = Histogram("talaria:session_completion_time_seconds", "First call of a session to the end of "
+                             "its last (closed after session_idle_s without a call)", labels, buckets=_SCT,
+                             registry=self.registry)
+        self.prompt_tokens = Counter("talaria:prompt_tokens", "Prompt tokens of requests", labels, registry=self.registry)
+        self.generation_tokens = Counter("talaria:generation_tokens", "Tokens generated", labels, registry=self.registry)
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}  # request id -> time of its last token
+        self._sessions: dict[str, list[float]] = {}  # session -> [first arrival, last finish, last activity]
+        self.registry.register(self)
+
+    def on_output(self, out: RequestOutput, arrival: float, session: str | None) -> None:
+        """Called for every output (engine thread)."""
+        now = time.perf_counter()
+        with self._lock:
+            last = self._last.get(out.request_id)
+            if out.new_token_ids:
+                self.generation_tokens.labels(self.model).inc(len(out.new_token_ids))
+                if last is None:
+                    self.prompt_tokens.labels(self.model).inc(len(out.prompt_token_ids))
+                    self.ttft.labels(self.model).observe(now - arrival)
+                else:
+                    self.itl.labels(self.model).observe((now - last) / len(out.new_token_ids))
+                self._last[out.request_id] = now
+            if out.finished:
+                self._last.pop(out.request_id, None)
+                self.e2e.labels(self.model).observe(now - arrival)
+                if session is not None:
+                    s = self._sessions.setdefault(session, [arrival, now, now])
+                    s[0], s[1], s[2] = min(s[0], arrival), now, now
+
+    def session_started(self, session: str) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            s = self._sessions.setdefault(session, [now, now, now])
+            s[2] = now
+
+    def _close_idle_sessions(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            for sid, (first, end, active) in list(self._sessions.items()):
+                if now - active >= self.session_idle_s:
+                    self.sct.labels(self.model).observe(end - first)
+                    del self._sessions[sid]
+
+    def collect(self):
+        """The engine's gauges and counters, read now (prometheus_client calls this at each scrape)."""
+        ae = self.async_engine
+        with ae._lock:
+            eng = ae.engine
+            st, alloc = eng.stats, eng.allocator
+            running, waiting = len(eng.running), len(eng.waiting)
+            pages_used, pages = alloc.num_used, alloc.num_pages
+            cached = eng.prefix_cache.num_pages if eng.prefix_cache is not None else 0
+            host = eng.host_tier.used_bytes
+        m = [self.model]
+        gauges = [("num_requests_running", "Requests in the running batch", running),
+                  ("num_requests_waiting", "Requests waiting for admission", waiting),
+                  ("kv_pages_used", "Device KV pages held (running sequences and the prefix cache)", pages_used),
+                  ("kv_pages_cached", "Device KV pages held by the prefix cache", cached),
+                  ("kv_pages_total", "Device KV pages in the pool", pages),
+                  ("kv_cache_usage_perc", "Fraction of device KV pages held", pages_used / max(1, pages)),
+                  ("host_kv_bytes", "Bytes of session KV held in host memory", host),
+                  ("engine_healthy", "1 while the engine serves, 0 once draining or dead", int(ae.state == "running"))]
+        for name, doc, v in gauges:
+            g = GaugeMetricFamily(f"talaria:{name}", doc, labels=["model_name"])
+            g.add_metric(m, v)
+            yield g
+        counters = [("prefill_tokens", "Prompt tokens computed (not found cached or restored)", st.prefill_tokens),
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", st.prefix_query_tokens),
+                    ("prefix_cache_hits", "Of those, tokens found cached", st.prefix_hit_tokens),
+                    ("host_restored_tokens", "Prompt tokens restored from host memory", st.restored_tokens),
+                    ("num_preemptions", "Requests preempted (recomputed later)", st.preemptions),
+                    ("request_success", "Requests finished", st.finished),
+                    ("request_aborted", "Requests aborted (client gone, stop string)", st.aborted)]
+        for name, doc, v in counters:
+            c = CounterMetricFamily(f"talaria:{name}", doc, labels=["model_name"])
+            c.add_metric(m, v)
+            yield c
+
+    def render(self) -> bytes:
+        self._close_idle_sessions()
+        return generate_latest(self.registry)

@@ -1,0 +1,223 @@
+"""OpenAI's completions and chat completions, as vLLM and SGLang serve them: request parsing with
+errors that name the field and the limit, and the response and stream-chunk bodies.
+
+Parsing is plain Python over the decoded JSON (not a schema library), so every error is a one-line
+OpenAI error body: `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
+Supported beyond OpenAI's fields: a prompt of token ids (a list of ints), and `session_id` (also the
+`x-session-id` header), which names the agent session a call belongs to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from talaria_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+__all__ = ["ApiError", "Limits", "Parsed", "parse_chat", "parse_completion"]
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error body with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                             503: "service_unavailable"}.get(status, "invalid_request_error" if status < 500
+                                                             else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (the server's flags)."""
+    max_body_bytes: int = 1 << 20
+    max_tokens: int = 4096  # per choice; the context limit applies too
+    max_n: int = 8
+    max_stop: int = 4  # stop strings
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A request, validated: the prompt (token ids, or None for chat until the template renders
+    `messages`), the sampling parameters of each choice, and the rest of what the response needs."""
+    model: str
+    prompt: list[int] | str | None
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    logprobs: int | None  # top-n per token (0: only the chosen token's), None: no logprobs
+    session: str | None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+_MISSING = object()
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _field(body: Mapping, name: str, check, what: str, default=_MISSING):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        if default is _MISSING:
+            raise ApiError(400, f"'{name}' is required", name, "missing_required_parameter")
+        return default
+    if not check(v):
+        raise ApiError(400, f"'{name}' must be {what}, got {type(v).__name__} {v!r}"[:300], name, "invalid_type")
+    return v
+
+
+def _stop(body: Mapping, limits: Limits) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop", "invalid_type")
+    if len(stop) > limits.max_stop:
+        raise ApiError(400, f"'stop' holds {len(stop)} strings; at most {limits.max_stop}", "stop", "too_many")
+    return tuple(stop)
+
+
+def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str]) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_body")
+    model = _field(body, "model", lambda v: isinstance(v, str), "a string")
+    max_tokens = 16
+    for f in max_tokens_fields:
+        if body.get(f) is not None:
+            max_tokens = _field(body, f, _is_int, "an integer")
+            if not 1 <= max_tokens <= limits.max_tokens:
+                raise ApiError(400, f"'{f}' must be in [1, {limits.max_tokens}], got {max_tokens}", f, "out_of_range")
+    temperature = _field(body, "temperature", _is_num, "a number", 1.0)
+    top_p = _field(body, "top_p", _is_num, "a number", 1.0)
+    n = _field(body, "n", _is_int, "an integer", 1)
+    if not 1 <= n <= limits.max_n:
+        raise ApiError(400, f"'n' must be in [1, {limits.max_n}], got {n}", "n", "out_of_range")
+    seed = _field(body, "seed", _is_int, "an integer", None)
+    for f in ("presence_penalty", "frequency_penalty"):
+        if _field(body, f, _is_num, "a number", 0.0) != 0.0:
+            raise ApiError(400, f"'{f}' is not supported (only 0)", f, "unsupported")
+    stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    opts = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    session = _field(body, "session_id", lambda v: isinstance(v, str) and 0 < len(v) <= 256,
+                     "a string of 1 to 256 characters", None)
+    base = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                          seed=seed)
+    params = [dataclasses.replace(base, seed=None if seed is None else seed + i) for i in range(n)]
+    return {"model": model, "params": params, "stream": stream, "include_usage": bool(opts.get("include_usage", True)),
+            "stop": _stop(body, limits), "session": session}
+
+
+def parse_completion(body: Any, limits: Limits) -> Parsed:
+    """POST /v1/completions. `prompt` is a string or a list of token ids (one prompt per request)."""
+    c = _common(body, limits, ("max_tokens",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", "prompt", "invalid_value")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompt = [int(t) for t in prompt]
+    elif prompt is None:
+        raise ApiError(400, "'prompt' is required", "prompt", "missing_required_parameter")
+    else:
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids (one prompt per request)",
+                       "prompt", "invalid_type")
+    if body.get("echo"):
+        raise ApiError(400, "'echo' is not supported", "echo", "unsupported")
+    logprobs = _field(body, "logprobs", _is_int, "an integer", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs", "out_of_range")
+    return Parsed(prompt=prompt, logprobs=logprobs, **_with_logprobs(c, logprobs))
+
+
+def parse_chat(body: Any, limits: Limits) -> Parsed:
+    """POST /v1/chat/completions: `messages` (and `tools`) for the model's chat template."""
+    c = _common(body, limits, ("max_tokens", "max_completion_tokens"))
+    messages = _field(body, "messages", lambda v: isinstance(v, list) and v, "a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]", "invalid_type")
+        content = m.get("content")
+        if isinstance(content, list):  # parts: only text is served
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
+                               "unsupported")
+            messages[i] = {**m, "content": "".join(p["text"] for p in content)}
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           f"messages[{i}].content", "invalid_type")
+    tools = _field(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
+                   "a list of tool objects", None)
+    logprobs = None
+    if _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False):
+        logprobs = _field(body, "top_logprobs", _is_int, "an integer", 0)
+        if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "top_logprobs",
+                           "out_of_range")
+    return Parsed(prompt=None, logprobs=logprobs, messages=messages, tools=tools, **_with_logprobs(c, logprobs))
+
+
+def _with_logprobs(c: dict, logprobs: int | None) -> dict:
+    if logprobs:
+        c["params"] = [dataclasses.replace(p, logprobs=logprobs) for p in c["params"]]
+    return c
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def logprobs_body(chat: bool, tokens: list[str], logprobs: list[float], tops: list[dict[str, float]]) -> dict:
+    """Per-token logprobs in the endpoint's shape (chat: `content` entries; completions: parallel lists)."""
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
+                                              for k, v in top.items()]}
+                            for t, lp, top in zip(tokens, logprobs, tops)]}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops or None}
+
+
+def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+           delta: bool = False, first: bool = False) -> dict:
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if delta:
+        msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": msg, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def envelope(chat: bool, rid: str, model: str, choices: list[dict], chunk: bool, usage_: dict | None = None) -> dict:
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
