@@ -13,8 +13,8 @@ replicated, as the model's projections are). A row is one token's K or V of one 
 [2l x page_size, (2l + 1) x page_size) hold layer l's K, the next page_size rows its V; rows past
 2 x num_layers x page_size are the page's unused tail (a model with few KV bytes per token leaves a
 few rows of each page unused rather than taking more tokens than fit). `KVArena.for_models` sizes
-the page so the model with the most KV bytes per token gets `page_size` tokens per page; the others
-get as many as fit. Only four functions touch the arena, each per device in a shard_map: `write_kv`
+the page so the model with the most KV bytes per token gets `page_size` tokens per page (a few more
+where the page is rounded up to whole rows of every model); the others get as many as fit. Only four functions touch the arena, each per device in a shard_map: `write_kv`
 and `read_kv` (one layer, in the step), `read_pages` and `write_pages` (whole pages, host tier).
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def allocate_pool(spec: PoolSpec, mesh: Mesh):
     return allocate_arena(mesh, spec.num_pages, page_words(spec, mesh), spec.dtype)
 
 
-def _manual(fn, spec: PoolSpec, mesh: Mesh, in_specs, out_specs):
+def _manual(fn, mesh: Mesh, in_specs, out_specs):
     """`fn` run on each device's own rows (a shard_map over the arena). Only manual code touches the
     arena: XLA partitions a global view as it likes, and where kv heads are replicated it may then read
     one device's rows for another's, while the arena's rows differ per device (pages hold other
@@ -147,7 +147,7 @@ def write_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, k: jax.Ar
         return flat.reshape(rows.shape)
 
     arena_spec = arena_sharding(mesh).spec
-    return _manual(local, spec, mesh, (arena_spec, _heads(spec, mesh, 1), _heads(spec, mesh, 1), P()),
+    return _manual(local, mesh, (arena_spec, _heads(spec, mesh, 1), _heads(spec, mesh, 1), P()),
                    arena_spec)(arena, k, v, slots)
 
 
@@ -160,7 +160,7 @@ def read_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, pages: jax
         return flat[k], flat[k + spec.page_size]
 
     out = _heads(spec, mesh, pages.ndim + 1)
-    return _manual(local, spec, mesh, (arena_sharding(mesh).spec, P()), (out, out))(arena, pages)
+    return _manual(local, mesh, (arena_sharding(mesh).spec, P()), (out, out))(arena, pages)
 
 
 def read_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array) -> jax.Array:
@@ -171,7 +171,7 @@ def read_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array) -> 
         used = _view(rows, spec).at[idx, :2 * spec.num_layers * spec.page_size].get(mode="fill", fill_value=0)
         return used.reshape(len(idx), 2 * spec.num_layers, spec.page_size, *used.shape[2:])
 
-    return _manual(local, spec, mesh, (arena_sharding(mesh).spec, P()), _heads(spec, mesh, 3))(arena, idx)
+    return _manual(local, mesh, (arena_sharding(mesh).spec, P()), _heads(spec, mesh, 3))(arena, idx)
 
 
 def write_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array, pages: jax.Array) -> jax.Array:
@@ -186,7 +186,7 @@ def write_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array, pa
         return view.reshape(rows.shape)
 
     arena_spec = arena_sharding(mesh).spec
-    return _manual(local, spec, mesh, (arena_spec, P(), _heads(spec, mesh, 3)), arena_spec)(arena, idx, pages)
+    return _manual(local, mesh, (arena_spec, P(), _heads(spec, mesh, 3)), arena_spec)(arena, idx, pages)
 
 
 def kv_dtype(cfg: ModelConfig) -> str:
@@ -279,6 +279,9 @@ class KVArena:
         if self.words % row or page_size < 1:
             raise ValueError(f"{cfg.name}: a page of {self.words} elements per device does not hold whole rows of "
                              f"{row} elements for 2 x {cfg.num_layers} layers")
+        if self.num_pages * (self.words // row) >= 2**31:  # flat row indices are int32
+            raise ValueError(f"{cfg.name}: {self.num_pages} pages of {self.words // row} rows overflow int32 row "
+                             f"indices; use fewer, larger pages")
         return _model_spec(cfg, page_size, self.num_pages, self.words // row)
 
     def attach(self, engine) -> None:

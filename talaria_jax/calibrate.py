@@ -189,6 +189,8 @@ def decode_step_times(eng, batch: int, context: int, steps: int, keep: KeepStagi
             keep.settle()
         for rid in list(eng.requests):
             eng.abort(rid)
+        if eng.prefix_cache is not None:  # the synthetic prefixes' pages must not be matched later
+            eng.prefix_cache.clear()
     return idle, staging
 
 

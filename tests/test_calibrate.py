@@ -37,6 +37,7 @@ class FakeEngine:
         self.slot, self.clock, self.slowdown = slot, clock, slowdown
         self.cfg = dataclasses.make_dataclass("Cfg", [("vocab_size", int)])(100)
         self.requests, self.waiting, self.running, self.allocator, self.aborted = {}, collections.deque(), [], None, []
+        self.prefix_cache = None
 
     def add_request(self, prompt, params):
         seq = type("Seq", (), {"grow": lambda self, alloc, n: None})()

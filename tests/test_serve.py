@@ -63,6 +63,14 @@ def smol():
         yield lm, app, url
 
 
+def settled(app, timeout_s: float = 30.0) -> bool:
+    """Whether every request the server took is done within `timeout_s` (aborts apply between steps)."""
+    deadline = time.time() + timeout_s
+    while app.state.engine.num_in_flight() and time.time() < deadline:
+        time.sleep(0.02)
+    return app.state.engine.num_in_flight() == 0
+
+
 def client(url: str, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
@@ -123,7 +131,7 @@ def _post(url, path, body, key=KEY, raw=None):
     ("/v1/completions", {"model": "tiny", "prompt": [5, 70000]}, None, KEY, 400, "prompt", "outside the vocabulary"),
     ("/v1/completions", None, b'{"model": "tiny", "prompt": ', KEY, 400, None, "not valid JSON"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, None, KEY, 400, "temperature",
-     "must be a number"),
+     "must be a finite number"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, None, KEY, 400, "messages", "non-empty list"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 3}, None, KEY, 400, "n", "[1, 2]"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, None, KEY, 400,
@@ -132,6 +140,10 @@ def _post(url, path, body, key=KEY, raw=None):
     ("/v1/completions", {"model": "tiny", "prompt": "x" * 5000}, None, KEY, 413, None, "over the limit of 4096"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi"}, None, "sk-wrong", 401, None, "API key"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi"}, None, "", 401, None, "API key"),
+    ("/v1/nothing", {"model": "tiny", "prompt": "hi"}, None, KEY, 404, None, "Not Found"),
+    ("/v1/completions", None, b"[" * 4000, KEY, 400, None, "not valid JSON"),  # nested past the parser's depth
+    ("/v1/completions", None, b'{"model": "tiny", "prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", KEY, 400,
+     "temperature", "finite number"),
 ])
 def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, body, raw, key, status, param, text):
     _, app, url = tiny
@@ -141,7 +153,7 @@ def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, bo
     assert text in err["message"] and err["param"] == param and err["type"]
     ok = _post(url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-    assert app.state.engine.num_in_flight() == 0
+    assert settled(app)
 
 
 def test_health_needs_no_key_and_other_routes_do(tiny):
@@ -171,13 +183,17 @@ def test_stop_strings_cut_the_text_and_end_the_request(smol):
     text = free.choices[0].text
     stop = text[3:5]
     assert stop and stop in text
+    later = text[7:9]  # listed first, matched later: the text is cut at the earliest match of any
     cut = c.completions.create(model="smollm2-135m-instruct", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
-                               stop=[stop])
-    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model="smollm2-135m-instruct", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop],
-        stream=True) if ch.choices)
-    assert streamed == cut.choices[0].text and app.state.engine.num_in_flight() == 0
+                               stop=[later, stop])
+    assert later and cut.choices[0].text == text[:min(text.index(stop), text.index(later))]
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = list(c.completions.create(model="smollm2-135m-instruct", prompt="1, 2, 3, 4,", max_tokens=12,
+                                       temperature=0, stop=[later, stop], stream=True))
+    assert all(ch.choices for ch in chunks)  # no usage chunk unless stream_options asks for one
+    assert "".join(ch.choices[0].text for ch in chunks) == cut.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop" and settled(app)
+    assert 'finished_reason="stop"' in httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
 
 
 def test_a_client_that_goes_away_frees_its_pages(smol):
@@ -190,10 +206,7 @@ def test_a_client_that_goes_away_frees_its_pages(smol):
         lines = r.iter_lines()  # kept: a collected line iterator closes the connection
         assert next(lines).startswith("data: ")  # the first token arrived: the request holds pages
         assert app.state.engine.num_in_flight() == 1
-    deadline = time.time() + 30
-    while app.state.engine.num_in_flight() and time.time() < deadline:
-        time.sleep(0.05)
-    assert app.state.engine.num_in_flight() == 0 and not eng.running and not eng.waiting
+    assert settled(app) and not eng.running and not eng.waiting
     cached = eng.prefix_cache.num_pages if eng.prefix_cache is not None else 0
     assert eng.allocator.num_used == cached  # only the prefix cache holds pages
     assert eng.stats.aborted >= 1
@@ -220,3 +233,21 @@ def test_draining_refuses_new_requests_and_finishes_running_ones():
         t.join(60), d.join(60)
         assert drained["ok"] and running["r"].status_code == 200
         assert running["r"].json()["usage"]["completion_tokens"] == 64
+
+
+def test_an_engine_that_keeps_failing_is_reported_dead_and_answers_503():
+    model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=1)
+    engine = Engine(model, CONFIG)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected device failure")
+
+    engine.runner._step = broken
+    app = build_app(ServedModel("tiny", engine), api_keys=[KEY])
+    with serving(app) as url:
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 503 and "engine failed" in r.json()["error"]["message"]
+        assert engine.stats.step_failures == 3  # retried, then given up
+        assert httpx.get(f"{url}/health").status_code == 503
+        again = _post(url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3})
+        assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"

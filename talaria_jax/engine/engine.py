@@ -162,7 +162,8 @@ class Engine:
 
     def __init__(self, model: ShardedModel, config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
                  arena: KVArena | None = None):
-        """Allocates the KV pool and, unless `config.warmup` is off, compiles everything serving runs.
+        """Allocates the KV pool (or takes a share of `arena`) and, unless `config.warmup` is off, compiles
+        everything serving runs.
         `arena`: a KV arena shared with other engines on the same mesh (`KVArena.for_models`), which
         then sizes the pool and its pages (EngineConfig.num_pages and kv_memory_bytes_per_device must be
         unset); None: the engine's own, of config.page_size tokens per page."""
@@ -182,9 +183,8 @@ class Engine:
         elif config.num_pages is not None or config.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig.num_pages and kv_memory_bytes_per_device must be unset with a shared "
                              "arena: the arena sizes the pool")
-        elif arena.mesh.devices.tolist() != model.mesh.devices.tolist():
-            raise ValueError(f"the KV arena is on devices {arena.mesh.devices.ravel().tolist()}, {self.cfg.name} on "
-                             f"{model.mesh.devices.ravel().tolist()}")
+        elif arena.mesh != model.mesh:  # another mesh would reshard (copy) the arena at every step
+            raise ValueError(f"the KV arena is on mesh {arena.mesh}, {self.cfg.name} on {model.mesh}")
         self.arena, self.pool_spec = arena, arena.spec_for(self.cfg)
         self.page_size = self.pool_spec.page_size  # tokens per page: config.page_size unless the arena is shared
         self.max_pages_per_seq = max_pages_per_seq = -(-config.max_model_len // self.page_size)
@@ -194,7 +194,6 @@ class Engine:
         self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
                              pages_per_block=config.pages_per_block, query_tile=config.query_tile)
-        arena.attach(self)
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.requests: dict[str, _Request] = {}  # in flight; finished ones leave at once
@@ -204,6 +203,7 @@ class Engine:
         self._unreported: dict[_Request, None] = {}
         if config.warmup:
             self.warmup(progress=None)
+        arena.attach(self)  # last: a constructor that failed leaves nothing on the arena
 
     def warmup(self, progress: bool | None = None) -> None:
         """Compiles every program serving runs: each step shape (`Runner.step_shapes`), and the host

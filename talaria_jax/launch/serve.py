@@ -40,6 +40,8 @@ _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request bod
                                  lower_bound=1024)
 _DRAIN = flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long running requests may finish.",
                             lower_bound=0.0)
+_SECRET = flags.DEFINE_string("tenant_secret", None, "Key of the tenant salts (HMAC of each API key); default "
+                              "$TALARIA_TENANT_SECRET, else random for this process.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving.")
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
                                  "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
@@ -56,7 +58,7 @@ def main(argv):
     from talaria_jax.sharding import make_mesh
     from talaria_jax.weights import CheckpointError, load_model
 
-    keys = [k for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k]
+    keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
     if not keys:
         keys = ["sk-" + secrets.token_urlsafe(24)]
         print(f"no --api_key or $TALARIA_API_KEY: this server's key is {keys[0]}", file=sys.stderr)
@@ -75,8 +77,10 @@ def main(argv):
                        warmup=_WARMUP.value)
     engine = Engine(lm.model, cfg, tokenizer=lm.tokenizer)
     api = build_app(ServedModel(_NAME.value or _MODEL.value, engine), api_keys=keys,
-                    limits=Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value, max_n=_MAX_N.value))
-    server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning"),
+                    limits=Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value, max_n=_MAX_N.value),
+                    tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None)
+    server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning",
+                                           timeout_graceful_shutdown=max(1, int(_DRAIN.value))),
                             api.state.engine, _DRAIN.value)
     print(f"serving {_NAME.value or _MODEL.value} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
     server.run()
@@ -92,7 +96,8 @@ class DrainingServer(uvicorn.Server):
         self.async_engine, self.drain_s, self.draining = async_engine, drain_s, False
 
     def handle_exit(self, sig, frame):
-        if self.draining:
+        if self.draining:  # a second signal: exit now
+            self.force_exit = True
             return super().handle_exit(sig, frame)
         self.draining = True
         threading.Thread(target=self._drain_then_exit, args=(sig, frame), daemon=True).start()

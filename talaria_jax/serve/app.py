@@ -1,11 +1,12 @@
 """The instance server: OpenAI's completions and chat completions over one engine (FastAPI).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both plain and SSE streams: text
-deltas, usage in the last chunk, then `data: [DONE]`), `GET /v1/models`, `GET /health` (503 once
+deltas, usage in a last chunk with `stream_options: {"include_usage": true}`, then `data: [DONE]`), `GET /v1/models`, `GET /health` (503 once
 draining or dead) and `GET /metrics` (Prometheus). Every route but /health wants
 `Authorization: Bearer <key>` with one of the server's keys. The prefix cache's tenant salt is derived
-here from the caller's key (`tenant_salt`), never taken from the client, so callers with different
-keys never share KV. Bad input gets OpenAI's error body naming the problem (400, 404 for an unknown
+here from the caller's key (`tenant_salt`, an HMAC under the server's secret), never taken from the
+client, so callers with different keys never share KV. Chat without `max_tokens` may use the rest
+of the context, as OpenAI's does; completions default to 16 tokens. Bad input gets OpenAI's error body naming the problem (400, 404 for an unknown
 model, 413 for a body over the limit, 401 for a missing or wrong key), and the server keeps serving.
 A client that disconnects has its requests aborted and their pages freed. `stop` strings are matched
 on the text: the request is aborted there and the text cut before the match.
@@ -17,12 +18,14 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import time
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from talaria_jax.engine.engine import Engine, RequestOutput
 from talaria_jax.engine.errors import RequestError
@@ -45,17 +48,20 @@ class ServedModel:
         return self.engine.tokenizer
 
 
-def tenant_salt(api_key: str) -> str:
-    """The prefix-cache salt of a caller: a digest of its API key (the key itself never reaches the cache)."""
-    return hashlib.sha256(b"talaria-tenant\0" + api_key.encode()).hexdigest()[:32]
+def tenant_salt(api_key: str, secret: bytes) -> str:
+    """The prefix-cache salt of a caller: an HMAC of its API key under the server's `secret` (the key
+    itself never reaches the cache, and a leaked salt does not reveal it)."""
+    return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = Limits(),
-              session_idle_s: float = 60.0) -> FastAPI:
+              session_idle_s: float = 60.0, tenant_secret: bytes | None = None) -> FastAPI:
     """The app; `app.state.engine` is its `AsyncEngine` (stop it with `.close()`), `app.state.metrics`
-    its metrics."""
+    its metrics. `tenant_secret` keys the tenant salts (default: random for this process; servers
+    whose salts must agree, such as a gateway's instances, share one)."""
     if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
         raise ValueError("build_app: give at least one non-empty API key")
+    secret = tenant_secret or secrets.token_bytes(32)
     app = FastAPI(title="talaria-serve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics_box: list[ServerMetrics] = []
     ae = AsyncEngine(model.engine, on_output=lambda *a: metrics_box[0].on_output(*a))
@@ -66,8 +72,8 @@ def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = L
 
     def caller(request: Request) -> str:
         auth = request.headers.get("authorization", "")
-        key = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if not key or not any(hmac.compare_digest(key.encode(), k) for k in keys):
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not key or sum(hmac.compare_digest(key.encode(), k) for k in keys) == 0:  # every key compared
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
         return key
 
@@ -75,10 +81,19 @@ def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = L
     async def _api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        logging.exception("request failed")
+        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+
     @app.get("/health")
     async def health():
         if ae.state != "running":
-            return JSONResponse({"status": ae.state, "error": ae.error}, status_code=503)
+            return JSONResponse({"status": ae.state}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -88,7 +103,7 @@ def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = L
                                             "max_model_len": model.engine.config.max_model_len}]}
 
     @app.get("/metrics")
-    async def get_metrics(request: Request):
+    def get_metrics(request: Request):  # a plain def: FastAPI runs it in a thread (it reads the engine)
         caller(request)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -109,16 +124,23 @@ def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = L
         if p.model != model.name:
             raise ApiError(404, f"the model '{p.model}' does not exist (this server serves '{model.name}')", "model",
                            "model_not_found")
-        p.session = request.headers.get("x-session-id") or p.session
-        prompt = _prompt_ids(model, p)
-        if p.session is not None:
-            metrics.session_started(p.session)
+        header = request.headers.get("x-session-id")
+        if header is not None and not 0 < len(header) <= 256:
+            raise ApiError(400, "the x-session-id header must be 1 to 256 characters", "x-session-id", "invalid_value")
+        p.session = header or p.session
+        prompt = await asyncio.to_thread(_prompt_ids, model, p)  # a template and up to a MiB of text
+        if p.max_tokens is None:  # chat's default: the rest of the context
+            room = model.engine.config.max_model_len - len(prompt)
+            p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
+        salt = tenant_salt(key, secret)
+        session = None if p.session is None else f"{salt[:8]}:{p.session}"  # tenants' sessions never mix
+        if session is not None:
+            metrics.session_started(session)
         loop = asyncio.get_running_loop()
         choices: list[_Choice] = []
         try:
             for i, params in enumerate(p.params):
-                rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=tenant_salt(key),
-                                                     session=p.session)
+                rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=salt, session=session)
                 choices.append(_Choice(i, rid, queue, p, model.tokenizer))
         except RequestError as e:
             _abort_all(ae, choices)
@@ -153,8 +175,8 @@ async def _read_json(request: Request, limit: int) -> Any:
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, a 5000-digit number, deep nesting
+        raise ApiError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
 
 
 def _prompt_ids(model: ServedModel, p: Parsed) -> list[int]:
@@ -189,6 +211,7 @@ class _Choice:
         self.out: RequestOutput | None = None
         self.text, self.sent, self.sent_tokens = "", 0, 0
         self.finish_reason: str | None = None
+        self.stopped = False  # a stop string matched: the engine request is aborted, reported as "stop"
         self.holdback = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be completing
 
     @property
@@ -200,10 +223,9 @@ class _Choice:
             raise ApiError(503, f"the engine failed: {out}", code="engine_dead")
         self.out = out
         text = out.text
-        for s in self.p.stop:
-            k = text.find(s)
-            if k >= 0:
-                text, self.finish_reason = text[:k], "stop"
+        cut = min((k for k in (text.find(s) for s in self.p.stop) if k >= 0), default=-1)  # the earliest match
+        if cut >= 0:
+            text, self.finish_reason, self.stopped = text[:cut], "stop", True
         if self.finish_reason is None and out.finished:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
         if not self.done and text.endswith("\ufffd"):
@@ -224,7 +246,7 @@ class _Choice:
         tops = self.out.top_logprobs[start:] if self.p.logprobs else [{} for _ in ids]
         dec = self.tok.decode
         return protocol.logprobs_body(chat, [dec([t]) for t in ids], self.out.logprobs[start:],
-                                      [{dec([k]): v for k, v in top.items()} for top in tops])
+                                      [[(dec([k]), v) for k, v in top.items()] for top in tops])
 
     def body(self, chat: bool) -> dict:
         return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat))
@@ -242,15 +264,15 @@ def _abort_all(ae: AsyncEngine, choices: list[_Choice]) -> None:
 
 async def _next(request: Request, choices: list[_Choice], ae: AsyncEngine) -> None:
     """Waits for the next output of any unfinished choice and applies it; aborts a choice whose stop
-    string matched. Raises ApiError(499) once the client is gone."""
+    string matched. Raises ApiError(499) once the client is gone (checked at least every 0.25 s)."""
     pending = {asyncio.ensure_future(c.queue.get()): c for c in choices if not c.done}
     try:
         while True:
+            if await request.is_disconnected():
+                raise ApiError(499, "the client disconnected", code="client_disconnected")
             done, _ = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
             if done:
                 break
-            if await request.is_disconnected():
-                raise ApiError(499, "the client disconnected", code="client_disconnected")
     finally:
         for fut in pending:
             if not fut.done():
@@ -260,8 +282,8 @@ async def _next(request: Request, choices: list[_Choice], ae: AsyncEngine) -> No
         c.update(fut.result())
         while not c.done and not c.queue.empty():
             c.update(c.queue.get_nowait())
-        if c.done:
-            ae.abort(c.rid)
+        if c.stopped:
+            ae.abort(c.rid, "stop")
 
 
 async def _wait_all(request: Request, choices: list[_Choice], ae: AsyncEngine) -> None:

@@ -3,11 +3,13 @@
 The serving loop of the instance server: handlers `submit` requests (validated by the engine, so bad
 input raises `RequestError` at once and nothing is queued) and read each request's outputs from its
 own `asyncio.Queue`; the thread steps the engine while any request is unfinished and hands every
-output to its request's queue on the handler's event loop. `abort` stops a request and frees its
-pages (a client that went away). `drain` refuses new requests and waits for the running ones; a
-failure the engine cannot recover from marks the loop dead, fails every request in flight, and the
-server answers 503 from then on. A `StepError` is recoverable (the engine requeued its requests):
-the loop retries.
+output to its request's queue on the handler's event loop. The engine is not thread-safe: only
+`submit` (run in a worker thread) and the engine thread call it, under one lock. `abort` never
+waits for a step: it records the request, and the engine thread aborts it (freeing its pages) before
+its next step. `drain` refuses new requests and waits for the running ones. A `StepError` is
+recoverable (the engine requeued its requests) and is retried, up to `max_step_failures` in a row;
+past that, or on any other failure, the loop is dead: every request in flight gets `EngineDead`,
+and the server answers 503 from then on.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class Unavailable(RuntimeError):
 
 
 class EngineDead(RuntimeError):
-    """The engine failed for good while the request ran."""
+    """The engine failed for good (or the server closed) while the request ran."""
 
 
 @dataclasses.dataclass
@@ -43,49 +45,56 @@ class _Stream:
 
 class AsyncEngine:
     """See the module docstring. `on_output(output, arrival_s, session)` runs on the engine thread for
-    every output (metrics)."""
+    every output, including the final one of a request aborted by `abort` (metrics)."""
 
-    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput, float, str | None], None] | None = None):
-        self.engine = engine
-        self.on_output = on_output
+    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput, float, str | None], None] | None = None,
+                 max_step_failures: int = 3):
+        self.engine, self.on_output, self.max_step_failures = engine, on_output, max_step_failures
         self.state = "running"  # running | draining | dead
         self.error: str | None = None
-        self._lock = threading.Lock()  # the engine is not thread-safe: every call on it holds this
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # the engine's: held for every call on it, a whole step included
+        self._mu = threading.Lock()  # the streams and pending aborts: never held across a step
+        self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._aborts: list[tuple[str, _Stream, str]] = []
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="talaria-engine", daemon=True)
         self._thread.start()
 
-    # -- requests (any thread; handlers call them through asyncio.to_thread) -------------------------
+    # -- requests ------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop, *,
                cache_salt: str | None = None, session: str | None = None) -> tuple[str, asyncio.Queue]:
         """Queues a request; returns its id and the queue its outputs arrive on (a `RequestOutput` per
         step that advanced it, the last one finished, or an `EngineDead`). The engine's RequestError for
-        bad input, Unavailable while draining or dead."""
+        bad input, Unavailable while draining or dead. Blocks for up to a step: call it off the loop."""
         with self._lock:
             if self.state != "running":
-                raise Unavailable(f"the engine is {self.state}" + (f": {self.error}" if self.error else ""))
+                raise Unavailable(f"the server is {self.state}")
             rid = self.engine.add_request(prompt, params, cache_salt=cache_salt, session=session)
-            stream = _Stream(loop, asyncio.Queue(), time.perf_counter(), session)
-            self._streams[rid] = stream
-            self._wake.notify()
-        return rid, stream.queue
+            with self._mu:
+                self._streams[rid] = _Stream(loop, asyncio.Queue(), time.perf_counter(), session)
+                queue = self._streams[rid].queue
+        self._wake.set()
+        return rid, queue
 
-    def abort(self, rid: str) -> None:
-        """Stops `rid` (if still in flight) and frees its pages; its queue gets nothing more."""
-        with self._lock:
-            self._streams.pop(rid, None)
-            if rid in self.engine.requests:
-                self.engine.abort(rid)
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """Stops `rid` if still in flight: its queue gets nothing more, and the engine thread aborts it
+        (freeing its pages) before its next step. `reason` is what metrics record ("stop": a stop
+        string matched). Never waits for a step; a no-op for a finished request."""
+        with self._mu:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._aborts.append((rid, stream, reason))
+        if stream is not None:
+            self._wake.set()
 
     def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        with self._mu:
+            return len(self._streams) + len(self._aborts)
 
     def drain(self, timeout_s: float) -> bool:
         """Refuses new requests and waits up to `timeout_s` for those in flight; whether they all finished."""
-        with self._lock:
+        with self._mu:
             if self.state == "running":
                 self.state = "draining"
         deadline = time.monotonic() + timeout_s
@@ -94,40 +103,80 @@ class AsyncEngine:
         return self.num_in_flight() == 0
 
     def close(self) -> None:
-        with self._lock:
-            self._stop = True
-            self._wake.notify()
-        self._thread.join(timeout=10)
+        """Stops the engine thread; requests still in flight get EngineDead."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._fail_all("the server closed")
 
-    # -- the engine thread -------------------------------------------------------------------------
+    # -- the engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stop and not self.engine.has_unfinished():
+        failures = 0
+        try:
+            while not self._stop:
+                with self._lock:
+                    aborted = self._apply_aborts()
+                    busy = self.engine.has_unfinished()
+                    outs = []
+                    if busy:
+                        try:
+                            outs = self.engine.step()
+                            failures = 0
+                        except StepError as e:  # recoverable: the engine requeued every request
+                            failures += 1
+                            if failures >= self.max_step_failures:
+                                raise
+                            logging.warning("engine step failed (%d in a row), retrying: %s", failures, e)
+                self._deliver(aborted, outs)
+                if not busy:
                     self._wake.wait()
-                if self._stop:
-                    return
+                    self._wake.clear()
+        except Exception as e:  # noqa: BLE001 - the engine is unusable: fail every request, loudly
+            logging.exception("engine failed")
+            self.error = f"{type(e).__name__}: {e}"
+            self._fail_all(f"the engine failed: {self.error}")
+
+    def _apply_aborts(self) -> list[tuple[_Stream, RequestOutput]]:
+        with self._mu:
+            aborts, self._aborts = self._aborts, []
+        out = []
+        for rid, stream, reason in aborts:
+            if rid in self.engine.requests:
+                final = self.engine.abort(rid)
+                if final is not None:
+                    final.finish_reason = reason
+                    out.append((stream, final))
+        return out
+
+    def _deliver(self, aborted: list[tuple[_Stream, RequestOutput]], outs: list[RequestOutput]) -> None:
+        ready = []
+        with self._mu:
+            for out in outs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted meanwhile: its abort reports it
+                if out.finished:
+                    del self._streams[out.request_id]
+                ready.append((stream, out, True))
+        for stream, out, to_queue in [(s, o, False) for s, o in aborted] + ready:
+            if self.on_output is not None:
                 try:
-                    outs = self.engine.step()
-                except StepError as e:  # recoverable: the engine requeued every request
-                    logging.warning("engine step failed, retrying: %s", e)
-                    continue
-                except Exception as e:  # noqa: BLE001 - the engine is unusable: fail every request, loudly
-                    logging.exception("engine failed")
-                    self.state, self.error = "dead", f"{type(e).__name__}: {e}"
-                    for stream in self._streams.values():
-                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDead(self.error))
-                    self._streams.clear()
-                    return
-                ready = []
-                for out in outs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue  # aborted meanwhile
-                    if out.finished:
-                        del self._streams[out.request_id]
-                    ready.append((stream, out))
-            for stream, out in ready:
-                if self.on_output is not None:
                     self.on_output(out, stream.arrival, stream.session)
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
+                    logging.exception("on_output failed")
+            if to_queue:
+                _put(stream, out)
+
+    def _fail_all(self, why: str) -> None:
+        with self._mu:
+            self.state = "dead"
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            _put(stream, EngineDead(why))
+
+
+def _put(stream: _Stream, item) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:  # the handler's event loop is closed: nobody is waiting
+        pass

@@ -18,6 +18,7 @@ from talaria_jax.engine.engine import RequestOutput
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _SCT = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+MAX_SESSIONS = 100_000  # open sessions tracked for SCT; past it, idle ones are closed at once
 
 
 class ServerMetrics:
@@ -38,6 +39,9 @@ class ServerMetrics:
                              registry=self.registry)
         self.prompt_tokens = Counter("talaria:prompt_tokens", "Prompt tokens of requests", labels, registry=self.registry)
         self.generation_tokens = Counter("talaria:generation_tokens", "Tokens generated", labels, registry=self.registry)
+        self.finished = Counter("talaria:request_success", "Requests ended, by reason (stop: a stop token or string; "
+                                "length; abort: the client went away)", labels + ["finished_reason"],
+                                registry=self.registry)
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}  # request id -> time of its last token
         self._sessions: dict[str, list[float]] = {}  # session -> [first arrival, last finish, last activity]
@@ -58,10 +62,14 @@ class ServerMetrics:
                 self._last[out.request_id] = now
             if out.finished:
                 self._last.pop(out.request_id, None)
-                self.e2e.labels(self.model).observe(now - arrival)
+                self.finished.labels(self.model, out.finish_reason).inc()
+                if out.finish_reason != "abort":
+                    self.e2e.labels(self.model).observe(now - arrival)
                 if session is not None:
                     s = self._sessions.setdefault(session, [arrival, now, now])
                     s[0], s[1], s[2] = min(s[0], arrival), now, now
+        if len(self._sessions) > MAX_SESSIONS:
+            self._close_idle_sessions()
 
     def session_started(self, session: str) -> None:
         with self._lock:
@@ -72,6 +80,10 @@ class ServerMetrics:
     def _close_idle_sessions(self) -> None:
         now = time.perf_counter()
         with self._lock:
+            if len(self._sessions) > MAX_SESSIONS:  # too many open: the oldest activity closes first
+                for sid in sorted(self._sessions, key=lambda k: self._sessions[k][2])[:len(self._sessions) // 10]:
+                    first, end, _ = self._sessions.pop(sid)
+                    self.sct.labels(self.model).observe(end - first)
             for sid, (first, end, active) in list(self._sessions.items()):
                 if now - active >= self.session_idle_s:
                     self.sct.labels(self.model).observe(end - first)
@@ -104,9 +116,7 @@ class ServerMetrics:
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", st.prefix_query_tokens),
                     ("prefix_cache_hits", "Of those, tokens found cached", st.prefix_hit_tokens),
                     ("host_restored_tokens", "Prompt tokens restored from host memory", st.restored_tokens),
-                    ("num_preemptions", "Requests preempted (recomputed later)", st.preemptions),
-                    ("request_success", "Requests finished", st.finished),
-                    ("request_aborted", "Requests aborted (client gone, stop string)", st.aborted)]
+                    ("num_preemptions", "Requests preempted (recomputed later)", st.preemptions)]
         for name, doc, v in counters:
             c = CounterMetricFamily(f"talaria:{name}", doc, labels=["model_name"])
             c.add_metric(m, v)

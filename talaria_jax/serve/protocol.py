@@ -9,6 +9,7 @@ Supported beyond OpenAI's fields: a prompt of token ids (a list of ints), and `s
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import time
 import uuid
@@ -42,6 +43,7 @@ class Limits:
     max_tokens: int = 4096  # per choice; the context limit applies too
     max_n: int = 8
     max_stop: int = 4  # stop strings
+    max_stop_chars: int = 256  # of each (a stream holds back that much text)
 
 
 @dataclasses.dataclass
@@ -56,6 +58,7 @@ class Parsed:
     stop: tuple[str, ...]
     logprobs: int | None  # top-n per token (0: only the chosen token's), None: no logprobs
     session: str | None
+    max_tokens: int | None  # as asked; None: the rest of the context (chat's default)
     messages: list[dict] | None = None
     tools: list[dict] | None = None
 
@@ -70,6 +73,13 @@ def _is_int(x) -> bool:
 
 def _is_num(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_finite(x) -> bool:
+    try:
+        return _is_num(x) and math.isfinite(float(x))
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _field(body: Mapping, name: str, check, what: str, default=_MISSING):
@@ -93,21 +103,22 @@ def _stop(body: Mapping, limits: Limits) -> tuple[str, ...]:
         raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop", "invalid_type")
     if len(stop) > limits.max_stop:
         raise ApiError(400, f"'stop' holds {len(stop)} strings; at most {limits.max_stop}", "stop", "too_many")
+    if max(map(len, stop)) > limits.max_stop_chars:
+        raise ApiError(400, f"a 'stop' string is over {limits.max_stop_chars} characters", "stop", "too_long")
     return tuple(stop)
 
 
-def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str]) -> dict:
+def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str], max_tokens: int | None) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_body")
     model = _field(body, "model", lambda v: isinstance(v, str), "a string")
-    max_tokens = 16
     for f in max_tokens_fields:
         if body.get(f) is not None:
             max_tokens = _field(body, f, _is_int, "an integer")
             if not 1 <= max_tokens <= limits.max_tokens:
                 raise ApiError(400, f"'{f}' must be in [1, {limits.max_tokens}], got {max_tokens}", f, "out_of_range")
-    temperature = _field(body, "temperature", _is_num, "a number", 1.0)
-    top_p = _field(body, "top_p", _is_num, "a number", 1.0)
+    temperature = _field(body, "temperature", _is_finite, "a finite number", 1.0)
+    top_p = _field(body, "top_p", _is_finite, "a finite number", 1.0)
     n = _field(body, "n", _is_int, "an integer", 1)
     if not 1 <= n <= limits.max_n:
         raise ApiError(400, f"'n' must be in [1, {limits.max_n}], got {n}", "n", "out_of_range")
@@ -119,16 +130,16 @@ def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str]) -> dict
     opts = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     session = _field(body, "session_id", lambda v: isinstance(v, str) and 0 < len(v) <= 256,
                      "a string of 1 to 256 characters", None)
-    base = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          seed=seed)
+    # max_tokens None (chat without one): the rest of the context, set once the prompt is known
+    base = SamplingParams(max_tokens=max_tokens or 1, temperature=float(temperature), top_p=float(top_p), seed=seed)
     params = [dataclasses.replace(base, seed=None if seed is None else seed + i) for i in range(n)]
-    return {"model": model, "params": params, "stream": stream, "include_usage": bool(opts.get("include_usage", True)),
-            "stop": _stop(body, limits), "session": session}
+    return {"model": model, "params": params, "stream": stream, "include_usage": opts.get("include_usage") is True,
+            "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens}
 
 
 def parse_completion(body: Any, limits: Limits) -> Parsed:
     """POST /v1/completions. `prompt` is a string or a list of token ids (one prompt per request)."""
-    c = _common(body, limits, ("max_tokens",))
+    c = _common(body, limits, ("max_tokens",), 16)  # OpenAI's default for completions
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -152,7 +163,7 @@ def parse_completion(body: Any, limits: Limits) -> Parsed:
 
 def parse_chat(body: Any, limits: Limits) -> Parsed:
     """POST /v1/chat/completions: `messages` (and `tools`) for the model's chat template."""
-    c = _common(body, limits, ("max_tokens", "max_completion_tokens"))
+    c = _common(body, limits, ("max_tokens", "max_completion_tokens"), None)
     messages = _field(body, "messages", lambda v: isinstance(v, list) and v, "a non-empty list of messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -194,14 +205,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def logprobs_body(chat: bool, tokens: list[str], logprobs: list[float], tops: list[dict[str, float]]) -> dict:
-    """Per-token logprobs in the endpoint's shape (chat: `content` entries; completions: parallel lists)."""
+def logprobs_body(chat: bool, tokens: list[str], logprobs: list[float], tops: list[list[tuple[str, float]]]) -> dict:
+    """Per-token logprobs in the endpoint's shape (chat: `content` entries; completions: parallel lists,
+    each top a {token: logprob} object, where two tokens that spell the same text share one key)."""
     if chat:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
-                                              for k, v in top.items()]}
+                             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top]}
                             for t, lp, top in zip(tokens, logprobs, tops)]}
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops or None}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": [dict(top) for top in tops] or None}
 
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None,

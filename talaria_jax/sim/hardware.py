@@ -56,9 +56,9 @@ class HardwareConfig:
 
     def __post_init__(self) -> None:
         v = self.staging_step_slowdown
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1.0:
-            raise ConfigError(f"hardware {self.name!r}: field 'staging_step_slowdown'={v!r} must be a finite number "
-                              f">= 1.0 (a step's time while a staging copy is in flight over its time without; "
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v <= 100.0:
+            raise ConfigError(f"hardware {self.name!r}: field 'staging_step_slowdown'={v!r} must be a number in "
+                              f"[1.0, 100.0] (a step's time while a staging copy is in flight over its time without; "
                               f"1.0: the copy overlaps for free)")
 
     @property
