@@ -50,11 +50,11 @@ def save_random_llama(path: str, config: dict) -> int:
 
 def print_markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> None:
     """Prints rows as a right-aligned markdown table; columns are (header, row key, format spec).
-    A missing value (None) prints as nan."""
+    A value that does not apply (None) prints as "-"."""
     print("\n| " + " | ".join(h for h, _, _ in columns) + " |")
     print("|" + "---:|" * len(columns))
     for r in rows:
-        cells = [format(float("nan") if r[k] is None else r[k], f) for _, k, f in columns]
+        cells = ["-" if r[k] is None else format(r[k], f) for _, k, f in columns]
         print("| " + " | ".join(cells) + " |")
 
 
