@@ -1,79 +1,49 @@
-"""talaria_jax.calibrate's staging measurement on a fake engine and slot (a fake clock: no timing
-noise), the slowdown fit, and the profile round trip through to_yaml."""
-import collections
+"""talaria_jax.calibrate's staging measurement on a real engine and weight slot (what it leaves behind;
+its times are measured, not asserted), the slowdown fit, and the profile round trip through to_yaml."""
 import dataclasses
 
+import jax
 import pytest
 
 from talaria_jax import calibrate
+from talaria_jax.engine.engine import Engine, EngineConfig
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.models import greedy_generate, init_model, load_model_config
+from talaria_jax.sharding import make_mesh
 from talaria_jax.sim.hardware import load_hardware
+from talaria_jax.weights.slot import HostWeights, WeightSlot, without_weights
 
 
-class FakeSlot:
-    """A staging copy arrives after `copy_steps` readiness checks (one per step)."""
-
-    def __init__(self, copy_steps=3):
-        self.copy_steps, self.staged, self.left, self.stages = copy_steps, None, 0, []
-
-    def stage(self, host):
-        self.staged, self.left = host, self.copy_steps
-        self.stages.append(host)
-
-    def staged_ready(self):
-        self.left -= 1
-        return self.staged is not None and self.left <= 0
-
-    def in_flight(self):
-        return self.staged is not None and self.left > 0
-
-    def drop_staged(self):
-        self.staged = None
+@pytest.fixture(scope="module")
+def slot_engine():
+    """tiny-dense decoding out of a weight slot on one device, and tiny-moe's host weights to stage."""
+    mesh = make_mesh(jax.devices()[:1])
+    models = {n: init_model(load_model_config(n), mesh, seed=1) for n in ("tiny-dense", "tiny-moe")}
+    hosts = {n: HostWeights.of(m) for n, m in models.items()}
+    slot = WeightSlot.for_layouts(mesh, [h.layout for h in hosts.values()])
+    eng = Engine(without_weights(models["tiny-dense"]), EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64,
+                                                                      max_model_len=128, prefix_cache=True,
+                                                                      warmup=False))
+    eng.runner.use_slot(slot, hosts["tiny-dense"].layout)
+    slot.load(hosts["tiny-dense"])
+    return models["tiny-dense"], eng, slot, hosts["tiny-moe"]
 
 
-class FakeEngine:
-    """Each step takes 1 s of the fake clock, `slowdown` s while the slot's copy is in flight."""
-
-    def __init__(self, slot, clock, slowdown):
-        self.slot, self.clock, self.slowdown = slot, clock, slowdown
-        self.cfg = dataclasses.make_dataclass("Cfg", [("vocab_size", int)])(100)
-        self.requests, self.waiting, self.running, self.allocator, self.aborted = {}, collections.deque(), [], None, []
-        self.prefix_cache = None
-
-    def add_request(self, prompt, params):
-        seq = type("Seq", (), {"grow": lambda self, alloc, n: None})()
-        req = type("Req", (), {"seq": seq, "num_computed": 0})()
-        rid = f"r{len(self.requests)}"
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return rid
-
-    def step(self):
-        self.clock[0] += self.slowdown if self.slot.in_flight() else 1.0
-
-    def abort(self, rid):
-        self.running.remove(self.requests.pop(rid))
-        self.aborted.append(rid)
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = [0.0]
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: c[0])
-    return c
-
-
-def test_decode_step_times_keeps_staging_in_flight(clock):
-    slot = FakeSlot(copy_steps=3)
-    eng = FakeEngine(slot, clock, slowdown=1.5)
-    keep = calibrate.KeepStaging(slot, "model-b")
-    idle, staging = calibrate.decode_step_times(eng, batch=2, context=8, steps=6, keep=keep)
-    assert idle == [1.0] * 6
-    # the copy is issued before the first staging step and re-issued once it has arrived
-    assert keep.copies >= 2 and all(h == "model-b" for h in slot.stages)
-    assert sum(s == 1.5 for s in staging) >= 4
-    assert slot.staged is None and not eng.requests and len(eng.aborted) == 2  # settled and cleaned up
-    idle, staging = calibrate.decode_step_times(eng, batch=2, context=8, steps=4)
-    assert idle == [1.0] * 4 and staging == []
+def test_decode_step_times_keeps_staging_in_flight_and_leaves_the_engine_clean(slot_engine):
+    model, eng, slot, other = slot_engine
+    keep = calibrate.KeepStaging(slot, other)
+    idle, staging = calibrate.decode_step_times(eng, batch=2, context=24, steps=4, keep=keep)
+    assert len(idle) == len(staging) == 4 and min(idle + staging) > 0
+    assert keep.copies >= 1  # issued before the first staging step (and again each time one arrived)
+    # settled and cleaned up: no staging buffer, no request, no page held, nothing left in the prefix cache
+    assert slot.staged is None and not eng.requests and eng.allocator.num_free == eng.allocator.num_pages
+    assert eng.prefix_cache.num_pages == 0
+    idle, staging = calibrate.decode_step_times(eng, batch=2, context=24, steps=3)
+    assert len(idle) == 3 and staging == []
+    # the slot still holds tiny-dense: the engine decodes exactly as the model does
+    prompt = list(range(1, 20))
+    out = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), progress=False)
+    assert out[0].token_ids == greedy_generate(model, [prompt], 5)[0]
 
 
 def test_staging_slowdown_fit():
