@@ -3,6 +3,10 @@ streamed), token-id prompts and logprobs, OpenAI error bodies for bad input whil
 API keys and tenant salts, stop strings, client disconnects, draining, metrics."""
 import contextlib
 import json
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -251,3 +255,40 @@ def test_an_engine_that_keeps_failing_is_reported_dead_and_answers_503():
         assert httpx.get(f"{url}/health").status_code == 503
         again = _post(url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3})
         assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
+
+
+def test_talaria_serve_drains_on_sigterm(tmp_path):
+    # the launcher as users run it: SIGTERM while a stream runs -> 503 to new requests, the stream ends whole
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", "--model=tiny-dense", f"--port={port}",
+                             f"--api_key={KEY}", "--nowarmup", "--max_model_len=1024", "--drain_timeout_s=60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.time() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"model": "tiny-dense", "prompt": [7] * 10, "max_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            while httpx.get(f"{url}/health").status_code != 503:  # draining
+                time.sleep(0.02)
+            refused = _post(url, "/v1/completions", {"model": "tiny-dense", "prompt": "hi"})
+            assert refused.status_code == 503
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        final = json.loads(rest[-2][len("data: "):])
+        assert final["choices"][0]["finish_reason"] == "length"
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

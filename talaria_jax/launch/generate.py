@@ -41,21 +41,12 @@ def main(argv):
     del argv
     t_start = time.perf_counter()
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing logs at INFO
-    import jax
+    from talaria_jax.engine import Engine, EngineConfig, RequestError, SamplingParams
+    from talaria_jax.launch.common import load_on_devices
 
-    from talaria_jax.engine import Engine, EngineConfig, RequestError, SamplingParams, enable_compilation_cache
-    from talaria_jax.sharding import make_mesh
-    from talaria_jax.weights import CheckpointError, load_model
-
-    if _XLA_CACHE.value != "off":
-        enable_compilation_cache(_XLA_CACHE.value)
-    if _TP.value > jax.device_count():
-        raise app.UsageError(f"--tp={_TP.value} exceeds the {jax.device_count()} available devices")
-    mesh = make_mesh(jax.devices()[: _TP.value])
-    try:
-        lm = load_model(_MODEL.value, mesh, dtype=_DTYPE.value, cache_dir=_CACHE.value, seed=_SEED.value)
-    except CheckpointError as e:
-        raise app.UsageError(str(e)) from None
+    lm = load_on_devices(_MODEL.value, _TP.value, dtype=_DTYPE.value, compilation_cache=_XLA_CACHE.value,
+                         cache_dir=_CACHE.value, seed=_SEED.value)
+    mesh = lm.model.mesh
     tok, cfg = lm.tokenizer, lm.cfg
     try:
         prompts = [_encode(lm, p) for p in _PROMPT.value]

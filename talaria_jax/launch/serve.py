@@ -50,27 +50,16 @@ _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilat
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    import jax
-
-    from talaria_jax.engine import Engine, EngineConfig, enable_compilation_cache
+    from talaria_jax.engine import Engine, EngineConfig
+    from talaria_jax.launch.common import load_on_devices
     from talaria_jax.serve.app import ServedModel, build_app
     from talaria_jax.serve.protocol import Limits
-    from talaria_jax.sharding import make_mesh
-    from talaria_jax.weights import CheckpointError, load_model
 
     keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
     if not keys:
         keys = ["sk-" + secrets.token_urlsafe(24)]
         print(f"no --api_key or $TALARIA_API_KEY: this server's key is {keys[0]}", file=sys.stderr)
-    if _XLA_CACHE.value != "off":
-        enable_compilation_cache(_XLA_CACHE.value)
-    if _TP.value > jax.device_count():
-        raise app.UsageError(f"--tp={_TP.value} exceeds the {jax.device_count()} available devices")
-    mesh = make_mesh(jax.devices()[: _TP.value])
-    try:
-        lm = load_model(_MODEL.value, mesh, dtype=_DTYPE.value)
-    except CheckpointError as e:
-        raise app.UsageError(str(e)) from None
+    lm = load_on_devices(_MODEL.value, _TP.value, dtype=_DTYPE.value, compilation_cache=_XLA_CACHE.value)
     cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
                        max_model_len=min(lm.cfg.max_position, _MAX_LEN.value), prefix_cache=True,
                        kv_memory_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
