@@ -147,7 +147,6 @@ def test_writes_update_the_arena_in_place(tokens):
     numel = arena.num_pages * arena.words
 
     def step(a, k, slots, pages):
-        acc = 0.0
         for layer in range(spec.num_layers):
             a = write_kv(a, spec, mesh, layer, k, k, slots)
             kb, vb = read_kv(a, spec, mesh, layer, pages)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.runner import Runner
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.kvcache.allocator import OutOfPages, PageAllocator, SequencePages
+from talaria_jax.kvcache.allocator import OutOfPages, SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.kvcache.prefix import PrefixCache, evict
