@@ -3,24 +3,15 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 
-def decode_with_synthetic_prefix(engine, batch: int, context: int, steps: int, vocab: int, warmup: int = 3) -> float:
+def decode_with_synthetic_prefix(engine, batch: int, context: int, steps: int, warmup: int = 3) -> float:
     """Tokens/s of `steps` decode steps for `batch` sequences whose first `context` tokens count as
     already cached: their pages are held, their KV contents are whatever the pool holds, and only the
     last prompt token is computed. So only decode-shaped steps are timed (prefill is not measured)."""
-    from talaria_jax.engine import SamplingParams
+    from talaria_jax.calibrate import start_synthetic_decode
 
-    rng = np.random.RandomState(0)
-    for _ in range(batch):
-        rid = engine.add_request(rng.randint(0, vocab, context).tolist(),
-                                 SamplingParams(max_tokens=steps + warmup + 1, temperature=0.0, ignore_eos=True))
-        req = engine.requests[rid]
-        req.seq.grow(engine.allocator, context)
-        req.num_computed = context - 1
-        engine.waiting.remove(req)
-        engine.running.append(req)
+    start_synthetic_decode(engine, batch, context, max_tokens=steps + warmup + 1)
     for _ in range(warmup):  # compile + warm-up
         engine.step()
     t = time.perf_counter()

@@ -99,12 +99,12 @@ def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[di
     for batch in batches:
         eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
                                          max_model_len=-(-(ctx + steps + 8) // 16) * 16, warmup=False))
-        tok_s = common.decode_with_synthetic_prefix(eng, batch, ctx, steps, cfg.vocab_size)
+        tok_s = common.decode_with_synthetic_prefix(eng, batch, ctx, steps)
         del eng
         eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
                                          max_model_len=-(-(ctx + steps + 8) // 16) * 16, warmup=False))
         eng.runner.use_slot(slot, layout)
-        slot_tok_s = common.decode_with_synthetic_prefix(eng, batch, ctx, steps, cfg.vocab_size)
+        slot_tok_s = common.decode_with_synthetic_prefix(eng, batch, ctx, steps)
         step_bytes = cfg.weight_bytes() + batch * (ctx + steps / 2) * cfg.kv_bytes_per_token()
         roof = batch / (step_bytes / (hbm_gb_s * 1e9))
         rows.append({"model": cfg.name, "params": cfg.param_count(), "batch": batch, "context": ctx,

@@ -73,7 +73,7 @@ def bench_ours(model, batch: int, ctx: int, steps: int) -> float:
     page = 16  # decode_with_synthetic_prefix warms up the shapes it times: no engine warm-up
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
                                      max_model_len=-(-(ctx + steps + 8) // page) * page, warmup=False))
-    return common.decode_with_synthetic_prefix(eng, batch, ctx, steps, model.cfg.vocab_size)
+    return common.decode_with_synthetic_prefix(eng, batch, ctx, steps)
 
 
 def bench_hf(path, batch: int, ctx: int, steps: int) -> float:

@@ -58,11 +58,6 @@ def bench_config(hidden: int, layers: int):
                        dtype="float32")
 
 
-def wait_staged(slot) -> None:
-    while not slot.staged_ready():
-        time.sleep(0.0005)
-
-
 def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:
     """Seconds per switch of each path, alternating the models; one untimed run of each first."""
     import jax
@@ -73,7 +68,7 @@ def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:
         t = time.perf_counter()
         slot.stage(host)
         issued = time.perf_counter()
-        wait_staged(slot)
+        slot.wait_staged()
         arrived = time.perf_counter()
         slot.activate_staged()
         slot.array.block_until_ready()

@@ -95,8 +95,7 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
         slot.array.block_until_ready()
         load.append(time.perf_counter() - t)
         slot.stage(s.host)
-        while not slot.staged_ready():
-            time.sleep(0.001)
+        slot.wait_staged()
         t = time.perf_counter()
         slot.activate_staged()
         slot.array.block_until_ready()
@@ -142,9 +141,25 @@ class KeepStaging:
             self.copies += 1
 
     def settle(self) -> None:
-        while self.slot.staged is not None and not self.slot.staged_ready():
-            time.sleep(0.0005)
+        self.slot.wait_staged()
         self.slot.drop_staged()
+
+
+def start_synthetic_decode(eng, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
+    """Puts `batch` sequences of random tokens straight into `eng`'s running batch, their first `context`
+    tokens counting as cached (pages held, contents whatever the pool holds), so only the last prompt
+    token is computed and every later step is decode-shaped: decode timed at any context, no prefill."""
+    from talaria_jax.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    for _ in range(batch):
+        rid = eng.add_request(rng.integers(0, eng.cfg.vocab_size, context).tolist(),
+                              SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        req = eng.requests[rid]
+        req.seq.grow(eng.allocator, context)
+        req.num_computed = context - 1
+        eng.waiting.remove(req)
+        eng.running.append(req)
 
 
 def decode_step_times(eng, batch: int, context: int, steps: int, keep: KeepStaging | None = None,
@@ -156,17 +171,7 @@ def decode_step_times(eng, batch: int, context: int, steps: int, keep: KeepStagi
     count as cached (pages held, contents whatever the pool holds: only the last prompt token is
     computed, so every timed step is decode-shaped), `warmup` untimed steps first (the first
     compiles). The sequences are aborted at the end, so the engine can be timed again."""
-    from talaria_jax.engine.sampling import SamplingParams
-
-    rng = np.random.default_rng(seed)
-    for _ in range(batch):
-        rid = eng.add_request(rng.integers(0, eng.cfg.vocab_size, context).tolist(),
-                              SamplingParams(max_tokens=warmup + 2 * steps + 1, temperature=0.0, ignore_eos=True))
-        req = eng.requests[rid]
-        req.seq.grow(eng.allocator, context)
-        req.num_computed = context - 1
-        eng.waiting.remove(req)
-        eng.running.append(req)
+    start_synthetic_decode(eng, batch, context, max_tokens=warmup + 2 * steps + 1, seed=seed)
     try:
         for _ in range(warmup):
             eng.step()

@@ -251,6 +251,11 @@ class WeightSlot:
         """Whether the staged copy has arrived on the devices (False when nothing is staged)."""
         return self._staging is not None and self._staging.is_ready()
 
+    def wait_staged(self) -> None:
+        """Blocks until the staged copy has arrived (returns at once when nothing is staged)."""
+        if self._staging is not None:
+            self._staging.block_until_ready()
+
     def activate_staged(self) -> HostWeights:
         """Copies the staged weights into the slot device-to-device (in place) and makes them active;
         frees the staging buffer. Returns them."""
