@@ -44,9 +44,10 @@ from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 from talaria_jax.sim.instance import InstanceStats
+from talaria_jax.tokenizer import Tokenizer
 from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights, word_for
 
-__all__ = ["Instance", "SessionTokens"]
+__all__ = ["Instance", "LiveTokens", "SessionTokens"]
 
 
 class SessionTokens:
@@ -73,6 +74,29 @@ class SessionTokens:
                              f"{len(h)} tokens the session already holds")
         return h + [self.token(call.session, p, vocab) for p in range(len(h), call.prompt_tokens)]
 
+    def params(self, call: Call) -> SamplingParams:
+        """A replayed call decodes greedily for exactly its trace's output tokens."""
+        return SamplingParams(max_tokens=call.output_tokens, temperature=0.0, ignore_eos=True)
+
+    def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
+        self.history[session] = list(prompt) + list(output)
+
+
+class LiveTokens:
+    """The token source of an `Instance` that serves live requests (`SessionTokens` replays a trace):
+    each call's real prompt and sampling parameters, and each session's last context (its last
+    prompt and the tokens generated for it), which the instance's prefix lookups follow."""
+
+    def __init__(self):
+        self.history: dict[str, list[int]] = {}
+        self.calls: dict[tuple[str, int], tuple[tuple[int, ...], SamplingParams]] = {}
+
+    def prompt(self, call: Call, vocab: int) -> list[int]:
+        return list(self.calls[call.key][0])
+
+    def params(self, call: Call) -> SamplingParams:
+        return self.calls[call.key][1]
+
     def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
         self.history[session] = list(prompt) + list(output)
 
@@ -92,13 +116,15 @@ class Instance:
     `kv_bytes_per_device` sizes the shared KV arena in bytes per device (None: as engine_config says,
     its default room for max_seqs sequences of max_model_len at page_size tokens a page).
     `host_kv_bytes` bounds each model's host tier (None: unbounded); a copy that does not fit is not
-    kept, and its session's prefix is recomputed when it returns."""
+    kept, and its session's prefix is recomputed when it returns. `tokenizers`: a model's tokenizer
+    (for serving text; default: bytes)."""
 
     def __init__(self, name: str, models: Mapping[str, ShardedModel], hw: HardwareConfig,
                  shapes: Mapping[str, ModelShape], *, engine_config: EngineConfig, tokens: SessionTokens,
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
                  kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
-                 tenant: Callable[[str], str | None] = lambda sid: None):
+                 tenant: Callable[[str], str | None] = lambda sid: None,
+                 tokenizers: Mapping[str, Tokenizer] | None = None):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
         mesh = next(iter(models.values())).mesh
@@ -126,7 +152,7 @@ class Instance:
         self.served: dict[str, _Served] = {}
         for m, model in models.items():
             host = HostWeights.of(model, layouts[m])  # the device copy is not kept: the slot is the only one
-            eng = Engine(without_weights(model), cfg, arena=self.arena)
+            eng = Engine(without_weights(model), cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena)
             eng.runner.use_slot(self.slot, layouts[m])
             eng.prefix_cache.clock = lambda: self.now  # protection deadlines are on the replay's clock
             if host_kv_bytes is not None:  # never above what the tier allows (no host memory kind: a device grant)
@@ -167,6 +193,7 @@ class Instance:
         self._calls: dict[str, Call] = {}  # request id -> call, handed to its engine
         self._reusable: dict[str, int] = {}  # request id -> prefix tokens an earlier call computed
         self.outputs: dict[tuple[str, int], RequestOutput] = {}  # call key -> its finished output
+        self.step_outputs: list[tuple[Call, RequestOutput]] = []  # every output of the last chunk
         self._protect: dict[str, float] = {}
         self._chunk: tuple | None = None
         self.now = 0.0
@@ -254,6 +281,17 @@ class Instance:
         kv = self._host_copy(session_id, model)
         return PrefixLocation(self._device_tokens(session_id, model), kv.num_tokens if kv is not None else 0)
 
+    def prefix_of(self, session_id: str, model: str, prompt, cache_salt: str | None) -> PrefixLocation:
+        """Tokens of `prompt` (ids) this instance holds for `model`: full pages in the device prefix
+        cache under the tenant `cache_salt`, and the session's host copy where `prompt` extends it."""
+        if model not in self.served:
+            return PrefixLocation()
+        eng = self.served[model].engine
+        device = eng.prefix_cache.peek(eng.prefix_key(cache_salt), prompt)
+        kv = self._host_copy(session_id, model)
+        host = kv.num_tokens if kv is not None and tuple(prompt[:kv.num_tokens]) == kv.token_ids else 0
+        return PrefixLocation(device, host)
+
     # --- InstanceAPI: queue -----------------------------------------------------------------
     def num_waiting(self) -> int:
         return len(self._pending) + sum(len(s.engine.waiting) for s in self.served.values())
@@ -294,6 +332,17 @@ class Instance:
                 del self._calls[rid], self._reusable[rid]
                 return True
         return False
+
+    def cancel(self, call: Call) -> RequestOutput | None:
+        """Stops `call` wherever it is (admitted, waiting or running), freeing its pages; its partial
+        output when its engine had it (None otherwise)."""
+        if self.abort(call):
+            return None
+        for rid, c in list(self._calls.items()):
+            if c.key == call.key:
+                del self._calls[rid], self._reusable[rid]
+                return self.served[c.model].engine.abort(rid)
+        return None
 
     def switch_model(self, model: str) -> None:
         if model not in self.served:
@@ -390,8 +439,8 @@ class Instance:
 
     def _submit(self) -> None:
         """Hands the admitted calls to the active engine: each prompt from its session's history, and
-        the session's host copy, which tops up what the device cache holds. A call the engine refuses
-        (RequestError, e.g. longer than max_model_len) leaves the queue with the error; the rest stay."""
+        the session's host copy, which tops up what the device cache holds. Calls are checked before they
+        are admitted (``Engine.check_request``), so the engine takes them all."""
         while self._pending:
             call = self._pending.pop(0)
             if call.model != self._active:
@@ -404,9 +453,8 @@ class Instance:
             # at admission the engine takes the device cache's full pages and restores only the rest
             if kv is not None and (kv.num_tokens >= len(prompt) or tuple(prompt[:kv.num_tokens]) != kv.token_ids):
                 kv = None
-            rid = eng.add_request(prompt, SamplingParams(max_tokens=call.output_tokens, temperature=0.0, ignore_eos=True),
-                                  f"{call.session}/{call.turn}", keep_kv=self.host_kv, restore=kv,
-                                  cache_salt=self.tenant(call.session), session=call.session)
+            rid = eng.add_request(prompt, self.tokens.params(call), f"{call.session}/{call.turn}", keep_kv=self.host_kv,
+                                  restore=kv, cache_salt=self.tenant(call.session), session=call.session)
             self._calls[rid] = call
             # tokens an earlier call computed KV for: all of the history but its last token
             self._reusable[rid] = max(0, len(self.tokens.history.get(call.session, ())) - 1)
@@ -419,7 +467,9 @@ class Instance:
         kind, arg = self._chunk
         self._chunk = None
         if kind == "switch":
+            self.step_outputs = []
             return []
+        self.step_outputs = [(self._calls[out.request_id], out) for out in arg if out.request_id in self._calls]
         return [self._finished(out) for out in arg if out.finished]
 
     def _finished(self, out: RequestOutput) -> Call:

@@ -17,16 +17,15 @@ from collections.abc import Mapping, Sequence
 import jax
 
 from talaria_jax.engine.engine import EngineConfig
-from talaria_jax.instance import Instance, SessionTokens
-from talaria_jax.models.config import load_model_config
-from talaria_jax.models.model import ShardedModel, init_model
+from talaria_jax.instance import Instance, LiveTokens, SessionTokens
+from talaria_jax.models.model import ShardedModel
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, SessionTable
 from talaria_jax.sharding import make_mesh
 from talaria_jax.sim.cluster import ReplayResult, run, tool_gap_factors
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 from talaria_jax.sim.traces import TraceSpec, generate
-from talaria_jax.weights.named import NAMED_MODELS, load_model
+from talaria_jax.weights.named import LoadedModel, load_model
 
 LOCAL_MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
 LOCAL_KV_BYTES = 512 * 2**20  # an instance's KV arena per device, all models: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
@@ -59,11 +58,10 @@ def map_models(calls: Sequence[Call], model_map: Mapping[str, str]) -> list[Call
     return [dataclasses.replace(c, model=model_map[c.model]) for c in calls]
 
 
-def load_local_model(name: str, mesh, seed: int = 0) -> ShardedModel:
-    """A named model (the embedded GGUF) or a configs/models/ config with random weights."""
-    if name in NAMED_MODELS:
-        return load_model(name, mesh=mesh).model
-    return init_model(load_model_config(name), mesh, seed)
+def load_local_model(name: str, mesh, seed: int = 0, dtype: str | None = None) -> LoadedModel:
+    """`weights.load_model`: a named model (the embedded GGUF), a checkpoint, or a configs/models/
+    config with random weights from `seed` (and a byte tokenizer)."""
+    return load_model(name, mesh=mesh, seed=seed, dtype=dtype)
 
 
 def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelShape]:
@@ -71,11 +69,13 @@ def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelSha
     return {n: ModelShape.from_config(m.cfg, m.cfg.weight_dtype, tp, name=n) for n, m in models.items()}
 
 
-def build_instances(names: Sequence[str], hw: HardwareConfig, *, instances: int = 2, devices_per_instance: int = 1,
-                    engine_config: EngineConfig, tokens: SessionTokens, seed: int = 0,
-                    kv_bytes_per_device: int | None = LOCAL_KV_BYTES) -> list[Instance]:
-    """`instances` real instances on disjoint devices, each hosting every model of `names` on one KV
-    arena of `kv_bytes_per_device` per device (None: as engine_config says)."""
+def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig, *, instances: int = 2, devices_per_instance: int = 1,
+                    engine_config: EngineConfig, tokens: SessionTokens | None, seed: int = 0,
+                    kv_bytes_per_device: int | None = LOCAL_KV_BYTES, dtype: str | None = None,
+                    **instance_kw) -> list[Instance]:
+    """`instances` real instances on disjoint devices, each hosting every model of `names` (a name
+    `load_local_model` loads, or a mapping of served names to those) on one KV arena of `kv_bytes_per_device` per device (None: as engine_config says). `tokens`: the replay's
+    token source, shared by all; None: live serving (each instance its own `LiveTokens`)."""
     if instances < 1 or devices_per_instance < 1:
         raise ValueError(f"instances={instances} and devices_per_instance={devices_per_instance} must be >= 1")
     need = instances * devices_per_instance
@@ -85,9 +85,12 @@ def build_instances(names: Sequence[str], hw: HardwareConfig, *, instances: int 
     out = []
     for k in range(instances):
         mesh = make_mesh(jax.devices()[k * devices_per_instance:(k + 1) * devices_per_instance])
-        models = {n: load_local_model(n, mesh, seed) for n in names}
-        out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance),
-                            engine_config=engine_config, tokens=tokens, kv_bytes_per_device=kv_bytes_per_device))
+        sources = names if isinstance(names, Mapping) else {n: n for n in names}
+        loaded = {n: load_local_model(src, mesh, seed, dtype) for n, src in sources.items()}
+        models = {n: lm.model for n, lm in loaded.items()}
+        out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance), engine_config=engine_config,
+                            tokens=tokens if tokens is not None else LiveTokens(), kv_bytes_per_device=kv_bytes_per_device,
+                            tokenizers={n: lm.tokenizer for n, lm in loaded.items()}, **instance_kw))
     return out
 
 

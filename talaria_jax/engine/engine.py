@@ -239,6 +239,11 @@ class Engine:
         req.keep_kv, req.restore, req.cache_salt, req.session = bool(keep_kv), restore, cache_salt, session
         return self._enqueue(req)
 
+    def check_request(self, prompt: Sequence[int] | str, params: SamplingParams) -> tuple[int, ...]:
+        """The checks of `add_request` without queueing anything: the prompt's token ids, or the
+        RequestError that add_request would raise."""
+        return self._make_request(prompt, params, None).prompt
+
     def _check_restore(self, prompt: tuple[int, ...], kv: HostKV) -> None:
         if not isinstance(kv, HostKV):
             raise RequestError(f"restore must be a HostKV (RequestOutput.kv), got {type(kv).__name__}")

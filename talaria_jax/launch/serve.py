@@ -1,6 +1,9 @@
-"""talaria-serve: one instance's OpenAI-compatible server (FastAPI + uvicorn) over the paged engine.
+"""talaria-serve: one instance's OpenAI-compatible server (FastAPI + uvicorn): one or several models on
+one group of devices, switched and admitted by the scheduler's policy (`--policy`).
 
 Defaults run on one CPU with no downloads: the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000.
+Several models share the instance's weight slot and KV arena (`--model=smollm2-135m-instruct,tiny-moe`);
+a router gateway (`talaria-route --instances=http://host:8000,...`) places calls over many of them.
 
   talaria-serve --api_key=sk-local                          # or TALARIA_API_KEY=sk-local talaria-serve
   curl -s 127.0.0.1:8000/v1/chat/completions -H "Authorization: Bearer sk-local" \\
@@ -21,14 +24,19 @@ import threading
 import uvicorn
 from absl import app, flags, logging
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct",
-                             "Named model, .gguf file, HF or Orbax checkpoint folder, or config name (random weights).")
-_NAME = flags.DEFINE_string("served_model_name", None, "The model's name in requests (default: --model).")
+_MODEL = flags.DEFINE_list("model", ["smollm2-135m-instruct"], "Models of the instance, comma-separated: each a named "
+                           "model, .gguf file, HF or Orbax checkpoint folder, or config name (random weights).")
+_NAME = flags.DEFINE_list("served_model_name", None, "The models' names in requests, one per --model (default: "
+                          "--model).")
+_POLICY = flags.DEFINE_string("policy", "talaria", "Scheduling policy of the instance's models (talaria, round, ...; "
+                              "see talaria_jax/scheduler/policies.py).")
+_HARDWARE = flags.DEFINE_string("hardware", None, "Hardware profile of the scheduler's estimates (configs/hardware/ "
+                                "name or YAML; default: cpu on the CPU backend, else h200x8).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (127.0.0.1: this machine only).")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
 _KEY = flags.DEFINE_string("api_key", None, "Comma-separated API keys (each a tenant); default $TALARIA_API_KEY, "
                            "else one is made up and printed.")
-_TP = flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices used).", lower_bound=1)
+_TP = flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (the first tp devices are used).", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype (default: the checkpoint's).")
 _MAX_LEN = flags.DEFINE_integer("max_model_len", 2048, "Context limit (tokens).", lower_bound=16)
 _MAX_SEQS = flags.DEFINE_integer("max_seqs", 16, "Requests decoding at once.", lower_bound=1)
@@ -50,28 +58,30 @@ _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilat
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from talaria_jax.engine import Engine, EngineConfig
-    from talaria_jax.launch.common import load_on_devices
-    from talaria_jax.serve.app import ServedModel, build_app
+    from talaria_jax.engine import EngineConfig
+    from talaria_jax.launch.common import instance_apps
     from talaria_jax.serve.protocol import Limits
 
     keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
     if not keys:
         keys = ["sk-" + secrets.token_urlsafe(24)]
         print(f"no --api_key or $TALARIA_API_KEY: this server's key is {keys[0]}", file=sys.stderr)
-    lm = load_on_devices(_MODEL.value, _TP.value, dtype=_DTYPE.value, compilation_cache=_XLA_CACHE.value)
+    names = _NAME.value or _MODEL.value
+    if len(names) != len(_MODEL.value):
+        raise app.UsageError(f"--served_model_name has {len(names)} names for {len(_MODEL.value)} models")
     cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
-                       max_model_len=min(lm.cfg.max_position, _MAX_LEN.value), prefix_cache=True,
-                       kv_memory_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
-                       warmup=_WARMUP.value)
-    engine = Engine(lm.model, cfg, tokenizer=lm.tokenizer)
-    api = build_app(ServedModel(_NAME.value or _MODEL.value, engine), api_keys=keys,
-                    limits=Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value, max_n=_MAX_N.value),
-                    tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None)
+                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value)
+    [api] = instance_apps(dict(zip(names, _MODEL.value)), instances=1, tp=_TP.value, policy=_POLICY.value,
+                          dtype=_DTYPE.value, engine_config=cfg,
+                          kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None, hardware=_HARDWARE.value,
+                          api_keys=keys, limits=Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value,
+                                                       max_n=_MAX_N.value),
+                          tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None,
+                          compilation_cache=_XLA_CACHE.value)
     server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning",
                                            timeout_graceful_shutdown=max(1, int(_DRAIN.value))),
                             api.state.engine, _DRAIN.value)
-    print(f"serving {_NAME.value or _MODEL.value} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
+    print(f"serving {', '.join(names)} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
     server.run()
     api.state.engine.close()
 

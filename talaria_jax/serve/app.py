@@ -19,9 +19,12 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import uvicorn
 from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,10 +34,11 @@ from talaria_jax.engine.engine import Engine, RequestOutput
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.serve import protocol
 from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
+from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
 from talaria_jax.serve.protocol import ApiError, Limits, Parsed
 
-__all__ = ["ServedModel", "build_app", "tenant_salt"]
+__all__ = ["ServedModel", "build_app", "serve_in_thread", "tenant_salt"]
 
 
 @dataclasses.dataclass
@@ -54,18 +58,26 @@ def tenant_salt(api_key: str, secret: bytes) -> str:
     return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = Limits(),
-              session_idle_s: float = 60.0, tenant_secret: bytes | None = None) -> FastAPI:
+def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence[str], limits: Limits = Limits(),
+              session_idle_s: float = 60.0, tenant_secret: bytes | None = None,
+              backend: InstanceEngine | None = None) -> FastAPI:
     """The app; `app.state.engine` is its `AsyncEngine` (stop it with `.close()`), `app.state.metrics`
-    its metrics. `tenant_secret` keys the tenant salts (default: random for this process; servers
-    whose salts must agree, such as a gateway's instances, share one)."""
+    its metrics. `tenant_secret` keys the tenant salts (default: random for this process). `backend`:
+    an `InstanceEngine` serving every one of `models` on one instance under the scheduler (it adds the
+    router's routes, `GET /talaria/state` and `POST /talaria/probe`); None: the one model's own engine."""
+    models = [models] if isinstance(models, ServedModel) else list(models)
+    if backend is None and len(models) != 1:
+        raise ValueError(f"build_app: {len(models)} models need a backend (an InstanceEngine serving them)")
+    if backend is not None and sorted(m.name for m in models) != sorted(backend.models):
+        raise ValueError(f"build_app: the models {[m.name for m in models]} are not the backend's {backend.models}")
     if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
         raise ValueError("build_app: give at least one non-empty API key")
+    by_name = {m.name: m for m in models}
     secret = tenant_secret or secrets.token_bytes(32)
     app = FastAPI(title="talaria-serve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics_box: list[ServerMetrics] = []
-    ae = AsyncEngine(model.engine, on_output=lambda *a: metrics_box[0].on_output(*a))
-    metrics = ServerMetrics(ae, model.name, session_idle_s)
+    ae = AsyncEngine(backend or models[0].engine, on_output=lambda *a: metrics_box[0].on_output(*a))
+    metrics = ServerMetrics(ae, ",".join(by_name), session_idle_s)
     metrics_box.append(metrics)
     app.state.engine, app.state.metrics, app.state.limits = ae, metrics, limits
     keys = [k.encode() for k in api_keys]
@@ -97,10 +109,10 @@ def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = L
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(request: Request):
+    async def list_models(request: Request):
         caller(request)
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "talaria",
-                                            "max_model_len": model.engine.config.max_model_len}]}
+        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "talaria",
+                                            "max_model_len": m.engine.config.max_model_len} for m in models]}
 
     @app.get("/metrics")
     def get_metrics(request: Request):  # a plain def: FastAPI runs it in a thread (it reads the engine)
@@ -115,33 +127,61 @@ def build_app(model: ServedModel, *, api_keys: Sequence[str], limits: Limits = L
     async def chat_completions(request: Request):
         return await _generate(request, chat=True)
 
-    async def _generate(request: Request, chat: bool):
+    @app.post("/talaria/probe")
+    async def probe(request: Request, kind: str = "completion"):
+        """The router's view of this instance for one request (which it checks as if it were sent):
+        the instance's state, and the tokens of the request's prompt it holds on device and on host."""
+        if backend is None:
+            raise ApiError(404, "this server has no scheduler (one engine): nothing to probe", code="not_found")
+        served, p, prompt, salt, session = await _prepare(request, kind == "chat")
+        try:
+            served.engine.check_request(prompt, p.params[0])
+        except RequestError as e:
+            raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
+
+        def read():
+            with ae._lock:
+                loc = backend.prefix_of(session, served.name, prompt, salt)
+                return {**backend.state(session), "prompt_tokens": len(prompt), "device_tokens": loc.device_tokens,
+                        "host_tokens": loc.host_tokens}
+        return await asyncio.to_thread(read)
+
+    async def _prepare(request: Request, chat: bool) -> tuple[ServedModel, Parsed, list[int], str, str | None]:
+        """Checks the caller and the request; the model, the request, its prompt ids, the caller's
+        tenant salt and the session (named within the tenant)."""
         key = caller(request)
         if ae.state != "running":
             raise ApiError(503, f"the server is {ae.state}", code="unavailable")
         body = await _read_json(request, limits.max_body_bytes)
         p = protocol.parse_chat(body, limits) if chat else protocol.parse_completion(body, limits)
-        if p.model != model.name:
-            raise ApiError(404, f"the model '{p.model}' does not exist (this server serves '{model.name}')", "model",
-                           "model_not_found")
+        served = by_name.get(p.model)
+        if served is None:
+            raise ApiError(404, f"the model '{p.model}' does not exist (this server serves "
+                           f"{', '.join(repr(n) for n in by_name)})", "model", "model_not_found")
         header = request.headers.get("x-session-id")
         if header is not None and not 0 < len(header) <= 256:
             raise ApiError(400, "the x-session-id header must be 1 to 256 characters", "x-session-id", "invalid_value")
         p.session = header or p.session
-        prompt = await asyncio.to_thread(_prompt_ids, model, p)  # a template and up to a MiB of text
+        prompt = await asyncio.to_thread(_prompt_ids, served, p)  # a template and up to a MiB of text
         if p.max_tokens is None:  # chat's default: the rest of the context
-            room = model.engine.config.max_model_len - len(prompt)
+            room = served.engine.config.max_model_len - len(prompt)
             p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
         salt = tenant_salt(key, secret)
         session = None if p.session is None else f"{salt[:8]}:{p.session}"  # tenants' sessions never mix
+        return served, p, prompt, salt, session
+
+    async def _generate(request: Request, chat: bool):
+        served, p, prompt, salt, session = await _prepare(request, chat)
         if session is not None:
             metrics.session_started(session)
         loop = asyncio.get_running_loop()
+        route = {} if backend is None else {"model": served.name}
         choices: list[_Choice] = []
         try:
             for i, params in enumerate(p.params):
-                rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=salt, session=session)
-                choices.append(_Choice(i, rid, queue, p, model.tokenizer))
+                rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=salt, session=session,
+                                                     **route)
+                choices.append(_Choice(i, rid, queue, p, served.tokenizer))
         except RequestError as e:
             _abort_all(ae, choices)
             raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
@@ -325,3 +365,17 @@ async def _stream(ae: AsyncEngine, request: Request, choices: list[_Choice], cha
         yield "data: [DONE]\n\n"
     finally:
         _abort_all(ae, choices)
+
+
+def serve_in_thread(api: FastAPI, host: str = "127.0.0.1", port: int = 0) -> tuple[str, uvicorn.Server]:
+    """Runs `api` under uvicorn in a daemon thread; its base URL (port 0: a free one) and the server
+    (`server.should_exit = True` stops it)."""
+    server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server on {host}:{port} did not start")
+        time.sleep(0.01)
+    server.thread = thread
+    return f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}", server

@@ -92,13 +92,18 @@ class ServerMetrics:
     def collect(self):
         """The engine's gauges and counters, read now (prometheus_client calls this at each scrape)."""
         ae = self.async_engine
+        backend = ae.engine  # an Engine, or an InstanceEngine: several engines on one KV arena
+        engines = getattr(backend, "engines", [backend])
         with ae._lock:
-            eng = ae.engine
-            st, alloc = eng.stats, eng.allocator
-            running, waiting = len(eng.running), len(eng.waiting)
+            running = sum(len(e.running) for e in engines)
+            waiting = sum(len(e.waiting) for e in engines)
+            cached = sum(e.prefix_cache.num_pages for e in engines if e.prefix_cache is not None)
+            host = sum(e.host_tier.used_bytes for e in engines)
+            alloc = engines[0].allocator  # the arena's: shared by an instance's engines
             pages_used, pages = alloc.num_used, alloc.num_pages
-            cached = eng.prefix_cache.num_pages if eng.prefix_cache is not None else 0
-            host = eng.host_tier.used_bytes
+            stats = [e.stats for e in engines]
+            state = backend.state() if hasattr(backend, "state") else None
+        total = lambda field: sum(getattr(st, field) for st in stats)
         m = [self.model]
         gauges = [("num_requests_running", "Requests in the running batch", running),
                   ("num_requests_waiting", "Requests waiting for admission", waiting),
@@ -112,11 +117,14 @@ class ServerMetrics:
             g = GaugeMetricFamily(f"talaria:{name}", doc, labels=["model_name"])
             g.add_metric(m, v)
             yield g
-        counters = [("prefill_tokens", "Prompt tokens computed (not found cached or restored)", st.prefill_tokens),
-                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", st.prefix_query_tokens),
-                    ("prefix_cache_hits", "Of those, tokens found cached", st.prefix_hit_tokens),
-                    ("host_restored_tokens", "Prompt tokens restored from host memory", st.restored_tokens),
-                    ("num_preemptions", "Requests preempted (recomputed later)", st.preemptions)]
+        counters = [("prefill_tokens", "Prompt tokens computed (not found cached or restored)", total("prefill_tokens")),
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", total("prefix_query_tokens")),
+                    ("prefix_cache_hits", "Of those, tokens found cached", total("prefix_hit_tokens")),
+                    ("host_restored_tokens", "Prompt tokens restored from host memory", total("restored_tokens")),
+                    ("num_preemptions", "Requests preempted (recomputed later)", total("preemptions"))]
+        if state is not None:  # an instance of several models: its switches
+            counters += [("model_switches", "Switches of the served model", state["switches"]),
+                         ("model_switch_seconds", "Seconds spent switching models", state["switch_seconds"])]
         for name, doc, v in counters:
             c = CounterMetricFamily(f"talaria:{name}", doc, labels=["model_name"])
             c.add_metric(m, v)

@@ -1,0 +1,102 @@
+"""talaria-route: the router gateway, one OpenAI-compatible endpoint over many instance servers.
+
+  talaria-route --instances=http://10.0.0.1:8000,http://10.0.0.2:8000 --api_key=sk-...   # remote
+  talaria-route --local_instances=2 --api_key=sk-local                                 # in-process
+
+Remote instances are `talaria-serve` processes (one per TP group; give them the same --api_key).
+`--local_instances=N` starts N instance servers in this process on 127.0.0.1, each on its own split
+of the local devices and hosting every model of --model, and routes over them the same way. Calls are
+placed by --policy's router and served by its multiplexer on each instance. Defaults run on one CPU
+machine with no downloads (the embedded SmolLM2-135M-Instruct).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+
+import uvicorn
+from absl import app, flags, logging
+
+_INSTANCES = flags.DEFINE_list("instances", None, "Base URLs of instance servers (talaria-serve), comma-separated.")
+_LOCAL = flags.DEFINE_integer("local_instances", 0, "Start this many instance servers in this process instead.",
+                              lower_bound=0)
+_MODEL = flags.DEFINE_list("model", ["smollm2-135m-instruct"], "Local instances: the models each one hosts.")
+_TP = flags.DEFINE_integer("tp", None, "Local instances: devices each (default: 1 on CPU, else the devices split "
+                           "evenly).",
+                           lower_bound=1)
+_POLICY = flags.DEFINE_string("policy", "talaria", "Scheduling policy: talaria, round, load, sticky, composite, ...")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (127.0.0.1: this machine only).")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
+_KEY = flags.DEFINE_string("api_key", None, "Comma-separated API keys (each a tenant; the instances must take them "
+                           "too); default $TALARIA_API_KEY, else one is made up and printed.")
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body (bytes; larger: 413).",
+                                 lower_bound=1024)
+_PROBE = flags.DEFINE_float("probe_interval_s", 1.0, "Seconds between health checks of each instance.",
+                            lower_bound=0.05)
+_FAIL_AFTER = flags.DEFINE_integer("fail_after", 2, "Health checks missed in a row before an instance is taken out "
+                                   "(a refused connection takes it out at once).", lower_bound=1)
+_MAX_LEN = flags.DEFINE_integer("max_model_len", 2048, "Local instances: context limit (tokens).", lower_bound=16)
+_MAX_SEQS = flags.DEFINE_integer("max_seqs", 16, "Local instances: requests decoding at once.", lower_bound=1)
+_KV_MB = flags.DEFINE_integer("kv_mib_per_device", None, "Local instances: KV arena per device in MiB.", lower_bound=1)
+_WARMUP = flags.DEFINE_bool("warmup", True, "Local instances: compile every step shape before serving.")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if bool(_INSTANCES.value) == bool(_LOCAL.value):
+        raise app.UsageError("give either --instances=URL,... or --local_instances=N")
+    from talaria_jax.scheduler.policies import get_policy
+    from talaria_jax.serve.gateway import build_gateway
+
+    keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
+    if not keys:
+        keys = ["sk-" + secrets.token_urlsafe(24)]
+        print(f"no --api_key or $TALARIA_API_KEY: this gateway's key is {keys[0]}", file=sys.stderr)
+    try:
+        policy = get_policy(_POLICY.value)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    if _LOCAL.value:
+        from talaria_jax.local import simulate_cpu_devices
+        simulate_cpu_devices(_LOCAL.value * (_TP.value or 1))  # before JAX starts: CPU devices to split
+    local = start_local_instances(keys) if _LOCAL.value else []
+    urls = [url for url, _ in local] or _INSTANCES.value
+    gateway = build_gateway(urls, api_keys=keys, policy=policy, max_body_bytes=_MAX_BODY.value,
+                            probe_interval_s=_PROBE.value, fail_after=_FAIL_AFTER.value)
+    print(f"routing ({policy.name}) over {', '.join(urls)} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(gateway, host=_HOST.value, port=_PORT.value, log_level="warning")
+    finally:
+        for _, server in local:
+            server.should_exit = True
+            server.config.app.state.engine.close()
+
+
+def start_local_instances(keys: list[str]) -> list[tuple[str, uvicorn.Server]]:
+    """--local_instances instance servers on 127.0.0.1 (free ports), each in a thread of this process."""
+    import jax
+
+    from talaria_jax.engine import EngineConfig
+    from talaria_jax.launch.common import instance_apps
+    from talaria_jax.serve.app import serve_in_thread
+    from talaria_jax.serve.protocol import Limits
+
+    n = _LOCAL.value
+    tp = _TP.value or (1 if jax.default_backend() == "cpu" else max(1, jax.device_count() // n))
+    cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
+                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value)
+    apps = instance_apps({m: m for m in _MODEL.value}, instances=n, tp=tp, policy=_POLICY.value, dtype=None,
+                         engine_config=cfg, kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
+                         hardware=None, api_keys=keys, limits=Limits(max_body_bytes=_MAX_BODY.value), tenant_secret=None,
+                         compilation_cache=None)
+    return [serve_in_thread(a) for a in apps]
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

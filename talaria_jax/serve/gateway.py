@@ -1,0 +1,520 @@
+"""The router gateway: one OpenAI-compatible endpoint in front of many instance servers.
+
+Each instance is a `talaria-serve` (or an in-process one, `talaria-route --local_instances=N`),
+reached over HTTP either way, so the scheduling is the same. A call is placed by the scheduler's
+router (`talaria_jax.scheduler.router.rank`, the policy's scorer): the gateway asks every instance
+that serves the call's model for its view of this very request (`POST /talaria/probe`: its state,
+and the tokens of the request's prompt it holds on device and on host under the caller's tenant),
+ranks them, and forwards the request to the best one. The instance runs the same policy's
+multiplexer and admission over its models. So a session's next call goes where its KV is, unless
+switching or queueing there costs more.
+
+The caller's API key is forwarded: instances derive the prefix cache's tenant salt from it (as the
+probe's prefix counts do), so the gateway and its instances take the same keys. A session is named by
+an `x-session-id` header or a `session_id` field; a call without one is a single-call session.
+
+Faults lose nothing. Every request carries its session's whole history (OpenAI's interface is
+stateless), so any call can be placed anywhere and its KV recomputed there. The gateway checks each
+instance's `/health` every `probe_interval_s`: one that refuses connections or misses `fail_after`
+checks in a row is taken out, and the calls running on it are placed again on the survivors. A
+stream that had started continues where it stopped: the retry's events are trimmed of the text and
+logprobs the client already has. Sampled requests without a seed get one here, so a retry draws the
+same tokens (greedy ones are the same anyway). A draining instance (503 on /health) gets no new calls
+and finishes its running ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import itertools
+import json
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from absl import logging
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from talaria_jax.scheduler import router
+from talaria_jax.scheduler.api import PrefixLocation, WeightState
+from talaria_jax.scheduler.policies import PolicyConfig
+from talaria_jax.scheduler.session import Call, Session
+from talaria_jax.serve.app import _read_json
+from talaria_jax.serve.protocol import ApiError
+
+__all__ = ["Upstream", "build_gateway"]
+
+_SEED_MAX = 2**62  # a seed the gateway adds leaves room for n choices' seed + i
+
+
+@dataclasses.dataclass
+class Upstream:
+    """One instance server as the gateway sees it."""
+    name: str
+    url: str
+    models: tuple[str, ...] = ()
+    accepting: bool = False  # its /health answered 200: it takes new calls
+    alive: bool = False  # it answers at all (a draining one is alive, not accepting)
+    misses: int = 0  # health checks missed in a row
+    inflight: int = 0  # calls forwarded to it and not yet answered
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set when taken out
+
+
+class _Lost(Exception):
+    """The instance died or stopped answering while it served the call: place it again."""
+
+
+class _Snapshot:
+    """The router's `InstanceAPI` queries over one probe answer (`InstanceEngine.state` plus the
+    prompt's cached tokens); `routed`: calls forwarded to it that its counts do not show yet."""
+
+    def __init__(self, up: Upstream, s: dict[str, Any]):
+        self.name, self.up, self.s = up.name, up, s
+
+    def models(self) -> tuple[str, ...]:
+        return tuple(self.s["models"])
+
+    def active_model(self) -> str | None:
+        return self.s["active_model"]
+
+    def weight_state(self, model: str) -> WeightState:
+        return WeightState(self.s["weights"][model])
+
+    def estimate_switch_s(self, model: str) -> float:
+        return float(self.s["switch_s"][model])
+
+    def pages_for(self, model: str, tokens: int) -> int:
+        return math.ceil(tokens / self.s["page_size"][model])
+
+    def kv_pages_total(self) -> int:
+        return int(self.s["kv_pages_total"])
+
+    def kv_pages_used(self) -> int:
+        return int(self.s["kv_pages_used"])
+
+    def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
+        return int(self.s["kv_pages_reserved"])  # the probe left out the session's own
+
+    def kv_pages_free(self) -> int:
+        return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
+
+    def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
+        return PrefixLocation(int(self.s["device_tokens"]), int(self.s["host_tokens"]))
+
+    def num_waiting(self) -> int:
+        return int(self.s["waiting"])
+
+    def num_running(self) -> int:
+        return int(self.s["running"])
+
+    def routed(self) -> int:
+        return max(0, self.up.inflight - self.num_running() - self.num_waiting())
+
+
+class _Relay:
+    """What the client has been sent of one streamed call, so that a retry on another instance
+    continues it: per choice, the characters and logprob entries sent, whether the role (chat) and
+    the finish reason went out, and whether the usage did."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.chars: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+        self.roles: set[int] = set()
+        self.ended: set[int] = set()
+        self.usage_sent = False
+        self.attempt()
+
+    def attempt(self) -> None:
+        """A new upstream stream starts: it will repeat what the last one produced."""
+        self.seen_chars: dict[int, int] = {}
+        self.seen_tokens: dict[int, int] = {}
+
+    def feed(self, event: dict) -> dict | None:
+        """The part of an upstream event the client lacks (None: nothing)."""
+        if "error" in event:
+            raise _Lost(event["error"].get("message", "the instance failed"))
+        choices = []
+        for ch in event.get("choices") or []:
+            i = ch["index"]
+            if i in self.ended:
+                continue
+            if self.chat:
+                delta = ch.get("delta") or {}
+                text = delta.get("content") or ""
+            else:
+                text = ch.get("text") or ""
+            seen = self.seen_chars.get(i, 0)
+            self.seen_chars[i] = seen + len(text)
+            new = text[max(0, self.chars.get(i, 0) - seen):]
+            self.chars[i] = self.chars.get(i, 0) + len(new)
+            lp = ch.get("logprobs")
+            if lp:
+                n = len(lp.get("content") or lp.get("tokens") or [])
+                seen_t = self.seen_tokens.get(i, 0)
+                self.seen_tokens[i] = seen_t + n
+                skip = max(0, self.tokens.get(i, 0) - seen_t)
+                lp = {k: (v[skip:] if isinstance(v, list) else v) for k, v in lp.items()}
+                self.tokens[i] = self.tokens.get(i, 0) + max(0, n - skip)
+                ch["logprobs"] = lp if (lp.get("content") or lp.get("tokens")) else None
+            role = self.chat and "role" in (ch.get("delta") or {}) and i not in self.roles
+            if self.chat:
+                ch["delta"] = ({"role": "assistant"} if role else {}) | ({"content": new} if new or role else {})
+                self.roles |= {i} if role else set()
+            else:
+                ch["text"] = new
+            if ch.get("finish_reason"):
+                self.ended.add(i)
+            if new or role or ch.get("finish_reason") or ch.get("logprobs"):
+                choices.append(ch)
+        usage = event.get("usage") is not None and not self.usage_sent
+        self.usage_sent |= usage
+        if not choices and not usage:
+            return None
+        out = {**event, "choices": choices}
+        if not usage:
+            out.pop("usage", None)
+        return out
+
+
+def _session_id(request: Request, body: dict) -> str | None:
+    header = request.headers.get("x-session-id")
+    if header is not None and not 0 < len(header) <= 256:
+        raise ApiError(400, "the x-session-id header must be 1 to 256 characters", "x-session-id", "invalid_value")
+    sid = header or body.get("session_id")
+    if sid is not None and not (isinstance(sid, str) and 0 < len(sid) <= 256):
+        raise ApiError(400, "'session_id' must be a string of 1 to 256 characters", "session_id", "invalid_type")
+    return sid
+
+
+def _sampled(body: dict) -> bool:
+    t = body.get("temperature", 1.0)
+    return not (isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0)
+
+
+def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: PolicyConfig,
+                  max_body_bytes: int = 1 << 20, probe_interval_s: float = 1.0, fail_after: int = 2,
+                  probe_timeout_s: float = 30.0, instance_key: str | None = None) -> FastAPI:
+    """The gateway app over instance servers at `instances` (base URLs). `api_keys`: the callers'
+    keys (the instances must take them too); `instance_key`: the key of the gateway's own requests
+    (model lists; default the first of `api_keys`). Start it under uvicorn: its health checks run
+    while it serves. `app.state.upstreams` are the instances, `app.state.registry` its metrics."""
+    if not instances:
+        raise ValueError("build_gateway: give at least one instance URL")
+    if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
+        raise ValueError("build_gateway: give at least one non-empty API key")
+    ups = [Upstream(f"i{k}", url.rstrip("/")) for k, url in enumerate(instances)]
+    keys = [k.encode() for k in api_keys]
+    own_key = instance_key or api_keys[0]
+    secret = secrets.token_bytes(32)  # groups the gateway's sessions by tenant (never sent anywhere)
+    reg = CollectorRegistry()
+    m_requests = Counter("talaria:router_requests", "Calls forwarded, by instance", ["instance"], registry=reg)
+    m_replaced = Counter("talaria:router_replacements", "Calls placed again after their instance was lost",
+                         registry=reg)
+    m_up = Gauge("talaria:router_instance_up", "1 while the instance takes calls", ["instance"], registry=reg)
+    m_inflight = Gauge("talaria:router_inflight", "Calls forwarded and not yet answered", ["instance"], registry=reg)
+    m_e2e = Histogram("talaria:router_request_latency_seconds", "Arrival to the end of the answer", registry=reg,
+                      buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
+    sessions: dict[str, str] = {}  # tenant-scoped session -> the instance of its last call
+    anonymous = itertools.count()
+    http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=1000))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.gather(*(check(up) for up in ups))
+        task = asyncio.create_task(health_loop())
+        yield
+        task.cancel()
+        await http.aclose()
+
+    app = FastAPI(title="talaria-route", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.upstreams, app.state.registry, app.state.sessions = ups, reg, sessions
+
+    def caller(request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not key or sum(hmac.compare_digest(key.encode(), k) for k in keys) == 0:
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        return key
+
+    # --- instance health ---------------------------------------------------------------------------
+    def taken_out(up: Upstream, why: str) -> None:
+        if up.alive or up.accepting:
+            logging.warning("instance %s (%s) taken out: %s", up.name, up.url, why)
+        up.alive = up.accepting = False
+        up.lost.set()
+        m_up.labels(up.name).set(0)
+
+    async def check(up: Upstream) -> None:
+        try:
+            r = await http.get(f"{up.url}/health", timeout=max(0.5, probe_interval_s))
+        except httpx.ConnectError as e:  # nothing listens: the process is gone
+            up.misses = fail_after
+            return taken_out(up, f"connection refused ({e})")
+        except httpx.HTTPError as e:
+            up.misses += 1
+            if up.misses >= fail_after:
+                taken_out(up, f"{up.misses} health checks missed ({type(e).__name__})")
+            return
+        if not up.alive or not up.models:  # (back) in service: what does it serve?
+            try:
+                lst = await http.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {own_key}"},
+                                     timeout=probe_timeout_s)
+                lst.raise_for_status()
+                up.models = tuple(m["id"] for m in lst.json()["data"])
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                logging.warning("instance %s: cannot list its models: %s", up.name, e)
+                return
+            up.lost = asyncio.Event()
+        up.misses, up.alive, up.accepting = 0, True, r.status_code == 200
+        m_up.labels(up.name).set(int(up.accepting))
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.gather(*(check(up) for up in ups))
+            await asyncio.sleep(probe_interval_s)
+
+    # --- routes --------------------------------------------------------------------------------------
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        logging.exception("request failed")
+        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        n = sum(up.accepting for up in ups)
+        return JSONResponse({"status": "ok" if n else "no instance", "instances_up": n}, status_code=200 if n else 503)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        caller(request)
+        names = dict.fromkeys(m for up in ups if up.alive for m in up.models)
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "talaria"}
+                                           for n in names]}
+
+    @app.get("/metrics")
+    async def get_metrics(request: Request):
+        caller(request)
+        for up in ups:
+            m_inflight.labels(up.name).set(up.inflight)
+        return Response(generate_latest(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _call(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _call(request, "/v1/chat/completions", chat=True)
+
+    # --- placing and forwarding one call ------------------------------------------------------------
+    @dataclasses.dataclass
+    class _Ctx:
+        """One call as the gateway forwards it (again, after a loss)."""
+        raw: bytes
+        headers: dict
+        path: str
+        model: str
+        sid: str | None
+        tenant: str
+        chat: bool
+        tried: set = dataclasses.field(default_factory=set)  # instances that failed this call
+
+        @property
+        def session_key(self) -> str | None:
+            return None if self.sid is None else f"{self.tenant}:{self.sid}"
+
+    def failed(up: Upstream, ctx: _Ctx, why) -> None:
+        logging.warning("a call on instance %s failed (%s): placing it again", up.name, why)
+        ctx.tried.add(up.name)
+        m_replaced.inc()
+        asyncio.ensure_future(check(up))
+
+    async def place(ctx: _Ctx) -> Upstream:
+        """The best instance for the call under the policy's router, after probing every accepting
+        instance that serves the model (and has not failed this call). A probe's 4xx (bad input) is
+        the caller's answer; an instance that fails its probe is skipped."""
+        if not any(ctx.model in up.models for up in ups):
+            served = sorted({m for up in ups for m in up.models})
+            raise ApiError(404, f"the model '{ctx.model}' does not exist (served: {', '.join(served) or 'none'})",
+                           "model", "model_not_found")
+        cands = [up for up in ups if up.accepting and ctx.model in up.models and up.name not in ctx.tried]
+        if not cands:
+            raise ApiError(503, f"no instance that serves '{ctx.model}' is up", code="unavailable")
+
+        async def probe(up: Upstream):
+            try:
+                return up, await http.post(f"{up.url}/talaria/probe", params={"kind": "chat" if ctx.chat else "completion"},
+                                           content=ctx.raw, headers=ctx.headers, timeout=probe_timeout_s)
+            except httpx.HTTPError:
+                asyncio.ensure_future(check(up))
+                return up, None
+
+        snaps, bad = [], None
+        for up, r in await asyncio.gather(*(probe(up) for up in cands)):
+            if r is None or r.status_code >= 500:
+                ctx.tried.add(up.name)
+            elif r.status_code != 200:
+                bad = bad or r
+            else:
+                snaps.append(_Snapshot(up, r.json()))
+        if bad is not None:  # the request is at fault: every instance would refuse it the same way
+            raise ApiError(bad.status_code, **_error_fields(bad))
+        if not snaps:
+            return await place(ctx)  # every candidate failed: the next round finds none (503) or others
+        call = Call(ctx.session_key or f"~{next(anonymous)}", 0, ctx.model, int(snaps[0].s["prompt_tokens"]), 0, 0.0)
+        session = Session(call.session, [call], last_instance=sessions.get(ctx.session_key))
+        return router.rank(policy, call, session, snaps, {s.name: s.routed() for s in snaps})[0].up
+
+    async def _call(request: Request, path: str, chat: bool):
+        t0 = time.perf_counter()
+        key = caller(request)
+        body = await _read_json(request, max_body_bytes)
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", None,
+                           "invalid_body")
+        if not isinstance(body.get("model"), str):
+            raise ApiError(400, "'model' must be a string", "model", "invalid_type")
+        sid = _session_id(request, body)
+        if _sampled(body) and body.get("seed") is None:
+            body["seed"] = secrets.randbelow(_SEED_MAX)  # a retry elsewhere draws the same tokens
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        if sid is not None:
+            headers["x-session-id"] = sid
+        ctx = _Ctx(json.dumps(body).encode(), headers, path, body["model"], sid,
+                   hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:16], chat)
+        if body.get("stream") is True:
+            r, up = await open_stream(ctx)
+            return StreamingResponse(relay_events(request, ctx, r, up, t0), media_type="text/event-stream")
+        while True:
+            up = await place(ctx)
+            m_requests.labels(up.name).inc()
+            up.inflight += 1
+            try:
+                r = await _until_lost(http.post(f"{up.url}{path}", content=ctx.raw, headers=ctx.headers), up, request)
+            except (_Lost, httpx.HTTPError) as e:
+                failed(up, ctx, e)
+                continue
+            finally:
+                up.inflight -= 1
+            if r.status_code >= 500:
+                failed(up, ctx, f"HTTP {r.status_code}")
+                continue
+            if r.status_code == 200 and ctx.session_key is not None:
+                sessions[ctx.session_key] = up.name
+            m_e2e.observe(time.perf_counter() - t0)
+            return JSONResponse(r.json(), status_code=r.status_code)
+
+    async def open_stream(ctx: _Ctx) -> tuple[httpx.Response, Upstream]:
+        """A streamed call's upstream response (200) on the best instance; the instance's refusal
+        (4xx) as an ApiError. Its `inflight` count stays up until the stream is closed."""
+        while True:
+            up = await place(ctx)
+            m_requests.labels(up.name).inc()
+            up.inflight += 1
+            try:
+                r = await _until_lost(http.send(http.build_request("POST", f"{up.url}{ctx.path}", content=ctx.raw,
+                                                                   headers=ctx.headers), stream=True), up)
+            except (_Lost, httpx.HTTPError) as e:
+                up.inflight -= 1
+                failed(up, ctx, e)
+                continue
+            if r.status_code == 200:
+                return r, up
+            await r.aread()
+            await r.aclose()
+            up.inflight -= 1
+            if r.status_code >= 500:
+                failed(up, ctx, f"HTTP {r.status_code}")
+                continue
+            raise ApiError(r.status_code, **_error_fields(r))
+
+    async def relay_events(request: Request, ctx: _Ctx, r: httpx.Response, up: Upstream, t0: float):
+        """The client's SSE stream: the upstream's events, and after a loss the events of the call
+        placed again, trimmed of what was sent (`_Relay`). The client going away closes the upstream
+        stream, which aborts the call there."""
+        relay = _Relay(ctx.chat)
+        try:
+            while True:
+                try:
+                    lines = r.aiter_lines()
+                    while True:
+                        try:
+                            line = await _until_lost(lines.__anext__(), up)
+                        except StopAsyncIteration:
+                            raise _Lost("the stream ended before [DONE]") from None
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            if ctx.session_key is not None:
+                                sessions[ctx.session_key] = up.name
+                            m_e2e.observe(time.perf_counter() - t0)
+                            yield "data: [DONE]\n\n"
+                            return
+                        out = relay.feed(json.loads(data))
+                        if out is not None:
+                            yield f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
+                except (_Lost, httpx.HTTPError, ValueError) as e:
+                    await r.aclose()
+                    up.inflight -= 1
+                    failed(up, ctx, e)
+                    relay.attempt()
+                    try:
+                        r, up = await open_stream(ctx)
+                    except ApiError as err:
+                        r = None
+                        yield f"data: {json.dumps(err.body())}\n\n"
+                        return
+        finally:
+            if r is not None and not r.is_closed:
+                await r.aclose()
+                up.inflight -= 1
+
+    return app
+
+
+async def _until_lost(aw, up: Upstream, request: Request | None = None):
+    """Awaits `aw` unless `up` is taken out first (raises _Lost) or the client of `request` goes away
+    (raises ApiError 499; the upstream request is cancelled, which aborts it there)."""
+    task = asyncio.ensure_future(aw)
+    lost = asyncio.ensure_future(up.lost.wait())
+    watch = {task, lost}
+    try:
+        while True:
+            done, _ = await asyncio.wait(watch, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            if lost in done:
+                raise _Lost(f"instance {up.name} was taken out")
+            if request is not None and await request.is_disconnected():
+                raise ApiError(499, "the client disconnected", code="client_disconnected")
+    finally:
+        lost.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def _error_fields(r: httpx.Response) -> dict:
+    try:
+        e = r.json()["error"]
+        return {"message": e["message"], "param": e.get("param"), "code": e.get("code")}
+    except (ValueError, KeyError, TypeError):
+        return {"message": f"the instance answered {r.status_code}"}

@@ -1,0 +1,198 @@
+"""`InstanceEngine`: a multi-model ``Instance`` under the scheduler, behind the `Engine` interface
+that `AsyncEngine` steps (`add_request`, `step`, `abort`, `has_unfinished`, `requests`).
+
+This is how the instance server serves several models on one mesh: every request becomes a `Call`
+of its session, routed by a one-instance `Scheduler` running the server's policy, so admission,
+session-prefill, soft reservations, slots, staging and host-KV restores are the same code the
+simulator and the local replay run. Time is the real clock (seconds since the engine started).
+A session is named by the caller (`session`); a request without one is a single-call session, which
+holds no reservation once it ends. Calls of a session that arrive while an earlier one runs are
+served side by side (an agent's parallel tool calls).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from talaria_jax.engine.engine import RequestOutput
+from talaria_jax.engine.errors import RequestError
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.instance import Instance, LiveTokens
+from talaria_jax.scheduler import Scheduler
+from talaria_jax.scheduler.api import PrefixLocation
+from talaria_jax.scheduler.policies import PolicyConfig
+from talaria_jax.scheduler.session import Call, Session
+
+__all__ = ["InstanceEngine", "LiveSessions"]
+
+_IDLE_POLL_S = 0.005  # while calls wait on a held slot, how often the scheduler is asked again
+
+
+class _LiveSession(Session):
+    """A session whose calls are not known in advance: open (likely to return) until forgotten,
+    except a single-call session, which is done once its call ends."""
+
+    def __init__(self, sid: str, single: bool):
+        super().__init__(sid, [])
+        self.single = single
+
+    @property
+    def done(self) -> bool:
+        return self.single and self.finished_s is not None
+
+
+class LiveSessions:
+    """`SessionTable`'s role for live sessions: calls join as they arrive, in any order."""
+
+    def __init__(self):
+        self.sessions: dict[str, _LiveSession] = {}
+
+    def __getitem__(self, sid: str) -> Session:
+        return self.sessions[sid]
+
+    def __iter__(self):
+        return iter(self.sessions.values())
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def add(self, call: Call, single: bool) -> None:
+        self.sessions.setdefault(call.session, _LiveSession(call.session, single)).calls.append(call)
+
+    def complete(self, call: Call, instance: str, now: float) -> None:
+        s = self.sessions[call.session]
+        s.next_turn, s.last_instance, s.finished_s = s.next_turn + 1, instance, now
+
+
+class InstanceEngine:
+    """See the module docstring. `instance.tokens` must be a `LiveTokens` (the instance's models'
+    tokenizers are `tokenizers[model]`), and `instance.tenant` is replaced by the salts requests bring."""
+
+    def __init__(self, instance: Instance, policy: PolicyConfig):
+        if not isinstance(instance.tokens, LiveTokens):
+            raise ValueError(f"instance {instance.name}: serving needs tokens=LiveTokens(), "
+                             f"got {type(instance.tokens).__name__}")
+        self.instance = instance
+        self._salt: dict[str, str | None] = {}  # session -> its tenant salt
+        instance.tenant = lambda sid: self._salt.get(sid)
+        self._t0 = time.monotonic()
+        self._ids = itertools.count()
+        self.reset(policy)
+
+    def reset(self, policy: PolicyConfig) -> None:
+        """Serves under `policy` from now on, with an empty instance (nothing may be in flight)."""
+        if getattr(self, "requests", None):
+            raise RuntimeError(f"instance {self.instance.name}: reset with {len(self.requests)} requests in flight")
+        self.policy = policy
+        self.instance.reset(host_kv=policy.host_kv, staging=policy.staging, drop_kv_on_switch=policy.drop_kv_on_switch)
+        self.instance.tokens.history.clear()
+        self.sessions = LiveSessions()
+        self.scheduler = Scheduler(policy, [self.instance], self.sessions)
+        self.requests: dict[str, Call] = {}  # in flight: request id -> call
+        self._rid: dict[tuple[str, int], str] = {}  # call key -> request id
+        self._turns: dict[str, int] = {}
+        self._now = 0.0
+
+    # --- what AsyncEngine and the server read ------------------------------------------------------
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.instance.models()
+
+    def engine_of(self, model: str):
+        return self.instance.served[model].engine
+
+    @property
+    def engines(self) -> list:
+        return [s.engine for s in self.instance.served.values()]
+
+    def clock(self) -> float:
+        self._now = max(self._now, time.monotonic() - self._t0)
+        return self._now
+
+    # --- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams, *, model: str,
+                    cache_salt: str | None = None, session: str | None = None) -> str:
+        """Checks the request against `model`'s engine (RequestError, nothing queued) and routes it as
+        the next call of `session`."""
+        if model not in self.instance.served:
+            raise RequestError(f"model {model!r} is not served here (serving {', '.join(self.models)})")
+        ids = self.engine_of(model).check_request(prompt, params)
+        rid = f"req-{next(self._ids)}"
+        sid = session if session is not None else f"~{rid}"
+        turn = self._turns.get(sid, 0)
+        self._turns[sid] = turn + 1
+        call = Call(sid, turn, model, len(ids), params.max_tokens, 0.0)
+        self._salt[sid] = cache_salt
+        self.instance.tokens.calls[call.key] = (ids, params)
+        self.sessions.add(call, single=session is None)
+        self.requests[rid], self._rid[call.key] = call, rid
+        self.scheduler.on_arrival(call, self.clock())
+        return rid
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        """Stops a request wherever it is (routed, admitted or running); its partial output if its
+        engine had started it."""
+        call = self.requests.pop(rid, None)
+        if call is None:
+            return None
+        self._rid.pop(call.key)
+        self.instance.tokens.calls.pop(call.key)
+        st = self.scheduler.state[self.instance.name]
+        st.pending = [(t, c) for t, c in st.pending if c.key != call.key]
+        out = self.instance.cancel(call)
+        if out is not None:
+            out.request_id = rid
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Plans the instance (admissions, staging, a switch), runs its next chunk (a switch or one
+        engine step), and returns the outputs of that chunk with this engine's request ids."""
+        inst, now = self.instance, self.clock()
+        wake = self.scheduler.plan(inst, now)
+        end = inst.start_chunk(now)
+        if end is None:  # calls wait (a held slot, a reservation): ask again shortly
+            time.sleep(min(_IDLE_POLL_S, max(0.0, (wake or now) - now)) or _IDLE_POLL_S)
+            return []
+        self._now = max(self._now, end)
+        finished = inst.finish_chunk(end)
+        outs = []
+        for call, out in inst.step_outputs:
+            rid = self._rid.get(call.key)
+            if rid is not None:
+                out.request_id = rid
+                outs.append(out)
+        for call in finished:
+            inst.outputs.pop(call.key, None)
+            self.instance.tokens.calls.pop(call.key, None)
+            rid = self._rid.pop(call.key, None)
+            self.requests.pop(rid, None)
+            self.sessions.complete(call, inst.name, end)
+            self.scheduler.on_finish(call, inst, end)
+        return outs
+
+    # --- what the router asks (GET /talaria/state, POST /talaria/probe) ------------------------------
+    def prefix_of(self, session: str | None, model: str, prompt: Sequence[int], cache_salt: str | None) -> PrefixLocation:
+        if session is not None and self._salt.get(session, cache_salt) != cache_salt:
+            return PrefixLocation()  # another tenant's session of that name
+        return self.instance.prefix_of(session or "~", model, prompt, cache_salt)
+
+    def state(self, session: str | None = None) -> dict:
+        """The instance as the router's InstanceAPI sees it (see `talaria_jax.serve.gateway`); pages
+        kept for `session`'s own return are not counted as reserved."""
+        inst = self.instance
+        pending = len(self.scheduler.state[inst.name].pending)
+        return {
+            "name": inst.name, "policy": self.policy.name, "models": list(inst.models()),
+            "active_model": inst.active_model(),
+            "weights": {m: inst.weight_state(m).value for m in inst.models()},
+            "switch_s": {m: inst.estimate_switch_s(m) for m in inst.models()},
+            "page_size": {m: inst.served[m].engine.page_size for m in inst.models()},
+            "kv_pages_total": inst.kv_pages_total(), "kv_pages_used": inst.kv_pages_used(),
+            "kv_pages_reserved": inst.kv_pages_reserved(session),
+            "running": inst.num_running(), "waiting": inst.num_waiting() + pending,
+            "switches": inst.stats.switches, "switch_seconds": inst.stats.switch_s,
+        }

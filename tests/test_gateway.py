@@ -1,0 +1,237 @@
+"""The router gateway on 127.0.0.1 with the real `openai` client: over two instance servers that each
+host two models under the scheduler; sessions follow their KV; bad input gets OpenAI's error body;
+tenants stay apart; a killed instance loses no call; a stream placed again never repeats text."""
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from talaria_jax.engine.engine import EngineConfig
+from talaria_jax.local import build_instances
+from talaria_jax.scheduler.policies import get_policy
+from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
+from talaria_jax.serve.gateway import _Relay, build_gateway
+from talaria_jax.serve.instance_engine import InstanceEngine
+from talaria_jax.sim.hardware import load_hardware
+
+KEY, OTHER = "sk-gw-a", "sk-gw-b"
+SMOL = "smollm2-135m-instruct"
+CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=512, prefix_cache=True,
+                      warmup=False)
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"talaria:{name}") and not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two in-process instance servers, each hosting SmolLM2 and tiny-dense on one device under talaria,
+    and the gateway over them (limits: 4 KiB bodies)."""
+    insts = build_instances([SMOL, "tiny-dense"], load_hardware("cpu"), instances=2, engine_config=CONFIG,
+                            tokens=None, kv_bytes_per_device=32 << 20)
+    apps, servers = [], []
+    for inst in insts:
+        ie = InstanceEngine(inst, get_policy("talaria"))
+        apps.append(build_app([ServedModel(m, ie.engine_of(m)) for m in ie.models], api_keys=[KEY, OTHER], backend=ie))
+    urls = []
+    for a in apps:
+        url, server = serve_in_thread(a)
+        urls.append(url)
+        servers.append(server)
+    gw = build_gateway(urls, api_keys=[KEY, OTHER], policy=get_policy("talaria"), max_body_bytes=4096,
+                       probe_interval_s=0.2)
+    gurl, gserver = serve_in_thread(gw)
+    try:
+        yield gw, gurl, urls
+    finally:
+        for s in [gserver, *servers]:
+            s.should_exit = True
+            s.thread.join(timeout=10)
+        for a in apps:
+            a.state.engine.close()
+
+
+def test_the_real_client_works_through_the_gateway_and_sessions_follow_their_kv(cluster):
+    gw, url, instances = cluster
+    c = client(url)
+    assert sorted(m.id for m in c.models.list().data) == sorted([SMOL, "tiny-dense"])
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = c.chat.completions.create(model=SMOL, messages=messages, max_tokens=10, temperature=0,
+                                     extra_headers={"x-session-id": "paris"})
+    assert "Paris" in full.choices[0].message.content
+    home = gw.state.sessions[next(k for k in gw.state.sessions if k.endswith(":paris"))]
+    at = {u: metric(u, "prefix_cache_hits_total") for u in instances}
+    messages += [{"role": "assistant", "content": full.choices[0].message.content},
+                 {"role": "user", "content": "And of Italy?"}]
+    chunks = list(c.chat.completions.create(model=SMOL, messages=messages, max_tokens=10, temperature=0, stream=True,
+                                            extra_headers={"x-session-id": "paris"},
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert "Rome" in text and chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
+    # the second call went where the session's KV was, and the hit shows in that instance's /metrics
+    k = [f"i{n}" for n in range(2)].index(home)
+    assert gw.state.sessions[next(s for s in gw.state.sessions if s.endswith(":paris"))] == home
+    assert metric(instances[k], "prefix_cache_hits_total") - at[instances[k]] >= 16
+    done = c.completions.create(model="tiny-dense", prompt=[1, 2, 3, 4], max_tokens=6, temperature=0)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny-dense", prompt=[1, 2, 3, 4], max_tokens=6, temperature=0, stream=True) if ch.choices)
+    assert streamed == done.choices[0].text and done.usage.completion_tokens == 6
+    # each instance loaded a model at least once, and /metrics counts the switches and their seconds
+    assert sum(metric(u, "model_switches_total") for u in instances) >= 2
+    assert sum(metric(u, "model_switch_seconds_total") for u in instances) > 0
+    assert metric(url, "router_requests_total") >= 4
+
+
+def _post(url, body, key=KEY, raw=None, path="/v1/completions"):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}{path}", content=raw if raw is not None else json.dumps(body).encode(),
+                      headers={**headers, "Content-Type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("body,raw,key,status,param,text", [
+    ({"model": "tiny-dense", "prompt": [1] * 600}, None, KEY, 400, "prompt", "exceeds the context limit"),
+    ({"model": "tiny-dense", "prompt": "hi", "max_tokens": 0}, None, KEY, 400, "max_tokens", "[1, 4096]"),
+    ({"model": "tiny-dense", "prompt": "hi", "max_tokens": 5000}, None, KEY, 400, "max_tokens", "[1, 4096]"),
+    ({"model": "tiny-dense", "prompt": [1, 99999]}, None, KEY, 400, "prompt", "outside the vocabulary"),
+    (None, b"{not json", KEY, 400, None, "not valid JSON"),
+    ({"model": "tiny-dense", "prompt": "hi", "temperature": "hot"}, None, KEY, 400, "temperature", "finite number"),
+    ({"model": "gpt-9", "prompt": "hi"}, None, KEY, 404, "model", "does not exist"),
+    ({"model": "tiny-dense", "prompt": "x" * 5000}, None, KEY, 413, None, "over the limit"),
+    ({"model": "tiny-dense", "prompt": "hi"}, None, None, 401, None, "API key"),
+    ({"model": "tiny-dense", "prompt": "hi"}, None, "sk-wrong", 401, None, "API key"),
+])
+def test_bad_input_gets_the_openai_error_body_through_the_gateway(cluster, body, raw, key, status, param, text):
+    gw, url, _ = cluster
+    r = _post(url, body, key, raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert text in err["message"] and err["param"] == param and err["type"]
+    ok = client(url).completions.create(model="tiny-dense", prompt="still serving", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_tenants_stay_apart_through_the_gateway(cluster):
+    gw, url, _ = cluster
+    prompt = list(range(1040, 1090))  # 50 tokens: 6 full pages of SmolLM2 (tiny-dense's pages hold ~200 tokens)
+    kw = dict(model=SMOL, prompt=prompt, max_tokens=2, temperature=0)
+    client(url, KEY).completions.create(**kw)
+    assert client(url, KEY).completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 48
+    assert client(url, OTHER).completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_stream_placed_again_continues_without_repeating():
+    """The relay of a stream whose instance was lost after two deltas, placed again: the retry's events
+    repeat those deltas, and the client gets each character, logprob entry, role and finish reason once."""
+    def ev(i, content=None, role=False, finish=None, lp=None):
+        delta = ({"role": "assistant"} if role else {}) | ({"content": content} if content is not None else {})
+        return {"id": "x", "choices": [{"index": i, "delta": delta, "finish_reason": finish,
+                                        "logprobs": None if lp is None else {"content": lp}}]}
+    full = [ev(0, "", role=True), ev(0, "Hel", lp=[1, 2]), ev(0, "lo wor", lp=[3, 4]), ev(0, "ld", lp=[5], finish="stop"),
+            {"id": "x", "choices": [], "usage": {"completion_tokens": 5}}]
+    relay = _Relay(chat=True)
+    sent = [relay.feed(json.loads(json.dumps(e))) for e in full[:3]]  # then the instance is lost
+    relay.attempt()
+    sent += [relay.feed(json.loads(json.dumps(e))) for e in full]
+    sent = [e for e in sent if e is not None]
+    text = "".join(c["delta"].get("content", "") for e in sent for c in e["choices"])
+    assert text == "Hello world"
+    assert sum("role" in c["delta"] for e in sent for c in e["choices"]) == 1
+    assert [x for e in sent for c in e["choices"] if c["logprobs"] for x in c["logprobs"]["content"]] == [1, 2, 3, 4, 5]
+    assert sum(c["finish_reason"] == "stop" for e in sent for c in e["choices"]) == 1
+    assert sum("usage" in e for e in sent) == 1
+    done = _Relay(chat=False)  # completions: the text field, the same rules
+    out = [done.feed({"choices": [{"index": 0, "text": t, "finish_reason": None}]}) for t in ("ab", "cd")]
+    done.attempt()
+    out += [done.feed({"choices": [{"index": 0, "text": t, "finish_reason": f}]}) for t, f in
+            (("abc", None), ("de", "length"))]
+    assert "".join(e["choices"][0]["text"] for e in out if e) == "abcde"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _session(url: str, sid: str, task: int, turns: int, stream: bool) -> list[str]:
+    """An agent session of SmolLM2 calls through `url` on task number `task`: each call's reply and a
+    tool result join the conversation. Returns the replies."""
+    c = client(url)
+    repo = ["flask", "numpy", "requests", "django"][task % 4]
+    messages = [{"role": "system", "content": "You are a coding agent. Answer briefly."},
+                {"role": "user", "content": f"List the files of the {repo} repository."}]
+    replies = []
+    for t in range(turns):
+        kw = dict(model=SMOL, messages=messages, max_tokens=32, temperature=0, extra_headers={"x-session-id": sid})
+        if stream:
+            text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
+                           if ch.choices)
+        else:
+            text = c.chat.completions.create(**kw).choices[0].message.content
+        replies.append(text)
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": f"Tool output {t}: README.md setup.py src/ tests/ ({repo})"}]
+    return replies
+
+
+def test_a_killed_instance_loses_no_call(tmp_path):
+    """Two talaria-serve processes behind the gateway; one is killed (SIGKILL) while it serves calls of
+    running sessions. Every session completes, each reply what it is without the fault."""
+    ports = [_free_port(), _free_port()]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", f"--port={p}", f"--api_key={KEY}",
+                               "--max_model_len=1024", "--max_seqs=4", "--kv_mib_per_device=64", "--nowarmup"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"i{k}.log", "w"))
+             for k, p in enumerate(ports)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        deadline = time.time() + 300
+        for u, proc in zip(urls, procs):
+            while True:
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "i0.log").read_text()[-3000:]
+                try:
+                    if httpx.get(f"{u}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        gw = build_gateway(urls, api_keys=[KEY], policy=get_policy("talaria"), probe_interval_s=0.2)
+        gurl, gserver = serve_in_thread(gw)
+        sids = [f"s{k}" for k in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # no fault: the replies to expect
+            want = list(pool.map(lambda k: _session(gurl, f"ref-{k}", k, 2, k % 2 == 0), range(4)))
+            futures = [pool.submit(_session, gurl, sid, k, 2, k % 2 == 0) for k, sid in enumerate(sids)]
+            ups = gw.state.upstreams
+            killed = None
+            while killed is None and not all(f.done() for f in futures):  # kill one while it serves calls
+                busy = [k for k, up in enumerate(ups) if up.inflight >= 2]
+                if busy and len(gw.state.sessions) >= len(sids) + 1:  # one session is past its first call
+                    killed = busy[0]
+                    procs[killed].send_signal(signal.SIGKILL)
+                time.sleep(0.02)
+            got = [f.result() for f in futures]
+        assert killed is not None, "no instance was busy enough to kill"
+        assert got == want
+        assert not ups[killed].alive and ups[1 - killed].alive
+        assert metric(gurl, "router_replacements_total") >= 1
+        gserver.should_exit = True
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
