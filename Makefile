@@ -19,11 +19,11 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The embedded SmolLM2-135M-Instruct answers a coding question (greedy). The first run converts the GGUF
-# and compiles; a second run reads both caches (~/.cache/talaria_jax).
+# Agent sessions through the router gateway over two local instances (SmolLM2-135M-Instruct and two tiny
+# models each), with the openai client, under talaria and under round: SCT side by side, first replies.
+# The first run converts the GGUF and compiles; a second run reads both caches (~/.cache/talaria_jax).
 demo: $(STAMP)
-	$(PY) -m talaria_jax.launch.generate --model=smollm2-135m-instruct --chat --temperature=0 --max_tokens=96 \
-		--prompt="Write a Python function that reverses a string."
+	$(PY) -m talaria_jax.launch.demo
 
 # torch (CPU wheel on this machine's disk) + transformers (+ accelerate for GGUF): live HF parity tests
 # and golden regeneration.

@@ -344,6 +344,18 @@ class Instance:
                 return self.served[c.model].engine.abort(rid)
         return None
 
+    def forget(self, session_id: str) -> None:
+        """Drops what the instance keeps of a session that will not return: its host KV copy, its
+        protection, its history. Its device pages stay in the prefix cache, evicted as any others."""
+        h = self._host.pop(session_id, None)
+        if h is not None:
+            self.served[h[1]].engine.host_tier.release(h[0])
+        model = self._model_of.pop(session_id, None)
+        if model is not None:
+            self.served[model].engine.host_tier.protect(session_id, False)
+        self._protect.pop(session_id, None)
+        self.tokens.history.pop(session_id, None)
+
     def switch_model(self, model: str) -> None:
         if model not in self.served:
             raise ValueError(f"instance {self.name} does not host model {model!r}")

@@ -15,11 +15,10 @@ import openai
 import pytest
 
 from talaria_jax.engine.engine import EngineConfig
-from talaria_jax.local import build_instances
 from talaria_jax.scheduler.policies import get_policy
-from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
+from talaria_jax.serve.app import serve_in_thread
 from talaria_jax.serve.gateway import _Relay, build_gateway
-from talaria_jax.serve.instance_engine import InstanceEngine
+from talaria_jax.serve.local_cluster import LocalCluster
 from talaria_jax.sim.hardware import load_hardware
 
 KEY, OTHER = "sk-gw-a", "sk-gw-b"
@@ -42,28 +41,10 @@ def metric(url: str, name: str) -> float:
 def cluster():
     """Two in-process instance servers, each hosting SmolLM2 and tiny-dense on one device under talaria,
     and the gateway over them (limits: 4 KiB bodies)."""
-    insts = build_instances([SMOL, "tiny-dense"], load_hardware("cpu"), instances=2, engine_config=CONFIG,
-                            tokens=None, kv_bytes_per_device=32 << 20)
-    apps, servers = [], []
-    for inst in insts:
-        ie = InstanceEngine(inst, get_policy("talaria"))
-        apps.append(build_app([ServedModel(m, ie.engine_of(m)) for m in ie.models], api_keys=[KEY, OTHER], backend=ie))
-    urls = []
-    for a in apps:
-        url, server = serve_in_thread(a)
-        urls.append(url)
-        servers.append(server)
-    gw = build_gateway(urls, api_keys=[KEY, OTHER], policy=get_policy("talaria"), max_body_bytes=4096,
-                       probe_interval_s=0.2)
-    gurl, gserver = serve_in_thread(gw)
-    try:
-        yield gw, gurl, urls
-    finally:
-        for s in [gserver, *servers]:
-            s.should_exit = True
-            s.thread.join(timeout=10)
-        for a in apps:
-            a.state.engine.close()
+    with LocalCluster([SMOL, "tiny-dense"], load_hardware("cpu"), get_policy("talaria"), api_keys=[KEY, OTHER],
+                      instances=2, devices_per_instance=1, engine_config=CONFIG, kv_bytes_per_device=32 << 20) as lc:
+        with lc.gateway(get_policy("talaria"), max_body_bytes=4096, probe_interval_s=0.2) as url:
+            yield lc.router, url, lc.urls
 
 
 def test_the_real_client_works_through_the_gateway_and_sessions_follow_their_kv(cluster):
@@ -177,7 +158,7 @@ def _session(url: str, sid: str, task: int, turns: int, stream: bool) -> list[st
                 {"role": "user", "content": f"List the files of the {repo} repository."}]
     replies = []
     for t in range(turns):
-        kw = dict(model=SMOL, messages=messages, max_tokens=32, temperature=0, extra_headers={"x-session-id": sid})
+        kw = dict(model=SMOL, messages=messages, max_tokens=24, temperature=0, extra_headers={"x-session-id": sid})
         if stream:
             text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
                            if ch.choices)
@@ -234,4 +215,36 @@ def test_a_killed_instance_loses_no_call(tmp_path):
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def test_talaria_route_serves_over_local_instances(tmp_path):
+    """`talaria-route --local_instances=2` (two instance servers in its process) answers the openai
+    client, and stops on SIGTERM."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.route", "--local_instances=2",
+                             "--model=tiny-dense,tiny-moe", f"--port={port}", f"--api_key={KEY}", "--nowarmup",
+                             "--max_model_len=256", "--max_seqs=2", "--kv_mib_per_device=4", "--policy=round"],
+                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "route.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "route.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).json().get("instances_up") == 2:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        c = client(url)
+        assert sorted(m.id for m in c.models.list().data) == ["tiny-dense", "tiny-moe"]
+        out = c.completions.create(model="tiny-moe", prompt=[1, 2, 3], max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully, then re-raises the signal
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
             proc.wait(timeout=30)

@@ -28,17 +28,14 @@ def load_on_devices(model: str, tp: int, *, dtype: str | None, compilation_cache
 def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: str, dtype: str | None, engine_config,
                   kv_bytes_per_device: int | None, hardware: str | None, api_keys: list[str], limits,
                   tenant_secret: bytes | None, compilation_cache: str | None) -> list:
-    """`instances` instance servers (FastAPI apps), each an `InstanceEngine` over every model of
-    `models` (served name -> named model, checkpoint or config) on its own `tp` devices, under `policy`. `hardware`: the profile of the scheduler's
-    estimates (configs/hardware/; None: cpu on the CPU backend, h200x8 elsewhere). A bad model, policy
-    or device count is a usage error naming it."""
+    """`serve.local_cluster.instance_apps` for a launcher: the compilation cache on, names resolved
+    (`hardware` None: cpu on the CPU backend, h200x8 elsewhere), and a bad model, policy, profile or
+    device count a usage error naming it."""
     import jax
 
     from talaria_jax.engine import enable_compilation_cache
-    from talaria_jax.local import build_instances
     from talaria_jax.scheduler.policies import get_policy
-    from talaria_jax.serve.app import ServedModel, build_app
-    from talaria_jax.serve.instance_engine import InstanceEngine
+    from talaria_jax.serve import local_cluster
     from talaria_jax.sim.hardware import ConfigError, load_hardware
     from talaria_jax.weights import CheckpointError
 
@@ -47,15 +44,10 @@ def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: st
     if not models:
         raise app.UsageError("--model: give at least one model")
     try:
-        pol = get_policy(policy)
-        hw = load_hardware(hardware or ("cpu" if jax.default_backend() == "cpu" else "h200x8"))
-        insts = build_instances(models, hw, instances=instances, devices_per_instance=tp, engine_config=engine_config,
-                                tokens=None, kv_bytes_per_device=kv_bytes_per_device, dtype=dtype)
+        return local_cluster.instance_apps(models, load_hardware(hardware or ("cpu" if jax.default_backend() == "cpu"
+                                                                              else "h200x8")),
+                                           get_policy(policy), instances=instances, devices_per_instance=tp,
+                                           engine_config=engine_config, kv_bytes_per_device=kv_bytes_per_device,
+                                           api_keys=api_keys, limits=limits, dtype=dtype, tenant_secret=tenant_secret)
     except (CheckpointError, ConfigError, ValueError) as e:
         raise app.UsageError(str(e)) from None
-    apps = []
-    for inst in insts:
-        ie = InstanceEngine(inst, pol)
-        apps.append(build_app([ServedModel(m, ie.engine_of(m)) for m in models], api_keys=api_keys, limits=limits,
-                              tenant_secret=tenant_secret, backend=ie))
-    return apps

@@ -54,6 +54,7 @@ from talaria_jax.serve.protocol import ApiError
 __all__ = ["Upstream", "build_gateway"]
 
 _SEED_MAX = 2**62  # a seed the gateway adds leaves room for n choices' seed + i
+MAX_SESSIONS = 1_000_000  # sessions whose last instance is kept; past it, the least recently active are forgotten
 
 
 @dataclasses.dataclass
@@ -224,7 +225,7 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
     m_inflight = Gauge("talaria:router_inflight", "Calls forwarded and not yet answered", ["instance"], registry=reg)
     m_e2e = Histogram("talaria:router_request_latency_seconds", "Arrival to the end of the answer", registry=reg,
                       buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
-    sessions: dict[str, str] = {}  # tenant-scoped session -> the instance of its last call
+    sessions: dict[str, str] = {}  # tenant-scoped session -> the instance of its last call (least recent first)
     anonymous = itertools.count()
     http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=1000))
 
@@ -341,6 +342,14 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
         def session_key(self) -> str | None:
             return None if self.sid is None else f"{self.tenant}:{self.sid}"
 
+    def served(ctx: _Ctx, up: Upstream) -> None:
+        """The call was answered by `up`: where its session ran last."""
+        if ctx.session_key is not None:
+            sessions.pop(ctx.session_key, None)
+            sessions[ctx.session_key] = up.name
+            if len(sessions) > MAX_SESSIONS:
+                del sessions[next(iter(sessions))]
+
     def failed(up: Upstream, ctx: _Ctx, why) -> None:
         logging.warning("a call on instance %s failed (%s): placing it again", up.name, why)
         ctx.tried.add(up.name)
@@ -417,8 +426,8 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
             if r.status_code >= 500:
                 failed(up, ctx, f"HTTP {r.status_code}")
                 continue
-            if r.status_code == 200 and ctx.session_key is not None:
-                sessions[ctx.session_key] = up.name
+            if r.status_code == 200:
+                served(ctx, up)
             m_e2e.observe(time.perf_counter() - t0)
             return JSONResponse(r.json(), status_code=r.status_code)
 
@@ -464,8 +473,7 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                             continue
                         data = line[6:]
                         if data == "[DONE]":
-                            if ctx.session_key is not None:
-                                sessions[ctx.session_key] = up.name
+                            served(ctx, up)
                             m_e2e.observe(time.perf_counter() - t0)
                             yield "data: [DONE]\n\n"
                             return

@@ -6,8 +6,9 @@ of its session, routed by a one-instance `Scheduler` running the server's policy
 session-prefill, soft reservations, slots, staging and host-KV restores are the same code the
 simulator and the local replay run. Time is the real clock (seconds since the engine started).
 A session is named by the caller (`session`); a request without one is a single-call session, which
-holds no reservation once it ends. Calls of a session that arrive while an earlier one runs are
-served side by side (an agent's parallel tool calls).
+holds no reservation and is forgotten once it ends. A named session idle for `session_ttl_s` is
+forgotten too (its host KV copy released). Calls of a session that arrive while an earlier one runs
+are served side by side (an agent's parallel tool calls).
 """
 from __future__ import annotations
 
@@ -69,11 +70,11 @@ class InstanceEngine:
     """See the module docstring. `instance.tokens` must be a `LiveTokens` (the instance's models'
     tokenizers are `tokenizers[model]`), and `instance.tenant` is replaced by the salts requests bring."""
 
-    def __init__(self, instance: Instance, policy: PolicyConfig):
+    def __init__(self, instance: Instance, policy: PolicyConfig, session_ttl_s: float = 3600.0):
         if not isinstance(instance.tokens, LiveTokens):
             raise ValueError(f"instance {instance.name}: serving needs tokens=LiveTokens(), "
                              f"got {type(instance.tokens).__name__}")
-        self.instance = instance
+        self.instance, self.session_ttl_s = instance, session_ttl_s
         self._salt: dict[str, str | None] = {}  # session -> its tenant salt
         instance.tenant = lambda sid: self._salt.get(sid)
         self._t0 = time.monotonic()
@@ -92,7 +93,7 @@ class InstanceEngine:
         self.requests: dict[str, Call] = {}  # in flight: request id -> call
         self._rid: dict[tuple[str, int], str] = {}  # call key -> request id
         self._turns: dict[str, int] = {}
-        self._now = 0.0
+        self._now = self._swept = 0.0
 
     # --- what AsyncEngine and the server read ------------------------------------------------------
     @property
@@ -143,6 +144,10 @@ class InstanceEngine:
         out = self.instance.cancel(call)
         if out is not None:
             out.request_id = rid
+        self.scheduler.placement.pop(call.key, None)
+        self.sessions.complete(call, self.instance.name, self.clock())  # the call has ended
+        if self.sessions[call.session].done:
+            self._forget(call.session)
         return out
 
     def has_unfinished(self) -> bool:
@@ -168,11 +173,30 @@ class InstanceEngine:
         for call in finished:
             inst.outputs.pop(call.key, None)
             self.instance.tokens.calls.pop(call.key, None)
+            self.scheduler.placement.pop(call.key, None)
             rid = self._rid.pop(call.key, None)
             self.requests.pop(rid, None)
             self.sessions.complete(call, inst.name, end)
             self.scheduler.on_finish(call, inst, end)
+            if self.sessions[call.session].done:  # a single call
+                self._forget(call.session)
+        if end - self._swept >= min(60.0, self.session_ttl_s):
+            self._sweep(end)
         return outs
+
+    def _sweep(self, now: float) -> None:
+        """Forgets the sessions idle for session_ttl_s (none with a call in flight)."""
+        self._swept = now
+        busy = {c.session for c in self.requests.values()}
+        for s in list(self.sessions):
+            if s.id not in busy and s.finished_s is not None and now - s.finished_s >= self.session_ttl_s:
+                self._forget(s.id)
+
+    def _forget(self, sid: str) -> None:
+        self.instance.forget(sid)
+        self.sessions.sessions.pop(sid, None)
+        self._salt.pop(sid, None)
+        self._turns.pop(sid, None)
 
     # --- what the router asks (GET /talaria/state, POST /talaria/probe) ------------------------------
     def prefix_of(self, session: str | None, model: str, prompt: Sequence[int], cache_salt: str | None) -> PrefixLocation:

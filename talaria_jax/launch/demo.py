@@ -1,0 +1,98 @@
+"""make demo: agent sessions through the router gateway over two local instance servers, with the real
+`openai` client, under talaria and under round; their session completion times side by side and each
+session's first reply.
+
+Each instance hosts the embedded SmolLM2-135M-Instruct (chat sessions, real text) and the tiny test
+configs (random weights, completion sessions), on one device each, so the instances switch models and
+the policies differ in how. Runs on one CPU machine with no downloads.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+from absl import app, flags, logging
+
+_SESSIONS = flags.DEFINE_integer("sessions", 6, "Agent sessions.", lower_bound=1)
+_CALLS = flags.DEFINE_integer("calls", 3, "Calls per session.", lower_bound=1)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 24, "Tokens per reply.", lower_bound=1)
+_TOOL_GAP = flags.DEFINE_float("tool_gap_s", 0.3, "Median tool time between a session's calls (s).", lower_bound=0)
+_START_GAP = flags.DEFINE_float("start_gap_s", 0.5, "Seconds between session starts.", lower_bound=0)
+_POLICIES = flags.DEFINE_list("policies", ["talaria", "round"], "Policies to compare.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted sessions.")
+
+MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
+KEY = "sk-demo"
+
+
+def compare(policies: list[str], *, sessions: int, calls: int, max_tokens: int, tool_gap_s: float, start_gap_s: float,
+            seed: int, progress: bool | None = None):
+    """The scripted sessions and each policy's results, on two local instances hosting `MODELS`."""
+    from talaria_jax.engine import enable_compilation_cache
+    from talaria_jax.engine.engine import EngineConfig
+    from talaria_jax.local import LOCAL_KV_BYTES, simulate_cpu_devices
+    from talaria_jax.scheduler.policies import get_policy
+    from talaria_jax.serve.load import agent_sessions
+    from talaria_jax.serve.local_cluster import LocalCluster
+    from talaria_jax.sim.hardware import load_hardware
+
+    simulate_cpu_devices(2)
+    enable_compilation_cache()  # the second instance loads what the first compiled
+    try:
+        pols = [get_policy(p) for p in policies]
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    # programs compile as step shapes first occur (warming every shape of 3 models x 2 instances up front
+    # takes minutes here and more executables than a CPU process maps), so a first pass runs unmeasured
+    cfg = EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=2048, prefix_cache=True,
+                       warmup=False)
+    script = agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
+                            tool_gap_s=tool_gap_s)
+    print(f"starting 2 instances ({', '.join(MODELS)} each) and compiling ...", file=sys.stderr)
+    with LocalCluster(MODELS, load_hardware("cpu"), pols[0], api_keys=[KEY], instances=2, devices_per_instance=1,
+                      engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES) as cluster:
+        print("a first pass compiles the step shapes (not measured) ...", file=sys.stderr)
+        cluster.compare(pols[:1], script, start_gap_s=start_gap_s, progress=progress)
+        return script, cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
+
+
+def _fmt(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.1f}"
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from talaria_jax.serve.load import summarize
+
+    pols = _POLICIES.value
+    script, results = compare(pols, sessions=_SESSIONS.value, calls=_CALLS.value, max_tokens=_MAX_TOKENS.value,
+                              tool_gap_s=_TOOL_GAP.value, start_gap_s=_START_GAP.value, seed=_SEED.value)
+    by = {p: {r.id: r for r in results[p]} for p in pols}
+    print("\nsession completion time (s), each session through the gateway:")
+    print(f"| session | model | calls | {' | '.join(pols)} |")
+    print("|---|---|---|" + "---|" * len(pols))
+    for s in script:
+        cells = [_fmt(by[p][s.id].sct_s) + (" (error)" if by[p][s.id].errors else "") for p in pols]
+        print(f"| {s.id} | {s.model} | {len(s.observations)} | {' | '.join(cells)} |")
+    sums = {p: summarize(results[p]) for p in pols}
+    for q in ("p50", "p90"):
+        print(f"| {q} | | | {' | '.join(_fmt(sums[p][f'sct_{q}_s']) for p in pols)} |")
+    if len(pols) >= 2:
+        a, b = pols[0], pols[1]
+        print(f"\n{b}/{a} SCT: p50 {sums[b]['sct_p50_s'] / sums[a]['sct_p50_s']:.2f}x, "
+              f"p90 {sums[b]['sct_p90_s'] / sums[a]['sct_p90_s']:.2f}x; errors: "
+              + ", ".join(f"{p} {sums[p]['errors']}" for p in pols))
+    print(f"\nfirst replies ({pols[0]}):")
+    for s in script:
+        calls = by[pols[0]][s.id].calls
+        reply = calls[0].text if calls else ""
+        print(f"  {s.id} [{s.model}] {reply.strip()[:110]!r}")
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

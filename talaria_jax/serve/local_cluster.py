@@ -1,0 +1,107 @@
+"""Instance servers and a gateway in one process, on 127.0.0.1: `talaria-route --local_instances`,
+`make demo` and `benchmarks/serve_load.py` run on it.
+
+`LocalCluster` starts one instance server per group of local devices, each hosting every model given
+(an `InstanceEngine` under a policy), over HTTP on free ports. `gateway(policy)` puts every instance
+under `policy` (emptied first, compiled programs kept) and serves a gateway over them, so several
+policies can be compared on the same instances.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+from talaria_jax.engine.engine import EngineConfig
+from talaria_jax.local import build_instances
+from talaria_jax.scheduler.policies import PolicyConfig
+from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
+from talaria_jax.serve.gateway import build_gateway
+from talaria_jax.serve.instance_engine import InstanceEngine
+from talaria_jax.serve.load import AgentSession, SessionResult, run_sessions
+from talaria_jax.serve.protocol import Limits
+from talaria_jax.sim.hardware import HardwareConfig
+
+__all__ = ["LocalCluster", "instance_apps"]
+
+
+def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
+                  instances: int, devices_per_instance: int, engine_config: EngineConfig,
+                  kv_bytes_per_device: int | None, api_keys: Sequence[str], limits: Limits = Limits(),
+                  dtype: str | None = None, tenant_secret: bytes | None = None) -> list:
+    """`instances` instance servers (FastAPI apps, not started), each an `InstanceEngine` under `policy`
+    over every model of `models` (served name -> what `load_local_model` loads, or a list of names) on
+    its own `devices_per_instance` devices; `app.state.backend` is its InstanceEngine."""
+    insts = build_instances(models, hw, instances=instances, devices_per_instance=devices_per_instance,
+                            engine_config=engine_config, tokens=None, kv_bytes_per_device=kv_bytes_per_device,
+                            dtype=dtype)
+    apps = []
+    for inst in insts:
+        ie = InstanceEngine(inst, policy)
+        a = build_app([ServedModel(m, ie.engine_of(m)) for m in ie.models], api_keys=api_keys, limits=limits,
+                      tenant_secret=tenant_secret, backend=ie)
+        a.state.backend = ie
+        apps.append(a)
+    return apps
+
+
+class LocalCluster:
+    """See the module docstring; the arguments are `instance_apps`'. Close it (or use it as a context
+    manager) to stop the servers."""
+
+    def __init__(self, models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
+                 api_keys: Sequence[str], **kw):
+        self.api_keys = list(api_keys)
+        self.apps = instance_apps(models, hw, policy, api_keys=api_keys, **kw)
+        self.engines = [a.state.backend for a in self.apps]
+        self.servers = []
+        self.urls = []
+        for a in self.apps:
+            url, server = serve_in_thread(a)
+            self.urls.append(url)
+            self.servers.append(server)
+
+    def use(self, policy: PolicyConfig, timeout_s: float = 60.0) -> None:
+        """Every instance under `policy`, emptied (waits up to `timeout_s` for calls in flight)."""
+        for a, ie in zip(self.apps, self.engines):
+            ae = a.state.engine
+            deadline = time.monotonic() + timeout_s
+            while ae.num_in_flight() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with ae._lock:
+                ie.reset(policy)
+
+    @contextlib.contextmanager
+    def gateway(self, policy: PolicyConfig, **gateway_kw) -> Iterator[str]:
+        """A gateway under `policy` over the instances (put under it first); yields its base URL."""
+        self.use(policy)
+        self.router = build_gateway(self.urls, api_keys=self.api_keys, policy=policy, **gateway_kw)
+        url, server = serve_in_thread(self.router)
+        try:
+            yield url
+        finally:
+            server.should_exit = True
+            server.thread.join(timeout=30)
+
+    def compare(self, policies: Sequence[PolicyConfig], sessions: Sequence[AgentSession],
+                **run_kw) -> dict[str, list[SessionResult]]:
+        """The same agent sessions through a gateway under each policy in turn (`load.run_sessions`,
+        whose arguments `run_kw` are); each policy's results."""
+        out = {}
+        for policy in policies:
+            with self.gateway(policy) as url:
+                out[policy.name] = run_sessions(url, self.api_keys[0], sessions, **run_kw)
+        return out
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.should_exit = True
+        for server, a in zip(self.servers, self.apps):
+            server.thread.join(timeout=30)
+            a.state.engine.close()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

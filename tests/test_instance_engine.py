@@ -1,0 +1,81 @@
+"""`InstanceEngine`: an Instance of two models under the scheduler, stepped as an engine. Requests of
+both models are served with the greedy tokens of each model alone; the probe counts the cached tokens
+of a prompt per tenant; an abort frees its pages; idle sessions are forgotten."""
+import jax
+import pytest
+
+from talaria_jax.engine.engine import EngineConfig
+from talaria_jax.engine.errors import RequestError
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.local import build_instances
+from talaria_jax.models import greedy_generate
+from talaria_jax.scheduler.policies import get_policy
+from talaria_jax.serve.instance_engine import InstanceEngine
+from talaria_jax.sim.hardware import load_hardware
+from talaria_jax.weights import load_model
+from talaria_jax.sharding import make_mesh
+
+CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=256, prefix_cache=True,
+                      warmup=False)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ie():
+    [inst] = build_instances(["tiny-dense", "tiny-moe"], load_hardware("cpu"), instances=1, engine_config=CONFIG,
+                             tokens=None, kv_bytes_per_device=4 << 20)
+    return InstanceEngine(inst, get_policy("talaria"))
+
+
+def run(ie, rids):
+    outs = {}
+    for _ in range(500):
+        if not ie.has_unfinished():
+            break
+        for out in ie.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert not ie.has_unfinished()
+    return {r: outs[r] for r in rids}
+
+
+def test_both_models_are_served_with_their_own_greedy_tokens(ie):
+    ie.reset(get_policy("talaria"))
+    prompts = {"tiny-dense": [5, 6, 7, 8, 9] * 4, "tiny-moe": [3, 1, 4, 1, 5] * 4}
+    rids = {m: ie.add_request(p, GREEDY, model=m, cache_salt="t", session=f"s-{m}") for m, p in prompts.items()}
+    got = run(ie, list(rids.values()))
+    mesh = make_mesh(jax.devices()[:1])
+    for m, p in prompts.items():
+        assert got[rids[m]] == greedy_generate(load_model(m, mesh).model, [p], 6)[0]
+    assert ie.state()["switches"] >= 2
+    with pytest.raises(RequestError, match="not served here"):
+        ie.add_request([1, 2], GREEDY, model="gpt-9")
+    with pytest.raises(RequestError, match="context limit"):
+        ie.add_request([1] * 300, GREEDY, model="tiny-dense")
+    assert not ie.requests  # refused requests left nothing behind
+
+
+def test_probe_counts_a_prompts_cached_tokens_per_tenant(ie):
+    ie.reset(get_policy("talaria"))
+    prompt = list(range(10, 30))
+    run(ie, [ie.add_request(prompt, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
+    longer = prompt + [7] * 4 + [1, 2]
+    mine = ie.prefix_of("s", "tiny-dense", longer, "a")
+    assert mine.host_tokens == 0  # the host copy holds prompt + output; `longer` does not extend it
+    follow = prompt + ie.instance.tokens.history["s"][len(prompt):] + [1, 2, 3]
+    assert ie.prefix_of("s", "tiny-dense", follow, "a").host_tokens == len(prompt) + 6 - 1
+    assert ie.prefix_of("s", "tiny-dense", follow, "b") == type(mine)()  # another tenant: nothing
+
+
+def test_an_abort_frees_pages_and_idle_sessions_are_forgotten(ie):
+    ie.reset(get_policy("talaria"))
+    ie.session_ttl_s = 0.0
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    rid = ie.add_request(list(range(40)), long, model="tiny-moe", cache_salt="a", session="gone")
+    for _ in range(3):
+        ie.step()
+    assert ie.abort(rid) is not None and not ie.has_unfinished()
+    assert ie.instance.kv_pages_used() == 0
+    run(ie, [ie.add_request([1, 2, 3], GREEDY, model="tiny-moe", cache_salt="a", session="idle")])
+    run(ie, [ie.add_request([4, 5, 6], GREEDY, model="tiny-moe", cache_salt="a")])
+    assert len(ie.sessions) == 0 and not ie.instance._host and not ie.instance.tokens.history
+    ie.session_ttl_s = 3600.0
