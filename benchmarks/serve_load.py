@@ -5,7 +5,7 @@ percentiles per policy, and round/talaria ratios. A progress bar runs over the c
 
   python benchmarks/serve_load.py --sessions=12 --calls=4
 
-A first, unmeasured pass under the first policy compiles the step shapes the load meets.
+A first, unmeasured pass under each policy compiles the step shapes the load meets.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main(argv):
 
     load = os.getloadavg()[0]
     pols = _POLICIES.value
-    _, results = compare(pols, sessions=_SESSIONS.value, calls=_CALLS.value, max_tokens=_MAX_TOKENS.value,
+    _, results, stats = compare(pols, sessions=_SESSIONS.value, calls=_CALLS.value, max_tokens=_MAX_TOKENS.value,
                          tool_gap_s=_TOOL_GAP.value, start_gap_s=_START_GAP.value, seed=_SEED.value, progress=True)
     sums = {p: summarize(results[p]) for p in pols}
     ref = pols[0]
@@ -48,6 +48,8 @@ def main(argv):
         ratios = [f"{v / vals[0]:.2f}x" if isinstance(v, float) and vals[0] and math.isfinite(v) else "-"
                   for v in vals[1:]]
         print(f"| {key} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    for key in ("switches", "switch_s", "restored_tokens", "recomputed_tokens"):
+        print(f"| {key} | {' | '.join(f'{stats[p][key]:.4g}' for p in pols)} |" + " |" * (len(pols) - 1))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(sums, f, indent=1)

@@ -93,6 +93,13 @@ class HostKV:
         axis included, and every replica where its sharding could not split it (see HostTier)."""
         return _held_bytes(self.data.sharding, self.data.shape, self.data.dtype)
 
+    def prefix(self, n: int) -> "HostKV":
+        """The KV of the first `n` tokens: a view of the same host data with fewer pages (the tier's
+        record is shared), for a prompt that extends only part of this copy."""
+        if not 0 < n <= self.num_tokens:
+            raise ValueError(f"prefix of {n} tokens: must be in [1, {self.num_tokens}]")
+        return dataclasses.replace(self, num_pages=-(-n // self.data.shape[3]), token_ids=self.token_ids[:n])
+
     @property
     def evicted(self) -> bool:
         """True once the tier dropped the copy to stay within its budget (the data is gone)."""
@@ -334,8 +341,10 @@ class HostTier:
                              f"holds {kv.num_pages}")
         expect = (self.spec.num_layers, 2, _padded(kv.num_pages), self.spec.page_size, self.spec.kv_heads,
                   self.spec.head_dim)
-        if tuple(kv.data.shape) != expect or kv.data.dtype != jnp.dtype(self.spec.dtype):
-            raise ValueError(f"host KV of shape {tuple(kv.data.shape)} {kv.data.dtype} does not fit this pool "
+        shape = tuple(kv.data.shape)  # a prefix view keeps its copy's longer page axis
+        if (shape[:2] + shape[3:] != expect[:2] + expect[3:] or shape[2] < expect[2]
+                or kv.data.dtype != jnp.dtype(self.spec.dtype)):
+            raise ValueError(f"host KV of shape {shape} {kv.data.dtype} does not fit this pool "
                              f"(expected {expect} {self.spec.dtype})")
         if kv.evicted:  # last: a copy that is otherwise fine can still be recomputed from its token_ids
             raise HostKVEvicted(f"host KV of {kv.num_tokens} tokens was evicted to stay within the host budget "

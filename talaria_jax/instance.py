@@ -34,6 +34,8 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.host_tier import HostKV
@@ -288,9 +290,20 @@ class Instance:
             return PrefixLocation()
         eng = self.served[model].engine
         device = eng.prefix_cache.peek(eng.prefix_key(cache_salt), prompt)
-        kv = self._host_copy(session_id, model)
-        host = kv.num_tokens if kv is not None and tuple(prompt[:kv.num_tokens]) == kv.token_ids else 0
-        return PrefixLocation(device, host)
+        kv = self._restorable(session_id, model, prompt)
+        return PrefixLocation(device, kv.num_tokens if kv is not None else 0)
+
+    def _restorable(self, session: str, model: str, prompt) -> HostKV | None:
+        """The part of the session's host copy that `prompt` extends: its longest common prefix with the
+        prompt's tokens but the last (a chat template may render the last reply differently from the
+        tokens generated, so a copy is rarely a prefix of the next prompt whole); None if nothing."""
+        kv = self._host_copy(session, model)
+        if kv is None:
+            return None
+        m = min(kv.num_tokens, len(prompt) - 1)
+        differ = np.flatnonzero(np.asarray(prompt[:m]) != np.asarray(kv.token_ids[:m]))
+        n = int(differ[0]) if differ.size else m
+        return kv.prefix(n) if n > 0 else None
 
     # --- InstanceAPI: queue -----------------------------------------------------------------
     def num_waiting(self) -> int:
@@ -461,10 +474,8 @@ class Instance:
             s = self.served[call.model]
             eng = s.engine
             prompt = self.tokens.prompt(call, eng.cfg.vocab_size)
-            kv = self._host_copy(call.session, call.model)
             # at admission the engine takes the device cache's full pages and restores only the rest
-            if kv is not None and (kv.num_tokens >= len(prompt) or tuple(prompt[:kv.num_tokens]) != kv.token_ids):
-                kv = None
+            kv = self._restorable(call.session, call.model, prompt)
             rid = eng.add_request(prompt, self.tokens.params(call), f"{call.session}/{call.turn}", keep_kv=self.host_kv,
                                   restore=kv, cache_salt=self.tenant(call.session), session=call.session)
             self._calls[rid] = call

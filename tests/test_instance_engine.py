@@ -58,12 +58,32 @@ def test_probe_counts_a_prompts_cached_tokens_per_tenant(ie):
     ie.reset(get_policy("talaria"))
     prompt = list(range(10, 30))
     run(ie, [ie.add_request(prompt, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
-    longer = prompt + [7] * 4 + [1, 2]
-    mine = ie.prefix_of("s", "tiny-dense", longer, "a")
-    assert mine.host_tokens == 0  # the host copy holds prompt + output; `longer` does not extend it
-    follow = prompt + ie.instance.tokens.history["s"][len(prompt):] + [1, 2, 3]
-    assert ie.prefix_of("s", "tiny-dense", follow, "a").host_tokens == len(prompt) + 6 - 1
+    out = ie.instance.tokens.history["s"][len(prompt):]
+    follow = prompt + out + [1, 2, 3]
+    assert ie.prefix_of("s", "tiny-dense", follow, "a").host_tokens == len(prompt) + 6 - 1  # all but the last
+    # a prompt that diverges from the copy (a template re-rendering the reply): the common prefix counts
+    diverged = prompt + [(out[0] + 1) % 256, 1, 2]
+    mine = ie.prefix_of("s", "tiny-dense", diverged, "a")
+    assert mine.host_tokens == len(prompt)
     assert ie.prefix_of("s", "tiny-dense", follow, "b") == type(mine)()  # another tenant: nothing
+
+
+def test_a_diverging_prompt_restores_the_common_prefix_from_host_and_decodes_right(ie):
+    """The next prompt extends only part of the session's host copy, and the device cache was dropped:
+    the common prefix is restored from host (a partial last page included) and the tokens are those
+    of a full recompute."""
+    ie.reset(get_policy("talaria"))
+    first = list(range(100, 121))  # 21 tokens: 2 full pages and a partial one
+    run(ie, [ie.add_request(first, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
+    out = ie.instance.tokens.history["s"][len(first):]
+    nxt = first + [(out[0] + 1) % 256, 9, 9, 9]
+    for e in ie.engines:
+        e.prefix_cache.clear()
+    eng = ie.engine_of("tiny-dense")
+    before = eng.stats.restored_tokens
+    [got] = run(ie, [rid := ie.add_request(nxt, GREEDY, model="tiny-dense", cache_salt="a", session="s")]).values()
+    assert eng.stats.restored_tokens - before == len(first)
+    assert got == greedy_generate(load_model("tiny-dense", make_mesh(jax.devices()[:1])).model, [nxt], 6)[0], rid
 
 
 def test_an_abort_frees_pages_and_idle_sessions_are_forgotten(ie):

@@ -44,6 +44,7 @@ def compare(policies: list[str], *, sessions: int, calls: int, max_tokens: int, 
         raise app.UsageError(str(e)) from None
     # programs compile as step shapes first occur (warming every shape of 3 models x 2 instances up front
     # takes minutes here and more executables than a CPU process maps), so a first pass runs unmeasured
+    # under every policy: then no measured run pays a compile the others do not
     cfg = EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=2048, prefix_cache=True,
                        warmup=False)
     script = agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
@@ -51,9 +52,10 @@ def compare(policies: list[str], *, sessions: int, calls: int, max_tokens: int, 
     print(f"starting 2 instances ({', '.join(MODELS)} each) and compiling ...", file=sys.stderr)
     with LocalCluster(MODELS, load_hardware("cpu"), pols[0], api_keys=[KEY], instances=2, devices_per_instance=1,
                       engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES) as cluster:
-        print("a first pass compiles the step shapes (not measured) ...", file=sys.stderr)
-        cluster.compare(pols[:1], script, start_gap_s=start_gap_s, progress=progress)
-        return script, cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
+        print("a first pass under each policy compiles the step shapes it meets (not measured) ...", file=sys.stderr)
+        cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
+        results = cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
+        return script, results, cluster.stats
 
 
 def _fmt(x: float) -> str:
@@ -66,7 +68,7 @@ def main(argv):
     from talaria_jax.serve.load import summarize
 
     pols = _POLICIES.value
-    script, results = compare(pols, sessions=_SESSIONS.value, calls=_CALLS.value, max_tokens=_MAX_TOKENS.value,
+    script, results, stats = compare(pols, sessions=_SESSIONS.value, calls=_CALLS.value, max_tokens=_MAX_TOKENS.value,
                               tool_gap_s=_TOOL_GAP.value, start_gap_s=_START_GAP.value, seed=_SEED.value)
     by = {p: {r.id: r for r in results[p]} for p in pols}
     print("\nsession completion time (s), each session through the gateway:")
@@ -83,6 +85,8 @@ def main(argv):
         print(f"\n{b}/{a} SCT: p50 {sums[b]['sct_p50_s'] / sums[a]['sct_p50_s']:.2f}x, "
               f"p90 {sums[b]['sct_p90_s'] / sums[a]['sct_p90_s']:.2f}x; errors: "
               + ", ".join(f"{p} {sums[p]['errors']}" for p in pols))
+    for k in ("switches", "switch_s", "restored_tokens", "recomputed_tokens"):
+        print(f"{k}: " + ", ".join(f"{p} {stats[p][k]:.4g}" for p in pols))
     print(f"\nfirst replies ({pols[0]}):")
     for s in script:
         calls = by[pols[0]][s.id].calls

@@ -54,6 +54,7 @@ class LocalCluster:
         self.api_keys = list(api_keys)
         self.apps = instance_apps(models, hw, policy, api_keys=api_keys, **kw)
         self.engines = [a.state.backend for a in self.apps]
+        self.stats: dict[str, dict] = {}
         self.servers = []
         self.urls = []
         for a in self.apps:
@@ -86,11 +87,17 @@ class LocalCluster:
     def compare(self, policies: Sequence[PolicyConfig], sessions: Sequence[AgentSession],
                 **run_kw) -> dict[str, list[SessionResult]]:
         """The same agent sessions through a gateway under each policy in turn (`load.run_sessions`,
-        whose arguments `run_kw` are); each policy's results."""
+        whose arguments `run_kw` are); each policy's results. `self.stats[policy]`: the instances'
+        model switches, switch seconds and KV tokens restored from host and recomputed, summed."""
         out = {}
         for policy in policies:
             with self.gateway(policy) as url:
                 out[policy.name] = run_sessions(url, self.api_keys[0], sessions, **run_kw)
+            st = [ie.instance.stats for ie in self.engines]
+            self.stats[policy.name] = {"switches": sum(s.switches for s in st),
+                                       "switch_s": sum(s.switch_s for s in st),
+                                       "restored_tokens": sum(s.restored_tokens for s in st),
+                                       "recomputed_tokens": sum(s.recomputed_tokens for s in st)}
         return out
 
     def close(self) -> None:
