@@ -28,13 +28,18 @@ _JSON = flags.DEFINE_string("json_out", None, "Write the summaries here.")
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from talaria_jax.launch.demo import compare
+    from talaria_jax.scheduler.policies import POLICIES
     from talaria_jax.serve.load import summarize
+    from talaria_jax.serve.local_cluster import compare_policies
 
     load = os.getloadavg()[0]
     pols = _POLICIES.value
-    _, results, stats = compare(pols, sessions=_SESSIONS.value, calls=_CALLS.value, max_tokens=_MAX_TOKENS.value,
-                         tool_gap_s=_TOOL_GAP.value, start_gap_s=_START_GAP.value, seed=_SEED.value, progress=True)
+    if any(p not in POLICIES for p in pols):
+        raise app.UsageError(f"--policies: unknown {[p for p in pols if p not in POLICIES]}; "
+                             f"known: {', '.join(POLICIES)}")
+    _, results, stats = compare_policies(pols, sessions=_SESSIONS.value, calls=_CALLS.value,
+                                         max_tokens=_MAX_TOKENS.value, tool_gap_s=_TOOL_GAP.value,
+                                         start_gap_s=_START_GAP.value, seed=_SEED.value, progress=True)
     sums = {p: summarize(results[p]) for p in pols}
     ref = pols[0]
     print(f"\n{_SESSIONS.value} sessions x {_CALLS.value} calls, 2 instances; load average {load:.2f} before, "

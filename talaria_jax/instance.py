@@ -126,6 +126,7 @@ class Instance:
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
                  kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
                  tenant: Callable[[str], str | None] = lambda sid: None,
+                 returns: Callable[[str], bool] = lambda sid: True,
                  tokenizers: Mapping[str, Tokenizer] | None = None):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
@@ -138,7 +139,7 @@ class Instance:
             if m not in shapes:
                 raise ValueError(f"instance {name}: model {m!r} has no shape (the calibrated profile's models)")
         self.name, self.hw, self.cost = name, hw, CostModel(hw)
-        self.tokens, self.tenant = tokens, tenant
+        self.tokens, self.tenant, self.returns = tokens, tenant, returns
         cfgs = [model.cfg for model in models.values()]
         kv_bytes = kv_bytes_per_device if kv_bytes_per_device is not None else engine_config.kv_memory_bytes_per_device
         num_pages = None if kv_bytes is not None else engine_config.num_pages or \
@@ -349,17 +350,20 @@ class Instance:
     def cancel(self, call: Call) -> RequestOutput | None:
         """Stops `call` wherever it is (admitted, waiting or running), freeing its pages; its partial
         output when its engine had it (None otherwise)."""
-        if self.abort(call):
-            return None
+        for k, c in enumerate(self._pending):
+            if c.key == call.key:
+                del self._pending[k]
+                return None
         for rid, c in list(self._calls.items()):
             if c.key == call.key:
                 del self._calls[rid], self._reusable[rid]
-                return self.served[c.model].engine.abort(rid)
+                return self.served[c.model].engine.abort(rid)  # waiting (maybe preempted) or running
         return None
 
     def forget(self, session_id: str) -> None:
-        """Drops what the instance keeps of a session that will not return: its host KV copy, its
-        protection, its history. Its device pages stay in the prefix cache, evicted as any others."""
+        """Drops what the instance keeps of a session that will not return: its host KV copy and its
+        protection, its history. Its device pages stay in the prefix cache (protected until the
+        deadline given last), evicted as any others."""
         h = self._host.pop(session_id, None)
         if h is not None:
             self.served[h[1]].engine.host_tier.release(h[0])
@@ -464,8 +468,9 @@ class Instance:
 
     def _submit(self) -> None:
         """Hands the admitted calls to the active engine: each prompt from its session's history, and
-        the session's host copy, which tops up what the device cache holds. Calls are checked before they
-        are admitted (``Engine.check_request``), so the engine takes them all."""
+        the session's host copy, which tops up what the device cache holds. Callers check calls before
+        admitting them (``Engine.check_request``; the trace replay's are valid by construction): a
+        call the engine refused here would fail the step."""
         while self._pending:
             call = self._pending.pop(0)
             if call.model != self._active:
@@ -476,7 +481,8 @@ class Instance:
             prompt = self.tokens.prompt(call, eng.cfg.vocab_size)
             # at admission the engine takes the device cache's full pages and restores only the rest
             kv = self._restorable(call.session, call.model, prompt)
-            rid = eng.add_request(prompt, self.tokens.params(call), f"{call.session}/{call.turn}", keep_kv=self.host_kv,
+            rid = eng.add_request(prompt, self.tokens.params(call), f"{call.session}/{call.turn}",
+                                  keep_kv=self.host_kv and self.returns(call.session),
                                   restore=kv, cache_salt=self.tenant(call.session), session=call.session)
             self._calls[rid] = call
             # tokens an earlier call computed KV for: all of the history but its last token

@@ -107,12 +107,14 @@ def test_bad_input_gets_the_openai_error_body_through_the_gateway(cluster, body,
 
 
 def test_tenants_stay_apart_through_the_gateway(cluster):
-    gw, url, _ = cluster
+    gw, url, instances = cluster
     prompt = list(range(1040, 1090))  # 50 tokens: 6 full pages of SmolLM2 (tiny-dense's pages hold ~200 tokens)
     kw = dict(model=SMOL, prompt=prompt, max_tokens=2, temperature=0)
     client(url, KEY).completions.create(**kw)
     assert client(url, KEY).completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 48
+    hits = sum(metric(u, "prefix_cache_hits_total") for u in instances)
     assert client(url, OTHER).completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    assert sum(metric(u, "prefix_cache_hits_total") for u in instances) == hits  # on no instance
 
 
 def test_a_stream_placed_again_continues_without_repeating():
@@ -141,6 +143,20 @@ def test_a_stream_placed_again_continues_without_repeating():
     out += [done.feed({"choices": [{"index": 0, "text": t, "finish_reason": f}]}) for t, f in
             (("abc", None), ("de", "length"))]
     assert "".join(e["choices"][0]["text"] for e in out if e) == "abcde"
+    # two choices, and the retry's chunks cut at other places than the first attempt's
+    def cp(i, text, lp, finish=None):
+        return {"choices": [{"index": i, "text": text, "finish_reason": finish,
+                             "logprobs": {"tokens": lp, "token_logprobs": [-1.0] * len(lp)}}]}
+    two = _Relay(chat=False)
+    out = [two.feed(e) for e in (cp(0, "ab", ["a", "b"]), cp(1, "x", ["x"]), cp(0, "c", ["c"]))]
+    two.attempt()
+    out += [two.feed(e) for e in (cp(1, "xy", ["x", "y"], "stop"), cp(0, "a", ["a"]), cp(0, "bcd", ["b", "c", "d"]),
+                                   cp(0, "", [], "length"))]
+    for i, want_text, want_tokens in ((0, "abcd", list("abcd")), (1, "xy", list("xy"))):
+        mine = [c for e in out if e for c in e["choices"] if c["index"] == i]
+        assert "".join(c["text"] for c in mine) == want_text
+        assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == want_tokens
+    assert two.complete
 
 
 def _free_port() -> int:

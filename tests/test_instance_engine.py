@@ -88,14 +88,18 @@ def test_a_diverging_prompt_restores_the_common_prefix_from_host_and_decodes_rig
 
 def test_an_abort_frees_pages_and_idle_sessions_are_forgotten(ie):
     ie.reset(get_policy("talaria"))
-    ie.session_ttl_s = 0.0
     long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     rid = ie.add_request(list(range(40)), long, model="tiny-moe", cache_salt="a", session="gone")
     for _ in range(3):
         ie.step()
     assert ie.abort(rid) is not None and not ie.has_unfinished()
-    assert ie.instance.kv_pages_used() == 0
+    eng = ie.engine_of("tiny-moe")
+    assert not eng.requests and eng.allocator.num_used == sum(e.prefix_cache.num_pages for e in ie.engines)
+    ie.session_ttl_s = 3600.0
     run(ie, [ie.add_request([1, 2, 3], GREEDY, model="tiny-moe", cache_salt="a", session="idle")])
-    run(ie, [ie.add_request([4, 5, 6], GREEDY, model="tiny-moe", cache_salt="a")])
+    run(ie, [ie.add_request([4, 5, 6], GREEDY, model="tiny-moe", cache_salt="a")])  # a single call: forgotten
+    assert list(ie.sessions.sessions) == ["idle"] and set(ie.instance._host) == {ie.sessions["idle"].id}
+    ie.session_ttl_s = 0.0  # now every idle session is past its time
+    run(ie, [ie.add_request([7, 8, 9], GREEDY, model="tiny-moe", cache_salt="a")])
     assert len(ie.sessions) == 0 and not ie.instance._host and not ie.instance.tokens.history
     ie.session_ttl_s = 3600.0

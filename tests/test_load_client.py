@@ -4,15 +4,12 @@ add up; sessions are deterministic from their seed; a failing call is recorded i
 import contextlib
 import dataclasses
 import math
-import threading
-import time
 
 import jax
 import pytest
-import uvicorn
 
 from talaria_jax.engine.engine import Engine, EngineConfig
-from talaria_jax.serve.app import ServedModel, build_app
+from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
 from talaria_jax.serve.load import agent_sessions, run_sessions, summarize
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import load_model
@@ -25,20 +22,13 @@ CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=8, max_model_
 
 @contextlib.contextmanager
 def serving(app):
-    """Runs `app` with uvicorn on a free port of 127.0.0.1 in a thread; yields its base URL (as test_serve)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    """Runs `app` on a free port of 127.0.0.1 in a thread; yields its base URL, then stops it."""
+    url, server = serve_in_thread(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        server.thread.join(timeout=10)
         app.state.engine.close()
 
 

@@ -15,11 +15,10 @@ import jax
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.models import greedy_generate, init_model, load_model_config
-from talaria_jax.serve.app import ServedModel, build_app
+from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
 from talaria_jax.serve.protocol import Limits
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import load_model
@@ -31,20 +30,13 @@ CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model
 
 @contextlib.contextmanager
 def serving(app):
-    """Runs `app` with uvicorn on a free port of 127.0.0.1 in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    """Runs `app` on a free port of 127.0.0.1 in a thread; yields its base URL, then stops it."""
+    url, server = serve_in_thread(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        server.thread.join(timeout=10)
         app.state.engine.close()
 
 

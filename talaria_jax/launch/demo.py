@@ -9,7 +9,6 @@ the policies differ in how. Runs on one CPU machine with no downloads.
 from __future__ import annotations
 
 import math
-import sys
 
 from absl import app, flags, logging
 
@@ -21,43 +20,6 @@ _START_GAP = flags.DEFINE_float("start_gap_s", 0.5, "Seconds between session sta
 _POLICIES = flags.DEFINE_list("policies", ["talaria", "round"], "Policies to compare.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted sessions.")
 
-MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
-KEY = "sk-demo"
-
-
-def compare(policies: list[str], *, sessions: int, calls: int, max_tokens: int, tool_gap_s: float, start_gap_s: float,
-            seed: int, progress: bool | None = None):
-    """The scripted sessions and each policy's results, on two local instances hosting `MODELS`."""
-    from talaria_jax.engine import enable_compilation_cache
-    from talaria_jax.engine.engine import EngineConfig
-    from talaria_jax.local import LOCAL_KV_BYTES, simulate_cpu_devices
-    from talaria_jax.scheduler.policies import get_policy
-    from talaria_jax.serve.load import agent_sessions
-    from talaria_jax.serve.local_cluster import LocalCluster
-    from talaria_jax.sim.hardware import load_hardware
-
-    simulate_cpu_devices(2)
-    enable_compilation_cache()  # the second instance loads what the first compiled
-    try:
-        pols = [get_policy(p) for p in policies]
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    # programs compile as step shapes first occur (warming every shape of 3 models x 2 instances up front
-    # takes minutes here and more executables than a CPU process maps), so a first pass runs unmeasured
-    # under every policy: then no measured run pays a compile the others do not
-    cfg = EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=2048, prefix_cache=True,
-                       warmup=False)
-    script = agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
-                            tool_gap_s=tool_gap_s)
-    print(f"starting 2 instances ({', '.join(MODELS)} each) and compiling ...", file=sys.stderr)
-    with LocalCluster(MODELS, load_hardware("cpu"), pols[0], api_keys=[KEY], instances=2, devices_per_instance=1,
-                      engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES) as cluster:
-        print("a first pass under each policy compiles the step shapes it meets (not measured) ...", file=sys.stderr)
-        cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
-        results = cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
-        return script, results, cluster.stats
-
-
 def _fmt(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.1f}"
 
@@ -65,11 +27,17 @@ def _fmt(x: float) -> str:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    from talaria_jax.scheduler.policies import POLICIES
     from talaria_jax.serve.load import summarize
+    from talaria_jax.serve.local_cluster import RANDOM, compare_policies
 
     pols = _POLICIES.value
-    script, results, stats = compare(pols, sessions=_SESSIONS.value, calls=_CALLS.value, max_tokens=_MAX_TOKENS.value,
-                              tool_gap_s=_TOOL_GAP.value, start_gap_s=_START_GAP.value, seed=_SEED.value)
+    if any(p not in POLICIES for p in pols):
+        raise app.UsageError(f"--policies: unknown {[p for p in pols if p not in POLICIES]}; "
+                             f"known: {', '.join(POLICIES)}")
+    script, results, stats = compare_policies(pols, sessions=_SESSIONS.value, calls=_CALLS.value,
+                                              max_tokens=_MAX_TOKENS.value, tool_gap_s=_TOOL_GAP.value,
+                                              start_gap_s=_START_GAP.value, seed=_SEED.value)
     by = {p: {r.id: r for r in results[p]} for p in pols}
     print("\nsession completion time (s), each session through the gateway:")
     print(f"| session | model | calls | {' | '.join(pols)} |")
@@ -90,8 +58,11 @@ def main(argv):
     print(f"\nfirst replies ({pols[0]}):")
     for s in script:
         calls = by[pols[0]][s.id].calls
-        reply = calls[0].text if calls else ""
-        print(f"  {s.id} [{s.model}] {reply.strip()[:110]!r}")
+        if s.model in RANDOM:
+            reply = f"({calls[0].completion_tokens} tokens of random weights)" if calls else "-"
+        else:
+            reply = repr(calls[0].text.strip()[:110]) if calls else "-"
+        print(f"  {s.id} [{s.model}] {reply}")
 
 
 def run():

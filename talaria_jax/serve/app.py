@@ -64,7 +64,7 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
     """The app; `app.state.engine` is its `AsyncEngine` (stop it with `.close()`), `app.state.metrics`
     its metrics. `tenant_secret` keys the tenant salts (default: random for this process). `backend`:
     an `InstanceEngine` serving every one of `models` on one instance under the scheduler (it adds the
-    router's routes, `GET /talaria/state` and `POST /talaria/probe`); None: the one model's own engine."""
+    router's route, `POST /talaria/probe`); None: the one model's own engine."""
     models = [models] if isinstance(models, ServedModel) else list(models)
     if backend is None and len(models) != 1:
         raise ValueError(f"build_app: {len(models)} models need a backend (an InstanceEngine serving them)")
@@ -80,27 +80,8 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
     metrics = ServerMetrics(ae, ",".join(by_name), session_idle_s)
     metrics_box.append(metrics)
     app.state.engine, app.state.metrics, app.state.limits = ae, metrics, limits
-    keys = [k.encode() for k in api_keys]
-
-    def caller(request: Request) -> str:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if not key or sum(hmac.compare_digest(key.encode(), k) for k in keys) == 0:  # every key compared
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
-        return key
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        logging.exception("request failed")
-        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+    caller = key_checker(api_keys)
+    openai_errors(app)
 
     @app.get("/health")
     async def health():
@@ -158,16 +139,13 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
         if served is None:
             raise ApiError(404, f"the model '{p.model}' does not exist (this server serves "
                            f"{', '.join(repr(n) for n in by_name)})", "model", "model_not_found")
-        header = request.headers.get("x-session-id")
-        if header is not None and not 0 < len(header) <= 256:
-            raise ApiError(400, "the x-session-id header must be 1 to 256 characters", "x-session-id", "invalid_value")
-        p.session = header or p.session
+        p.session = session_header(request) or p.session
         prompt = await asyncio.to_thread(_prompt_ids, served, p)  # a template and up to a MiB of text
         if p.max_tokens is None:  # chat's default: the rest of the context
             room = served.engine.config.max_model_len - len(prompt)
             p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
         salt = tenant_salt(key, secret)
-        session = None if p.session is None else f"{salt[:8]}:{p.session}"  # tenants' sessions never mix
+        session = None if p.session is None else f"{salt[:16]}:{p.session}"  # tenants' sessions never mix
         return served, p, prompt, salt, session
 
     async def _generate(request: Request, chat: bool):
@@ -201,6 +179,46 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
         return body
 
     return app
+
+
+def key_checker(api_keys: Sequence[str]):
+    """`caller(request)`: the request's API key (`Authorization: Bearer <key>`), or ApiError 401 unless
+    it is one of `api_keys` (compared in constant time, every key)."""
+    keys = [k.encode() for k in api_keys]
+
+    def caller(request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not key or sum(hmac.compare_digest(key.encode(), k) for k in keys) == 0:
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        return key
+    return caller
+
+
+def openai_errors(app: FastAPI) -> None:
+    """Every error of `app` answered as OpenAI's error body: ApiError, unknown routes and methods, and
+    bugs (500, logged; no traceback reaches the client)."""
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        logging.exception("request failed")
+        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+
+
+def session_header(request: Request) -> str | None:
+    """The `x-session-id` header (1 to 256 printable ASCII characters), or None."""
+    header = request.headers.get("x-session-id")
+    if header is not None and not (0 < len(header) <= 256 and header.isascii() and header.isprintable()):
+        raise ApiError(400, "the x-session-id header must be 1 to 256 printable ASCII characters", "x-session-id",
+                       "invalid_value")
+    return header
 
 
 async def _read_json(request: Request, limit: int) -> Any:

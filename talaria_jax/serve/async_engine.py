@@ -129,8 +129,9 @@ class AsyncEngine:
                                 raise
                             logging.warning("engine step failed (%d in a row), retrying: %s", failures, e)
                 self._deliver(aborted, outs)
-                if not busy:
-                    self._wake.wait()
+                idle = getattr(self.engine, "idle_s", 0.0)  # an InstanceEngine whose calls wait on the scheduler
+                if not busy or idle:
+                    self._wake.wait(idle or None)
                     self._wake.clear()
         except Exception as e:  # noqa: BLE001 - the engine is unusable: fail every request, loudly
             logging.exception("engine failed")

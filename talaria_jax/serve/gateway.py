@@ -41,14 +41,14 @@ import httpx
 from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from talaria_jax.scheduler import router
 from talaria_jax.scheduler.api import PrefixLocation, WeightState
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, Session
-from talaria_jax.serve.app import _read_json
+from talaria_jax.serve.app import _read_json, key_checker, openai_errors, session_header
 from talaria_jax.serve.protocol import ApiError
 
 __all__ = ["Upstream", "build_gateway"]
@@ -133,7 +133,13 @@ class _Relay:
         self.roles: set[int] = set()
         self.ended: set[int] = set()
         self.usage_sent = False
+        self.head: dict = {}  # the first attempt's id and created, kept by every event
         self.attempt()
+
+    @property
+    def complete(self) -> bool:
+        """Every choice seen has ended (the usage, if asked, is lost with the stream)."""
+        return bool(self.ended) and self.ended >= set(self.chars)
 
     def attempt(self) -> None:
         """A new upstream stream starts: it will repeat what the last one produced."""
@@ -144,6 +150,9 @@ class _Relay:
         """The part of an upstream event the client lacks (None: nothing)."""
         if "error" in event:
             raise _Lost(event["error"].get("message", "the instance failed"))
+        if not self.head:
+            self.head = {k: event[k] for k in ("id", "created") if k in event}
+        event |= self.head
         choices = []
         for ch in event.get("choices") or []:
             i = ch["index"]
@@ -188,10 +197,7 @@ class _Relay:
 
 
 def _session_id(request: Request, body: dict) -> str | None:
-    header = request.headers.get("x-session-id")
-    if header is not None and not 0 < len(header) <= 256:
-        raise ApiError(400, "the x-session-id header must be 1 to 256 characters", "x-session-id", "invalid_value")
-    sid = header or body.get("session_id")
+    sid = session_header(request) or body.get("session_id")
     if sid is not None and not (isinstance(sid, str) and 0 < len(sid) <= 256):
         raise ApiError(400, "'session_id' must be a string of 1 to 256 characters", "session_id", "invalid_type")
     return sid
@@ -214,7 +220,6 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
     if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
         raise ValueError("build_gateway: give at least one non-empty API key")
     ups = [Upstream(f"i{k}", url.rstrip("/")) for k, url in enumerate(instances)]
-    keys = [k.encode() for k in api_keys]
     own_key = instance_key or api_keys[0]
     secret = secrets.token_bytes(32)  # groups the gateway's sessions by tenant (never sent anywhere)
     reg = CollectorRegistry()
@@ -240,12 +245,7 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
     app = FastAPI(title="talaria-route", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.upstreams, app.state.registry, app.state.sessions = ups, reg, sessions
 
-    def caller(request: Request) -> str:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if not key or sum(hmac.compare_digest(key.encode(), k) for k in keys) == 0:
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
-        return key
+    caller = key_checker(api_keys)
 
     # --- instance health ---------------------------------------------------------------------------
     def taken_out(up: Upstream, why: str) -> None:
@@ -285,18 +285,7 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
             await asyncio.sleep(probe_interval_s)
 
     # --- routes --------------------------------------------------------------------------------------
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        logging.exception("request failed")
-        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+    openai_errors(app)
 
     @app.get("/health")
     async def health():
@@ -405,13 +394,12 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
         if _sampled(body) and body.get("seed") is None:
             body["seed"] = secrets.randbelow(_SEED_MAX)  # a retry elsewhere draws the same tokens
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        if sid is not None:
-            headers["x-session-id"] = sid
+        if request.headers.get("x-session-id") is not None:  # (a body's session_id travels in the body)
+            headers["x-session-id"] = request.headers["x-session-id"]
         ctx = _Ctx(json.dumps(body).encode(), headers, path, body["model"], sid,
                    hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:16], chat)
         if body.get("stream") is True:
-            r, up = await open_stream(ctx)
-            return StreamingResponse(relay_events(request, ctx, r, up, t0), media_type="text/event-stream")
+            return await streamed(ctx, t0)
         while True:
             up = await place(ctx)
             m_requests.labels(up.name).inc()
@@ -431,9 +419,22 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
             m_e2e.observe(time.perf_counter() - t0)
             return JSONResponse(r.json(), status_code=r.status_code)
 
-    async def open_stream(ctx: _Ctx) -> tuple[httpx.Response, Upstream]:
+    class _Open:
+        """The upstream stream a streamed call reads now; `release` closes it and counts it off its
+        instance, once (from the relay on a loss, or after the response, however it ended)."""
+
+        def __init__(self, r: httpx.Response, up: Upstream):
+            self.r, self.up, self.released = r, up, False
+
+        async def release(self) -> None:
+            if not self.released:
+                self.released = True
+                self.up.inflight -= 1
+                await self.r.aclose()
+
+    async def open_stream(ctx: _Ctx) -> _Open:
         """A streamed call's upstream response (200) on the best instance; the instance's refusal
-        (4xx) as an ApiError. Its `inflight` count stays up until the stream is closed."""
+        (4xx) as an ApiError."""
         while True:
             up = await place(ctx)
             m_requests.labels(up.name).inc()
@@ -446,7 +447,7 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                 failed(up, ctx, e)
                 continue
             if r.status_code == 200:
-                return r, up
+                return _Open(r, up)
             await r.aread()
             await r.aclose()
             up.inflight -= 1
@@ -455,48 +456,67 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                 continue
             raise ApiError(r.status_code, **_error_fields(r))
 
-    async def relay_events(request: Request, ctx: _Ctx, r: httpx.Response, up: Upstream, t0: float):
+    async def streamed(ctx: _Ctx, t0: float) -> StreamingResponse:
+        box = [await open_stream(ctx)]
+
+        async def release():  # after the response, also when the client left before it started
+            await box[0].release()
+        return _Streamed(relay_events(ctx, box, t0), media_type="text/event-stream", background=BackgroundTask(release))
+
+    async def relay_events(ctx: _Ctx, box: list, t0: float):
         """The client's SSE stream: the upstream's events, and after a loss the events of the call
         placed again, trimmed of what was sent (`_Relay`). The client going away closes the upstream
         stream, which aborts the call there."""
         relay = _Relay(ctx.chat)
-        try:
-            while True:
-                try:
-                    lines = r.aiter_lines()
-                    while True:
-                        try:
-                            line = await _until_lost(lines.__anext__(), up)
-                        except StopAsyncIteration:
-                            raise _Lost("the stream ended before [DONE]") from None
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[6:]
-                        if data == "[DONE]":
-                            served(ctx, up)
-                            m_e2e.observe(time.perf_counter() - t0)
-                            yield "data: [DONE]\n\n"
-                            return
-                        out = relay.feed(json.loads(data))
-                        if out is not None:
-                            yield f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
-                except (_Lost, httpx.HTTPError, ValueError) as e:
-                    await r.aclose()
-                    up.inflight -= 1
-                    failed(up, ctx, e)
-                    relay.attempt()
+        while True:
+            cur = box[0]
+            try:
+                lines = cur.r.aiter_lines()
+                while True:
                     try:
-                        r, up = await open_stream(ctx)
-                    except ApiError as err:
-                        r = None
-                        yield f"data: {json.dumps(err.body())}\n\n"
+                        line = await _until_lost(lines.__anext__(), cur.up)
+                    except StopAsyncIteration:
+                        raise _Lost("the stream ended before [DONE]") from None
+                    if not line.startswith("data: "):
+                        continue
+                    if line[6:] == "[DONE]":
+                        served(ctx, cur.up)
+                        m_e2e.observe(time.perf_counter() - t0)
+                        yield "data: [DONE]\n\n"
                         return
-        finally:
-            if r is not None and not r.is_closed:
-                await r.aclose()
-                up.inflight -= 1
+                    out = relay.feed(json.loads(line[6:]))
+                    if out is not None:
+                        yield f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
+            except (_Lost, httpx.HTTPError, ValueError) as e:
+                await cur.release()
+                if relay.complete:  # only [DONE] was missing: the answer is whole
+                    yield "data: [DONE]\n\n"
+                    return
+                failed(cur.up, ctx, e)
+                relay.attempt()
+                try:
+                    box[0] = await open_stream(ctx)
+                except ApiError as err:
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    return
+            except Exception as e:  # noqa: BLE001 - a bug: end the stream with an error body, not a reset
+                logging.exception("relaying a stream failed")
+                yield f"data: {json.dumps(ApiError(500, f'internal error ({type(e).__name__})').body())}\n\n"
+                return
 
     return app
+
+
+class _Streamed(StreamingResponse):
+    """A StreamingResponse whose background task (the upstream's release, idempotent) runs however the
+    response ended: a client gone before the stream started or mid-way included."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.background is not None:
+                await self.background()
 
 
 async def _until_lost(aw, up: Upstream, request: Request | None = None):

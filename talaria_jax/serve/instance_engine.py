@@ -59,7 +59,9 @@ class LiveSessions:
         return len(self.sessions)
 
     def add(self, call: Call, single: bool) -> None:
-        self.sessions.setdefault(call.session, _LiveSession(call.session, single)).calls.append(call)
+        s = self.sessions.setdefault(call.session, _LiveSession(call.session, single))
+        if not s.calls:  # the first call names the session's model; the rest are not needed
+            s.calls.append(call)
 
     def complete(self, call: Call, instance: str, now: float) -> None:
         s = self.sessions[call.session]
@@ -77,6 +79,7 @@ class InstanceEngine:
         self.instance, self.session_ttl_s = instance, session_ttl_s
         self._salt: dict[str, str | None] = {}  # session -> its tenant salt
         instance.tenant = lambda sid: self._salt.get(sid)
+        instance.returns = lambda sid: not sid.startswith("~")  # a single-call session's KV is not kept
         self._t0 = time.monotonic()
         self._ids = itertools.count()
         self.reset(policy)
@@ -88,6 +91,8 @@ class InstanceEngine:
         self.policy = policy
         self.instance.reset(host_kv=policy.host_kv, staging=policy.staging, drop_kv_on_switch=policy.drop_kv_on_switch)
         self.instance.tokens.history.clear()
+        self._salt.clear()
+        self.idle_s = 0.0  # after a step that ran nothing: how long to wait before the next (AsyncEngine)
         self.sessions = LiveSessions()
         self.scheduler = Scheduler(policy, [self.instance], self.sessions)
         self.requests: dict[str, Call] = {}  # in flight: request id -> call
@@ -159,9 +164,10 @@ class InstanceEngine:
         inst, now = self.instance, self.clock()
         wake = self.scheduler.plan(inst, now)
         end = inst.start_chunk(now)
-        if end is None:  # calls wait (a held slot, a reservation): ask again shortly
-            time.sleep(min(_IDLE_POLL_S, max(0.0, (wake or now) - now)) or _IDLE_POLL_S)
+        if end is None:  # calls wait (a held slot, a reservation): ask again shortly, or on a new request
+            self.idle_s = min(_IDLE_POLL_S, max(0.0, (wake or now) - now)) or _IDLE_POLL_S
             return []
+        self.idle_s = 0.0
         self._now = max(self._now, end)
         finished = inst.finish_chunk(end)
         outs = []
@@ -198,7 +204,7 @@ class InstanceEngine:
         self._salt.pop(sid, None)
         self._turns.pop(sid, None)
 
-    # --- what the router asks (GET /talaria/state, POST /talaria/probe) ------------------------------
+    # --- what the router asks (POST /talaria/probe) -------------------------------------------------
     def prefix_of(self, session: str | None, model: str, prompt: Sequence[int], cache_salt: str | None) -> PrefixLocation:
         if session is not None and self._salt.get(session, cache_salt) != cache_salt:
             return PrefixLocation()  # another tenant's session of that name

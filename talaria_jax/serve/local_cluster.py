@@ -9,20 +9,22 @@ policies can be compared on the same instances.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
+from talaria_jax.engine import enable_compilation_cache
 from talaria_jax.engine.engine import EngineConfig
-from talaria_jax.local import build_instances
-from talaria_jax.scheduler.policies import PolicyConfig
+from talaria_jax.local import LOCAL_KV_BYTES, build_instances, simulate_cpu_devices
+from talaria_jax.scheduler.policies import PolicyConfig, get_policy
 from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
 from talaria_jax.serve.gateway import build_gateway
 from talaria_jax.serve.instance_engine import InstanceEngine
-from talaria_jax.serve.load import AgentSession, SessionResult, run_sessions
+from talaria_jax.serve.load import AgentSession, SessionResult, agent_sessions, run_sessions
 from talaria_jax.serve.protocol import Limits
-from talaria_jax.sim.hardware import HardwareConfig
+from talaria_jax.sim.hardware import HardwareConfig, load_hardware
 
-__all__ = ["LocalCluster", "instance_apps"]
+__all__ = ["LocalCluster", "compare_policies", "instance_apps"]
 
 
 def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
@@ -112,3 +114,33 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
+RANDOM = {"tiny-dense", "tiny-moe"}  # random weights: their replies are noise
+KEY = "sk-demo"
+
+
+def compare_policies(policies: Sequence[str], *, sessions: int, calls: int, max_tokens: int, tool_gap_s: float,
+                     start_gap_s: float, seed: int, progress: bool | None = None):
+    """`make demo` and `benchmarks/serve_load.py`: scripted agent sessions (`load.agent_sessions`) through a
+    gateway over two local instances (one device each) hosting `MODELS`, under each of `policies`. Returns
+    the sessions, each policy's results, and the instances' switch and KV statistics per policy. Call it
+    before JAX starts (it asks for two CPU devices)."""
+    pols = [get_policy(p) for p in policies]  # first: a bad name fails before anything starts
+    simulate_cpu_devices(2)
+    enable_compilation_cache()  # the second instance loads what the first compiled
+    # programs compile as step shapes first occur (warming every shape of 3 models x 2 instances up front
+    # takes minutes here and more executables than a CPU process maps), so a first pass runs unmeasured
+    # under every policy: then no measured run pays a compile the others do not
+    cfg = EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=4096, prefix_cache=True,
+                       warmup=False)
+    script = agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
+                            tool_gap_s=tool_gap_s)
+    print(f"starting 2 instances ({', '.join(MODELS)} each) and compiling ...", file=sys.stderr)
+    with LocalCluster(MODELS, load_hardware("cpu"), pols[0], api_keys=[KEY], instances=2, devices_per_instance=1,
+                      engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES) as cluster:
+        print("a first pass under each policy compiles the step shapes it meets (not measured) ...", file=sys.stderr)
+        cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
+        results = cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
+        return script, results, cluster.stats

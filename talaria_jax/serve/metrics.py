@@ -104,6 +104,8 @@ class ServerMetrics:
             stats = [e.stats for e in engines]
             state = backend.state() if hasattr(backend, "state") else None
         total = lambda field: sum(getattr(st, field) for st in stats)
+        if state is not None:  # calls routed to the instance wait for admission or a switch too
+            waiting = state["waiting"]
         m = [self.model]
         gauges = [("num_requests_running", "Requests in the running batch", running),
                   ("num_requests_waiting", "Requests waiting for admission", waiting),
