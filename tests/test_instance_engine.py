@@ -98,7 +98,8 @@ def test_an_abort_frees_pages_and_idle_sessions_are_forgotten(ie):
     ie.session_ttl_s = 3600.0
     run(ie, [ie.add_request([1, 2, 3], GREEDY, model="tiny-moe", cache_salt="a", session="idle")])
     run(ie, [ie.add_request([4, 5, 6], GREEDY, model="tiny-moe", cache_salt="a")])  # a single call: forgotten
-    assert list(ie.sessions.sessions) == ["idle"] and set(ie.instance._host) == {ie.sessions["idle"].id}
+    # the aborted session may return; the single call is gone; only "idle" has KV on host
+    assert set(ie.sessions.sessions) == {"gone", "idle"} and set(ie.instance._host) == {"idle"}
     ie.session_ttl_s = 0.0  # now every idle session is past its time
     run(ie, [ie.add_request([7, 8, 9], GREEDY, model="tiny-moe", cache_salt="a")])
     assert len(ie.sessions) == 0 and not ie.instance._host and not ie.instance.tokens.history
