@@ -15,13 +15,10 @@ import os
 
 from absl import app, flags, logging
 
-_SESSIONS = flags.DEFINE_integer("sessions", 12, "Concurrent agent sessions.", lower_bound=1)
-_CALLS = flags.DEFINE_integer("calls", 4, "Calls per session.", lower_bound=1)
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Tokens per reply.", lower_bound=1)
-_TOOL_GAP = flags.DEFINE_float("tool_gap_s", 0.3, "Median tool time between a session's calls (s).", lower_bound=0)
-_START_GAP = flags.DEFINE_float("start_gap_s", 0.25, "Seconds between session starts.", lower_bound=0)
-_POLICIES = flags.DEFINE_list("policies", ["talaria", "round"], "Policies, the first one the reference of ratios.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted sessions.")
+from talaria_jax.launch import demo  # its flags (--sessions, --calls, ...), with other defaults here
+
+for name, default in (("sessions", 12), ("calls", 4), ("max_tokens", 32), ("start_gap_s", 0.25)):
+    flags.FLAGS.set_default(name, default)
 _JSON = flags.DEFINE_string("json_out", None, "Write the summaries here.")
 
 
@@ -33,16 +30,16 @@ def main(argv):
     from talaria_jax.serve.local_cluster import compare_policies
 
     load = os.getloadavg()[0]
-    pols = _POLICIES.value
+    pols = demo._POLICIES.value
     if any(p not in POLICIES for p in pols):
         raise app.UsageError(f"--policies: unknown {[p for p in pols if p not in POLICIES]}; "
                              f"known: {', '.join(POLICIES)}")
-    _, results, stats = compare_policies(pols, sessions=_SESSIONS.value, calls=_CALLS.value,
-                                         max_tokens=_MAX_TOKENS.value, tool_gap_s=_TOOL_GAP.value,
-                                         start_gap_s=_START_GAP.value, seed=_SEED.value, progress=True)
+    _, results, stats = compare_policies(pols, sessions=demo._SESSIONS.value, calls=demo._CALLS.value,
+                                         max_tokens=demo._MAX_TOKENS.value, tool_gap_s=demo._TOOL_GAP.value,
+                                         start_gap_s=demo._START_GAP.value, seed=demo._SEED.value, progress=True)
     sums = {p: summarize(results[p]) for p in pols}
     ref = pols[0]
-    print(f"\n{_SESSIONS.value} sessions x {_CALLS.value} calls, 2 instances; load average {load:.2f} before, "
+    print(f"\n{demo._SESSIONS.value} sessions x {demo._CALLS.value} calls, 2 instances; load average {load:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after")
     print(f"| metric | {' | '.join(pols)} | " + " | ".join(f"{p}/{ref}" for p in pols[1:]) + " |")
     print("|---|" + "---|" * (2 * len(pols) - 1))

@@ -1,7 +1,6 @@
 """The client-side load driver (`serve.load`) against the real server on 127.0.0.1 with SmolLM2:
 multi-turn chat and completion sessions, side by side, reuse their growing prefix and their timings
 add up; sessions are deterministic from their seed; a failing call is recorded instead of raised."""
-import contextlib
 import dataclasses
 import math
 
@@ -9,7 +8,7 @@ import jax
 import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig
-from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
+from talaria_jax.serve.app import ServedModel, build_app, serving
 from talaria_jax.serve.load import agent_sessions, run_sessions, summarize
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import load_model
@@ -19,17 +18,6 @@ MODEL = "smollm2-135m-instruct"
 CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=8, max_model_len=1024, prefix_cache=True,
                       warmup=False)
 
-
-@contextlib.contextmanager
-def serving(app):
-    """Runs `app` on a free port of 127.0.0.1 in a thread; yields its base URL, then stops it."""
-    url, server = serve_in_thread(app)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        server.thread.join(timeout=10)
-        app.state.engine.close()
 
 
 @pytest.fixture(scope="module")

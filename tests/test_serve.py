@@ -18,7 +18,7 @@ import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.models import greedy_generate, init_model, load_model_config
-from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
+from talaria_jax.serve.app import ServedModel, build_app, serving
 from talaria_jax.serve.protocol import Limits
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import load_model
@@ -27,17 +27,6 @@ KEY, OTHER = "sk-test-a", "sk-test-b"
 CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=256, prefix_cache=True,
                       warmup=False)
 
-
-@contextlib.contextmanager
-def serving(app):
-    """Runs `app` on a free port of 127.0.0.1 in a thread; yields its base URL, then stops it."""
-    url, server = serve_in_thread(app)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        server.thread.join(timeout=10)
-        app.state.engine.close()
 
 
 @pytest.fixture(scope="module")

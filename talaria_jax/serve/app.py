@@ -14,6 +14,7 @@ on the text: the request is aborted there and the text cut before the match.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -38,7 +39,7 @@ from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
 from talaria_jax.serve.protocol import ApiError, Limits, Parsed
 
-__all__ = ["ServedModel", "build_app", "serve_in_thread", "tenant_salt"]
+__all__ = ["ServedModel", "build_app", "serve_in_thread", "serving", "tenant_salt"]
 
 
 @dataclasses.dataclass
@@ -397,3 +398,15 @@ def serve_in_thread(api: FastAPI, host: str = "127.0.0.1", port: int = 0) -> tup
         time.sleep(0.01)
     server.thread = thread
     return f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}", server
+
+
+@contextlib.contextmanager
+def serving(api: FastAPI):
+    """`serve_in_thread(api)` for a block: yields the base URL, then stops the server and its engine."""
+    url, server = serve_in_thread(api)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        server.thread.join(timeout=10)
+        api.state.engine.close()

@@ -23,7 +23,7 @@ from talaria_jax.instance import Instance, LiveTokens
 from talaria_jax.scheduler import Scheduler
 from talaria_jax.scheduler.api import PrefixLocation
 from talaria_jax.scheduler.policies import PolicyConfig
-from talaria_jax.scheduler.session import Call, Session
+from talaria_jax.scheduler.session import Call, Session, SessionTable
 
 __all__ = ["InstanceEngine", "LiveSessions"]
 
@@ -43,20 +43,11 @@ class _LiveSession(Session):
         return self.single and self.finished_s is not None
 
 
-class LiveSessions:
+class LiveSessions(SessionTable):
     """`SessionTable`'s role for live sessions: calls join as they arrive, in any order."""
 
     def __init__(self):
         self.sessions: dict[str, _LiveSession] = {}
-
-    def __getitem__(self, sid: str) -> Session:
-        return self.sessions[sid]
-
-    def __iter__(self):
-        return iter(self.sessions.values())
-
-    def __len__(self) -> int:
-        return len(self.sessions)
 
     def add(self, call: Call, single: bool) -> None:
         s = self.sessions.setdefault(call.session, _LiveSession(call.session, single))
