@@ -38,7 +38,6 @@ class Scheduler:
             self.state[inst.name] = _InstanceState(RoundMultiplexer(inst.models(), policy.slot_s, policy.switches_per_slot,
                                                                     policy.min_slot_s),
                                                    AdmissionBudget(policy.reserve_horizon_s))
-        self.placement: dict[tuple[str, int], str] = {}
 
     # --- callbacks --------------------------------------------------------------------------
     def on_arrival(self, call: Call, now: float) -> InstanceAPI:
@@ -48,8 +47,16 @@ class Scheduler:
         for st in self.state.values():
             st.budget.release(call.session)  # the likely return has happened
         self.state[inst.name].pending.append((now, call))
-        self.placement[call.key] = inst.name
         return inst
+
+    def withdraw(self, call: Call) -> bool:
+        """Takes back a routed call that no instance admitted yet (its caller gave up); whether it was one."""
+        for st in self.state.values():
+            for k, (_, c) in enumerate(st.pending):
+                if c.key == call.key:
+                    del st.pending[k]
+                    return True
+        return False
 
     def on_finish(self, call: Call, inst: InstanceAPI, now: float) -> None:
         """Bookkeeping after `call` completed on `inst` (the session table is already advanced)."""

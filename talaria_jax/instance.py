@@ -334,11 +334,17 @@ class Instance:
             raise ValueError(f"instance {self.name} does not host model {call.model!r}")
         self._pending.append(call)
 
-    def abort(self, call: Call) -> bool:
+    def _unpend(self, call: Call) -> bool:
+        """Drops `call` from the admitted calls not yet handed to an engine; whether it was there."""
         for k, c in enumerate(self._pending):
             if c.key == call.key:
                 del self._pending[k]
                 return True
+        return False
+
+    def abort(self, call: Call) -> bool:
+        if self._unpend(call):
+            return True
         for rid, c in list(self._calls.items()):
             eng = self.served[c.model].engine
             if c.key == call.key and eng.requests.get(rid) in eng.waiting:
@@ -350,10 +356,8 @@ class Instance:
     def cancel(self, call: Call) -> RequestOutput | None:
         """Stops `call` wherever it is (admitted, waiting or running), freeing its pages; its partial
         output when its engine had it (None otherwise)."""
-        for k, c in enumerate(self._pending):
-            if c.key == call.key:
-                del self._pending[k]
-                return None
+        if self._unpend(call):
+            return None
         for rid, c in list(self._calls.items()):
             if c.key == call.key:
                 del self._calls[rid], self._reusable[rid]

@@ -41,7 +41,7 @@ def metric(url: str, name: str) -> float:
 def cluster():
     """Two in-process instance servers, each hosting SmolLM2 and tiny-dense on one device under talaria,
     and the gateway over them (limits: 4 KiB bodies)."""
-    with LocalCluster([SMOL, "tiny-dense"], load_hardware("cpu"), get_policy("talaria"), api_keys=[KEY, OTHER],
+    with LocalCluster.build([SMOL, "tiny-dense"], load_hardware("cpu"), get_policy("talaria"), api_keys=[KEY, OTHER],
                       instances=2, devices_per_instance=1, engine_config=CONFIG, kv_bytes_per_device=32 << 20) as lc:
         with lc.gateway(get_policy("talaria"), max_body_bytes=4096, probe_interval_s=0.2) as url:
             yield lc.router, url, lc.urls

@@ -61,26 +61,25 @@ def main(argv):
     if _LOCAL.value:
         from talaria_jax.local import simulate_cpu_devices
         simulate_cpu_devices(_LOCAL.value * (_TP.value or 1))  # before JAX starts: CPU devices to split
-    local = start_local_instances(keys) if _LOCAL.value else []
-    urls = [url for url, _ in local] or _INSTANCES.value
+    local = start_local_instances(keys) if _LOCAL.value else None
+    urls = local.urls if local is not None else _INSTANCES.value
     gateway = build_gateway(urls, api_keys=keys, policy=policy, max_body_bytes=_MAX_BODY.value,
                             probe_interval_s=_PROBE.value, fail_after=_FAIL_AFTER.value)
     print(f"routing ({policy.name}) over {', '.join(urls)} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
     try:
         uvicorn.run(gateway, host=_HOST.value, port=_PORT.value, log_level="warning")
     finally:
-        for _, server in local:
-            server.should_exit = True
-            server.config.app.state.engine.close()
+        if local is not None:
+            local.close()
 
 
-def start_local_instances(keys: list[str]) -> list[tuple[str, uvicorn.Server]]:
+def start_local_instances(keys: list[str]):
     """--local_instances instance servers on 127.0.0.1 (free ports), each in a thread of this process."""
     import jax
 
     from talaria_jax.engine import EngineConfig
     from talaria_jax.launch.common import instance_apps
-    from talaria_jax.serve.app import serve_in_thread
+    from talaria_jax.serve.local_cluster import LocalCluster
     from talaria_jax.serve.protocol import Limits
 
     n = _LOCAL.value
@@ -91,7 +90,7 @@ def start_local_instances(keys: list[str]) -> list[tuple[str, uvicorn.Server]]:
                          engine_config=cfg, kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
                          hardware=None, api_keys=keys, limits=Limits(max_body_bytes=_MAX_BODY.value), tenant_secret=None,
                          compilation_cache=None)
-    return [serve_in_thread(a) for a in apps]
+    return LocalCluster(apps, keys)
 
 
 def run():

@@ -359,8 +359,9 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
 
         async def probe(up: Upstream):
             try:
-                return up, await http.post(f"{up.url}/talaria/probe", params={"kind": "chat" if ctx.chat else "completion"},
-                                           content=ctx.raw, headers=ctx.headers, timeout=probe_timeout_s)
+                kind = "chat" if ctx.chat else "completion"
+                return up, await http.post(f"{up.url}/talaria/probe", params={"kind": kind}, content=ctx.raw,
+                                           headers=ctx.headers, timeout=probe_timeout_s)
             except httpx.HTTPError:
                 asyncio.ensure_future(check(up))
                 return up, None

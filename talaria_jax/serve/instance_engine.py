@@ -37,6 +37,8 @@ class _LiveSession(Session):
     def __init__(self, sid: str, single: bool):
         super().__init__(sid, [])
         self.single = single
+        self.arrivals = 0  # calls so far: the next call's turn
+        self.salt: str | None = None  # the tenant salt its calls bring
 
     @property
     def done(self) -> bool:
@@ -49,10 +51,19 @@ class LiveSessions(SessionTable):
     def __init__(self):
         self.sessions: dict[str, _LiveSession] = {}
 
-    def add(self, call: Call, single: bool) -> None:
-        s = self.sessions.setdefault(call.session, _LiveSession(call.session, single))
+    def next_call(self, sid: str, single: bool, salt: str | None, model: str, prompt_tokens: int,
+                  max_tokens: int) -> Call:
+        """The session's next call (its first opens the session)."""
+        s = self.sessions.setdefault(sid, _LiveSession(sid, single))
+        call = Call(sid, s.arrivals, model, prompt_tokens, max_tokens, 0.0)
+        s.arrivals, s.salt = s.arrivals + 1, salt
         if not s.calls:  # the first call names the session's model; the rest are not needed
             s.calls.append(call)
+        return call
+
+    def salt(self, sid: str) -> str | None:
+        s = self.sessions.get(sid)
+        return s.salt if s is not None else None
 
     def complete(self, call: Call, instance: str, now: float) -> None:
         s = self.sessions[call.session]
@@ -68,8 +79,7 @@ class InstanceEngine:
             raise ValueError(f"instance {instance.name}: serving needs tokens=LiveTokens(), "
                              f"got {type(instance.tokens).__name__}")
         self.instance, self.session_ttl_s = instance, session_ttl_s
-        self._salt: dict[str, str | None] = {}  # session -> its tenant salt
-        instance.tenant = lambda sid: self._salt.get(sid)
+        instance.tenant = lambda sid: self.sessions.salt(sid)
         instance.returns = lambda sid: not sid.startswith("~")  # a single-call session's KV is not kept
         self._t0 = time.monotonic()
         self._ids = itertools.count()
@@ -82,13 +92,11 @@ class InstanceEngine:
         self.policy = policy
         self.instance.reset(host_kv=policy.host_kv, staging=policy.staging, drop_kv_on_switch=policy.drop_kv_on_switch)
         self.instance.tokens.history.clear()
-        self._salt.clear()
         self.idle_s = 0.0  # after a step that ran nothing: how long to wait before the next (AsyncEngine)
         self.sessions = LiveSessions()
         self.scheduler = Scheduler(policy, [self.instance], self.sessions)
         self.requests: dict[str, Call] = {}  # in flight: request id -> call
         self._rid: dict[tuple[str, int], str] = {}  # call key -> request id
-        self._turns: dict[str, int] = {}
         self._now = self._swept = 0.0
 
     # --- what AsyncEngine and the server read ------------------------------------------------------
@@ -116,13 +124,9 @@ class InstanceEngine:
             raise RequestError(f"model {model!r} is not served here (serving {', '.join(self.models)})")
         ids = self.engine_of(model).check_request(prompt, params)
         rid = f"req-{next(self._ids)}"
-        sid = session if session is not None else f"~{rid}"
-        turn = self._turns.get(sid, 0)
-        self._turns[sid] = turn + 1
-        call = Call(sid, turn, model, len(ids), params.max_tokens, 0.0)
-        self._salt[sid] = cache_salt
+        call = self.sessions.next_call(session if session is not None else f"~{rid}", session is None, cache_salt,
+                                       model, len(ids), params.max_tokens)
         self.instance.tokens.calls[call.key] = (ids, params)
-        self.sessions.add(call, single=session is None)
         self.requests[rid], self._rid[call.key] = call, rid
         self.scheduler.on_arrival(call, self.clock())
         return rid
@@ -135,12 +139,9 @@ class InstanceEngine:
             return None
         self._rid.pop(call.key)
         self.instance.tokens.calls.pop(call.key)
-        st = self.scheduler.state[self.instance.name]
-        st.pending = [(t, c) for t, c in st.pending if c.key != call.key]
-        out = self.instance.cancel(call)
+        out = None if self.scheduler.withdraw(call) else self.instance.cancel(call)
         if out is not None:
             out.request_id = rid
-        self.scheduler.placement.pop(call.key, None)
         self.sessions.complete(call, self.instance.name, self.clock())  # the call has ended
         if self.sessions[call.session].done:
             self._forget(call.session)
@@ -170,7 +171,6 @@ class InstanceEngine:
         for call in finished:
             inst.outputs.pop(call.key, None)
             self.instance.tokens.calls.pop(call.key, None)
-            self.scheduler.placement.pop(call.key, None)
             rid = self._rid.pop(call.key, None)
             self.requests.pop(rid, None)
             self.sessions.complete(call, inst.name, end)
@@ -192,12 +192,12 @@ class InstanceEngine:
     def _forget(self, sid: str) -> None:
         self.instance.forget(sid)
         self.sessions.sessions.pop(sid, None)
-        self._salt.pop(sid, None)
-        self._turns.pop(sid, None)
 
     # --- what the router asks (POST /talaria/probe) -------------------------------------------------
-    def prefix_of(self, session: str | None, model: str, prompt: Sequence[int], cache_salt: str | None) -> PrefixLocation:
-        if session is not None and self._salt.get(session, cache_salt) != cache_salt:
+    def prefix_of(self, session: str | None, model: str, prompt: Sequence[int],
+                  cache_salt: str | None) -> PrefixLocation:
+        known = session is not None and session in self.sessions.sessions
+        if known and self.sessions.salt(session) != cache_salt:
             return PrefixLocation()  # another tenant's session of that name
         return self.instance.prefix_of(session or "~", model, prompt, cache_salt)
 

@@ -48,13 +48,18 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
 
 
 class LocalCluster:
-    """See the module docstring; the arguments are `instance_apps`'. Close it (or use it as a context
-    manager) to stop the servers."""
+    """See the module docstring: the instance servers `apps` (`instance_apps`), which take
+    `api_keys`, started. Close it (or use it as a context manager) to stop them."""
 
-    def __init__(self, models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
-                 api_keys: Sequence[str], **kw):
+    @classmethod
+    def build(cls, models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
+              api_keys: Sequence[str], **kw) -> "LocalCluster":
+        """The cluster of `instance_apps(models, hw, policy, api_keys=api_keys, **kw)`."""
+        return cls(instance_apps(models, hw, policy, api_keys=api_keys, **kw), api_keys)
+
+    def __init__(self, apps: Sequence, api_keys: Sequence[str]):
         self.api_keys = list(api_keys)
-        self.apps = instance_apps(models, hw, policy, api_keys=api_keys, **kw)
+        self.apps = list(apps)
         self.engines = [a.state.backend for a in self.apps]
         self.stats: dict[str, dict] = {}
         self.servers = []
@@ -138,7 +143,7 @@ def compare_policies(policies: Sequence[str], *, sessions: int, calls: int, max_
     script = agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
                             tool_gap_s=tool_gap_s)
     print(f"starting 2 instances ({', '.join(MODELS)} each) and compiling ...", file=sys.stderr)
-    with LocalCluster(MODELS, load_hardware("cpu"), pols[0], api_keys=[KEY], instances=2, devices_per_instance=1,
+    with LocalCluster.build(MODELS, load_hardware("cpu"), pols[0], api_keys=[KEY], instances=2, devices_per_instance=1,
                       engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES) as cluster:
         print("a first pass under each policy compiles the step shapes it meets (not measured) ...", file=sys.stderr)
         cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
