@@ -6,7 +6,10 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One LLM call of a session. prompt_tokens includes the whole earlier context (the prefix)."""
+    """One LLM call of a session. prompt_tokens includes the whole earlier context (the prefix),
+    unless prefix_tokens says how much of it is kept: an agent that compacts or truncates its
+    context starts a new prefix, and only the first prefix_tokens of the prompt are KV that the
+    session's earlier calls computed (None: the whole earlier context is the prefix)."""
 
     session: str
     turn: int
@@ -15,6 +18,7 @@ class Call:
     output_tokens: int
     tool_gap_s: float  # time the agent's tool runs after this call completes, before the next call
     start_s: float | None = None  # session arrival, on turn 0 only
+    prefix_tokens: int | None = None  # reusable prefix when the context was compacted; None: all of it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -23,6 +27,17 @@ class Call:
     @property
     def is_continuation(self) -> bool:
         return self.turn > 0
+
+    @property
+    def max_prefix_tokens(self) -> int:
+        """Most tokens of the prompt that KV cached by the session's earlier calls may supply:
+        prefix_tokens when stated, else the whole prompt (cached KV beyond it is stale)."""
+        return self.prompt_tokens if self.prefix_tokens is None else self.prefix_tokens
+
+    def reusable_prefix(self, previous_context: int) -> int:
+        """The effective reusable prefix, given the context the session held after its previous call
+        (0 before its first): that context, up to ``max_prefix_tokens``."""
+        return min(previous_context, self.max_prefix_tokens)
 
     @property
     def context_after(self) -> int:

@@ -57,7 +57,9 @@ class SessionTokens:
 
     A call's prompt is the session's history (its last prompt plus the tokens generated for it) and
     then deterministic tokens, a function of (seed, session, position), up to `prompt_tokens`: the
-    tool's observation. So a session's every next prompt extends its last context, as an agent's does.
+    tool's observation. So a session's every next prompt extends its last context, as an agent's does;
+    a call that compacts its context (``Call.prefix_tokens``) keeps only that much of the history and
+    continues with tokens of its own (a function of (seed, session, turn, position)).
     The first `shared_prefix` positions are the same in every session: a system prompt all share."""
 
     def __init__(self, seed: int = 0, shared_prefix: int = 0):
@@ -71,10 +73,13 @@ class SessionTokens:
 
     def prompt(self, call: Call, vocab: int) -> list[int]:
         h = self.history.get(call.session, [])
+        owner = call.session
+        if call.prefix_tokens is not None:  # a new prefix: the kept part of the history, then the summary
+            h, owner = h[:call.prefix_tokens], f"{call.session}/{call.turn}"
         if len(h) > call.prompt_tokens:
             raise ValueError(f"call {call.key}: prompt_tokens={call.prompt_tokens} is shorter than the "
                              f"{len(h)} tokens the session already holds")
-        return h + [self.token(call.session, p, vocab) for p in range(len(h), call.prompt_tokens)]
+        return h + [self.token(owner, p, vocab) for p in range(len(h), call.prompt_tokens)]
 
     def params(self, call: Call) -> SamplingParams:
         """A replayed call decodes greedily for exactly its trace's output tokens."""
@@ -489,8 +494,9 @@ class Instance:
                                   keep_kv=self.host_kv and self.returns(call.session),
                                   restore=kv, cache_salt=self.tenant(call.session), session=call.session)
             self._calls[rid] = call
-            # tokens an earlier call computed KV for: all of the history but its last token
-            self._reusable[rid] = max(0, len(self.tokens.history.get(call.session, ())) - 1)
+            # tokens an earlier call computed KV for: all of the history but its last token, up to the
+            # prefix a compacting call keeps
+            self._reusable[rid] = min(call.max_prefix_tokens, max(0, len(self.tokens.history.get(call.session, ())) - 1))
             self._model_of[call.session] = call.model
 
     def finish_chunk(self, now: float) -> list[Call]:

@@ -212,3 +212,13 @@ def test_a_refused_call_leaves_with_its_error_and_the_rest_are_served(shared4):
     with pytest.raises(RequestError, match="exceeds the context limit of 256"):
         inst.start_chunk(inst.now)
     assert [c.key for c in run(inst)] == [ok.key] and inst.num_waiting() == 0
+
+
+def test_compacted_prompt_keeps_its_prefix_then_new_tokens():
+    tokens = SessionTokens()
+    p0 = tokens.prompt(Call("s", 0, "A", 10, 4, 0.0, 0.0), 1000)
+    tokens.finished("s", tuple(p0), [1, 2, 3, 4])
+    grown = tokens.prompt(Call("s", 1, "A", 20, 4, 0.0), 1000)
+    assert grown[:14] == p0 + [1, 2, 3, 4]
+    compact = tokens.prompt(Call("s", 1, "A", 12, 4, 0.0, prefix_tokens=6), 1000)
+    assert len(compact) == 12 and compact[:6] == p0[:6] and compact[6:10] != p0[6:10]  # a summary, not the old context

@@ -63,3 +63,49 @@ def test_bad_flags_give_clear_errors():
 def test_cluster_replay_places_by_router():
     res = cli.run_replay(str(CONFIG_ROOT / "traces" / "cluster-120x32.jsonl"), "h200x8", ["talaria"], [0], servers=4)
     assert res["policies"]["talaria"]["per_seed"][0]["calls"] == 3840
+
+
+def _trace_file(tmp_path, rows, name="t.jsonl"):
+    p = tmp_path / name
+    p.write_text("".join(json.dumps({"tool_gap_s": 0.5, **r}) + "\n" for r in rows))
+    return str(p)
+
+
+def test_unknown_model_is_one_line_with_file_and_line(tmp_path):
+    import subprocess
+    import sys
+    trace = _trace_file(tmp_path, [
+        {"session": "a", "turn": 0, "model": "qwen3-235b-a22b", "prompt_tokens": 100, "output_tokens": 10, "start_s": 0.0},
+        {"session": "b", "turn": 0, "model": "gpt-5", "prompt_tokens": 100, "output_tokens": 10, "start_s": 0.0}])
+    p = subprocess.run([sys.executable, "-m", "talaria_jax.launch.replay", f"--trace={trace}", "--policies=talaria",
+                        "--seeds=0"], capture_output=True, text=True, cwd=str(CONFIG_ROOT.parent), timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"talaria-replay: error: {trace}:2: model 'gpt-5' has no shape in the models table (known: ")
+    assert "glm-4.5-air," in lines[0]  # config names count as models
+
+
+def test_call_too_big_for_hbm_is_found_before_replay(tmp_path, capsys):
+    trace = _trace_file(tmp_path, [
+        {"session": "a", "turn": 0, "model": "qwen3-235b-a22b", "prompt_tokens": 100, "output_tokens": 10, "start_s": 0.0},
+        {"session": "a", "turn": 1, "model": "qwen3-235b-a22b", "prompt_tokens": 10_000_000, "output_tokens": 10}])
+    with pytest.raises(SystemExit) as e:
+        _main(f"--trace={trace}", "--policies=talaria", "--seeds=0")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"talaria-replay: error: {trace}:2: call ('a', 1) needs 3850.2 GB of KV + 470.2 GB of weights, "
+                   f"more than the usable HBM 1074.6 GB of h200x8\n")
+
+
+def test_a_config_name_replays_in_bf16(tmp_path):
+    # glm-4.5-air has no row in models.yaml (only glm-4.5-air-fp8): its config serves it in bf16
+    trace = _trace_file(tmp_path, [
+        {"session": "a", "turn": 0, "model": "glm-4.5-air", "prompt_tokens": 3000, "output_tokens": 200, "start_s": 0.0},
+        {"session": "a", "turn": 1, "model": "glm-4.5-air", "prompt_tokens": 4000, "output_tokens": 100},
+        {"session": "a", "turn": 2, "model": "glm-4.5-air", "prompt_tokens": 2500, "output_tokens": 100,
+         "prefix_tokens": 2000}])
+    res = cli.run_replay(trace, "h200x8", ["talaria"], [0])
+    s = res["policies"]["talaria"]["per_seed"][0]
+    assert s["calls"] == 3 and s["prefill_tokens"] == 3000 + 800 + 500
+    assert s["peak_hbm_fraction"] > 213e9 / 1074.6e9  # 213.7 GB of bf16 weights on device

@@ -9,7 +9,7 @@ from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware, load_models
 from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES
-from talaria_jax.sim.traces import read_jsonl
+from talaria_jax.sim.traces import TraceSpec, generate, read_jsonl
 
 CALLS = read_jsonl(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl")
 HW, SHAPES = load_hardware("h200x8"), load_models()
@@ -43,3 +43,20 @@ def test_no_policy_beats_the_floor_on_the_default_trace(name):
     assert set(floor) == set(r.sct_s)
     below = {s: (r.sct_s[s], f) for s, f in floor.items() if r.sct_s[s] < f - 1e-9}
     assert not below
+
+
+def test_floor_caches_only_the_stated_prefix():
+    # turn 1 compacts: of its 500-token prompt only the first 200 tokens are the earlier context
+    calls = [TOY[0], Call("a", 1, "m1", 500, 10, 7.0, prefix_tokens=200)]
+    cost = CostModel(TOY_HW)
+    turn1 = cost.prefill_s(TOY_SHAPES["m1"], 300, 200) + 10 * cost.decode_step_s(TOY_SHAPES["m1"], 1, 500)
+    assert service_floor_s(calls, cost, TOY_SHAPES)["a"] == pytest.approx(2.002 + 1.1 + turn1)
+
+
+@pytest.mark.parametrize("name", ["talaria", "load"])
+def test_no_policy_beats_the_floor_on_a_compacting_trace(name):
+    calls = generate(TraceSpec(sessions=6, turns=40, compact_at_tokens=12000))
+    assert sum(c.prefix_tokens is not None for c in calls) > 10
+    r = replay(calls, get_policy(name), HW, SHAPES, seed=0, jitter_sigma=0.0)
+    floor = sct_floor_s(calls, CostModel(HW), SHAPES, r.tool_s)
+    assert all(r.sct_s[s] >= f - 1e-9 for s, f in floor.items())

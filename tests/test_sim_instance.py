@@ -106,3 +106,22 @@ def test_steps_slow_down_while_staging_only():
     # nothing staging: the factor changes nothing
     assert _staged_call_chunks(2.0, stage=False) == pytest.approx(_staged_call_chunks(1.0, stage=False))
     assert _staged_call_chunks(2.0, stage=False) == pytest.approx(base)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_compacted_turn_reuses_only_its_prefix(on_device):
+    # turn 0 leaves 1100 tokens of KV (device and host copy); turn 1 compacts: a 700-token prompt whose
+    # first 300 tokens are the old prefix. Only those 300 come from cache (device, or restored from host
+    # once the device copy is gone), the other 400 are prefilled, and the session then holds 710 tokens
+    inst = _inst()
+    inst.switch_model("m1")
+    t = _serve(inst, Call("s", 0, "m1", 1000, 100, 0.0, 0.0), _run(inst))
+    if not on_device:
+        inst._drop_dev_kv("s")
+    before = dataclasses.replace(inst.stats)
+    _serve(inst, Call("s", 1, "m1", 700, 10, 0.0, prefix_tokens=300), t)
+    st = inst.stats
+    assert st.device_hit_tokens - before.device_hit_tokens == (300 if on_device else 0)
+    assert st.restored_tokens - before.restored_tokens == (0 if on_device else 300)
+    assert st.prefill_tokens - before.prefill_tokens == 400
+    assert inst.cached_prefix("s", "m1") == type(inst.cached_prefix("s", "m1"))(710, 710)

@@ -29,11 +29,25 @@ def test_parses_and_ignores_unknown_fields():
     ({"output_tokens": 0}, 2, r"'output_tokens'=0 outside \[1, inf\]"),
     ({"tool_gap_s": "soon"}, 2, "'tool_gap_s' must be float"),
     ({"model": "m2"}, 2, "changes model"),
+    ({"prompt_tokens": 150, "prefix_tokens": 111}, 2, r"'prefix_tokens'=111 must be <= previous prompt_tokens \+ "
+                                                      r"output_tokens = 110"),
+    ({"prompt_tokens": 105, "prefix_tokens": 106}, 2, r"'prefix_tokens'=106 must be <= prompt_tokens = 105"),
+    ({"prefix_tokens": -1}, 2, r"'prefix_tokens'=-1 outside \[0, inf\]"),
 ])
 def test_malformed_line_names_line_and_field(patch, line, pattern):
     rows = [dict(GOOD[0]), {**GOOD[1], **patch}]
     with pytest.raises(TraceError, match=rf"t.jsonl:{line}: .*{pattern}"):
         parse_jsonl(_lines(rows), "t.jsonl")
+
+
+def test_prefix_tokens_allows_a_shorter_prompt():
+    rows = [GOOD[0], {**GOOD[1], "prompt_tokens": 60, "prefix_tokens": 40}]
+    calls = parse_jsonl(_lines(rows), "t.jsonl")
+    assert calls[1].prefix_tokens == 40 and calls[1].reusable_prefix(calls[0].context_after) == 40
+    assert calls[0].prefix_tokens is None and calls[1].max_prefix_tokens == 40 and calls[0].max_prefix_tokens == 100
+    assert calls.where(("s0", 1)) == "t.jsonl:2"
+    with pytest.raises(TraceError, match="t:1: field 'prefix_tokens'=5 must be 0 on turn 0"):
+        parse_jsonl([json.dumps({**GOOD[0], "prefix_tokens": 5})], "t")
 
 
 def test_bad_json_and_missing_fields():
@@ -53,6 +67,27 @@ def test_generator_is_deterministic_and_round_trips(tmp_path):
     assert read_jsonl(tmp_path / "t.jsonl") == a
 
 
+@pytest.mark.parametrize("spec", [TraceSpec(sessions=4, turns=150),  # reaches max_context_tokens: must compact
+                                  TraceSpec(sessions=4, turns=60, compact_at_tokens=20000, seed=3)])
+def test_compacting_traces_round_trip(tmp_path, spec):
+    calls = generate(spec)
+    compacted = [c for c in calls if c.prefix_tokens is not None]
+    assert compacted and max(c.context_after for c in calls) <= spec.max_context_tokens
+    first = {c.session: c.prompt_tokens for c in calls if c.turn == 0}
+    assert all(c.prefix_tokens == first[c.session] for c in compacted)  # the kept system prompt + issue
+    write_jsonl(calls, tmp_path / "t.jsonl")
+    text = (tmp_path / "t.jsonl").read_text()
+    assert text.count("prefix_tokens") == len(compacted)  # written only where set
+    assert read_jsonl(tmp_path / "t.jsonl") == calls
+
+
+def test_compaction_settings_are_checked():
+    with pytest.raises(TraceError, match="'compact_at_tokens'=5000 must be 0 \\(off\\) or > .* = 8000"):
+        TraceSpec(compact_at_tokens=5000)
+    with pytest.raises(TraceError, match="'max_context_tokens'=4000 must be >= .* = 8048"):
+        TraceSpec(max_context_tokens=4000)
+
+
 def test_default_trace_matches_references():
     calls = read_jsonl(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl")
     s = summary(calls)
@@ -61,3 +96,26 @@ def test_default_trace_matches_references():
     assert 180 < s["output_tokens_mean"] < 260  # ~220
     assert 0.93 < s["prefix_reuse_fraction"] < 0.99  # ~96%
     assert calls == generate(TraceSpec())  # the file is what the documented spec generates
+
+
+def test_talaria_trace_command(tmp_path, capsys):
+    from talaria_jax.launch import trace as cli
+
+    out = tmp_path / "sub" / "t.jsonl"
+    assert cli.main(["talaria-trace", "--sessions=3", "--turns=60", "--models=glm-4.5-air,gpt-oss-120b",
+                     "--arrival_rate=1.0", "--seed=2", "--compact_at_tokens=20000", "--tool_gap_scale=0.5",
+                     f"--out={out}"]) == 0
+    spec = TraceSpec(sessions=3, turns=60, models=("glm-4.5-air", "gpt-oss-120b"), arrival_rate_per_s=1.0, seed=2,
+                     compact_at_tokens=20000, tool_gap_scale=0.5)
+    calls = read_jsonl(out)
+    assert calls == generate(spec) and any(c.prefix_tokens for c in calls)
+    text = capsys.readouterr().out
+    assert f"wrote {out}: 180 calls" in text and "| compactions (calls with prefix_tokens) |" in text
+    for argv, msg in ((["--sessions=0"], "--sessions=0 must be >= 1"),
+                      (["--models=gpt-5"], "--models: 'gpt-5' is neither a variant"),
+                      (["--compact_at_tokens=5000"], "'compact_at_tokens'=5000 must be 0 (off) or >"),
+                      (["--turns=x"], "flag --turns=x: invalid literal")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["talaria-trace", f"--out={out}", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("talaria-trace: error: ") and msg in err and err.count("\n") == 1

@@ -16,11 +16,17 @@ A last row gives the per-session floor no policy can beat (``talaria_jax.sim.bou
 plus each call alone on an idle instance, at nominal kernel cost, so the replay's kernel jitter may
 dip a nearly idle session a few percent of its GPU time below it), and the last column each
 policy's SCT over that floor: the largest speed-up over that policy any scheduler could show.
+
+A trace model is a variant of the models table (--models_table) or, without a row there, a config
+name under configs/models/ served in bf16. Before replaying, every call is checked to name such a
+model and to fit the hardware (its context's KV plus its model's weights within the usable HBM); a
+bad trace or config ends with one line, `talaria-replay: error: <file>:<line>: ...`, and exit 2.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -29,12 +35,14 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
+from talaria_jax.models.config import available_models
 from talaria_jax.scheduler.policies import DEFAULT_POLICIES, get_policy
 from talaria_jax.sim.bounds import sct_floor_s
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.cost import CostModel
-from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware, load_models
-from talaria_jax.sim.traces import read_jsonl
+from talaria_jax.sim.hardware import CONFIG_ROOT, HardwareConfig, ModelShape, load_hardware, load_models
+from talaria_jax.sim.instance import CapacityError
+from talaria_jax.sim.traces import Trace, TraceError, read_jsonl
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"), "JSONL trace (configs/traces/README.md).")
@@ -70,6 +78,26 @@ def _parse_seeds(raw: Sequence[str]) -> list[int]:
     return out
 
 
+def check_trace(calls: Trace, hw: HardwareConfig, shapes: dict[str, ModelShape], page_bytes: int = 4 * 2**20) -> None:
+    """Raises ``TraceError`` naming the file and line of the first call whose model has no shape, or
+    whose context (prompt + output) needs more KV pages than the usable HBM leaves beside its model's
+    weights (the replay would otherwise stop at that call with a ``CapacityError``)."""
+    seen = set()
+    for c in calls:
+        if c.model not in seen:
+            seen.add(c.model)
+            if c.model not in shapes:
+                known = ", ".join(sorted(set(shapes) | set(available_models())))
+                raise TraceError(f"{calls.where(c.key)}: model {c.model!r} has no shape in the models table "
+                                 f"(known: {known})")
+        m = shapes[c.model]
+        kv = math.ceil(c.context_after * m.kv_bytes_per_token / page_bytes) * page_bytes
+        if kv > (hw.usable_hbm_bytes - m.weight_bytes) // page_bytes * page_bytes:
+            raise TraceError(f"{calls.where(c.key)}: call {c.key} needs {kv / 1e9:.1f} GB of KV + "
+                             f"{m.weight_bytes / 1e9:.1f} GB of weights, more than the usable HBM "
+                             f"{hw.usable_hbm_bytes / 1e9:.1f} GB of {hw.name}")
+
+
 def run_replay(trace: str, hardware: str, policies: Sequence[str], seeds: Sequence[int], servers: int = 1,
                models_table: str | None = None, tool_gap_scale: float = 1.0) -> dict:
     """Replays every policy for every seed; returns the JSON-ready results (seed-averaged figures
@@ -77,10 +105,12 @@ def run_replay(trace: str, hardware: str, policies: Sequence[str], seeds: Sequen
     if not tool_gap_scale >= 0:
         raise ValueError(f"tool_gap_scale={tool_gap_scale} must be >= 0")
     calls = read_jsonl(trace)
+    hw = load_hardware(hardware)
+    models = dict.fromkeys(c.model for c in calls)
+    shapes = load_models(models_table, extra=models) if models_table else load_models(extra=models)
+    check_trace(calls, hw, shapes)
     if tool_gap_scale != 1.0:
         calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * tool_gap_scale) for c in calls]
-    hw = load_hardware(hardware)
-    shapes = load_models(models_table) if models_table else load_models()
     out: dict = {"trace": str(trace), "hardware": hw.name, "servers": servers, "seeds": list(seeds),
                  "tool_gap_scale": tool_gap_scale, "policies": {}}
     floors: dict[int, np.ndarray] = {}  # seed -> per-session floors (tool time is common to all policies)
@@ -233,6 +263,14 @@ def _parse_map(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def main(argv: Sequence[str]) -> None:
+    try:
+        _main(argv)
+    except (ValueError, CapacityError) as e:  # TraceError and ConfigError are ValueErrors
+        print(f"talaria-replay: error: {str(e).replace(chr(10), ' ')}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.backend == "local":

@@ -1,7 +1,8 @@
 """A per-session lower bound on completion time that no scheduling policy can beat.
 
 A session's floor is its tool time plus the time its calls would take if each ran alone on an idle
-instance with its model already active and its whole earlier context cached on device: each call
+instance with its model already active and its whole reusable prefix (the earlier context, or the
+``prefix_tokens`` a compacting turn keeps) cached on device: each call
 prefills only its new tokens and decodes at batch 1 from its prompt's context. Every term is the
 cost model's own minimum (a decode step costs at least the batch-1 step at the call's starting
 context, a prefill at least its new tokens over the longest cache), so with kernel jitter off
@@ -24,7 +25,7 @@ def service_floor_s(calls: Iterable[Call], cost: CostModel, shapes: dict) -> dic
     for c in sorted(calls, key=lambda c: (c.session, c.turn)):
         m = shapes[c.model]
         p = prev.get(c.session)
-        cached = min(p.context_after, c.prompt_tokens) if p is not None else 0
+        cached = c.reusable_prefix(p.context_after) if p is not None else 0
         t = (cost.prefill_s(m, c.prompt_tokens - cached, cached)
              + c.output_tokens * cost.decode_step_s(m, 1, c.prompt_tokens))
         out[c.session] = out.get(c.session, 0.0) + t

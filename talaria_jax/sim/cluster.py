@@ -96,7 +96,7 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
     prefix = {}
     for s in sessions:
         for a, b in zip(s.calls, s.calls[1:]):
-            prefix[b.key] = a.context_after
+            prefix[b.key] = b.reusable_prefix(a.context_after)
     gap_factor = tool_gap_factors(calls, seed, gap_jitter_sigma)
     insts = [SimInstance(f"i{k}", hw, shapes, models, host_kv=policy.host_kv, staging=policy.staging,
                          drop_kv_on_switch=policy.drop_kv_on_switch, page_bytes=page_bytes,

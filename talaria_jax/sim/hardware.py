@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
 from talaria_jax import config_io
-from talaria_jax.models.config import ModelConfig, bytes_per_weight, load_model_config
+from talaria_jax.models.config import ModelConfig, available_models, bytes_per_weight, load_model_config
 
 CONFIG_ROOT = pathlib.Path(__file__).resolve().parents[2] / "configs"
 GB = 1e9
@@ -179,13 +179,21 @@ def load_hardware(path: str | pathlib.Path) -> HardwareConfig:
 
 DEFAULT_MODELS_TABLE = CONFIG_ROOT / "hardware" / "models.yaml"
 _VARIANT_FIELDS = {"config": True, "weight_dtype": True, "expert_dtype": False}  # field: required
+# The precision of a model named in a trace by its config name (configs/models/<name>.yaml) when the
+# table has no variant of that name: every weight in bf16, as the configs' checkpoints ship.
+DEFAULT_WEIGHT_DTYPE = "bfloat16"
 
 
-def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None = None) -> dict[str, ModelShape]:
+def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None = None,
+                extra: Iterable[str] = ()) -> dict[str, ModelShape]:
     """Loads the served-variant table (configs/hardware/models.yaml): each variant names a model config
     under configs/models/ and a weight precision; its ``ModelShape`` is derived from that config at
     tensor-parallel degree `tp` (default: the file's ``tensor_parallel``). Keys are the variant names
-    used in traces. A bad entry raises ``ConfigError`` naming the file, the variant and the field."""
+    used in traces. A bad entry raises ``ConfigError`` naming the file, the variant and the field.
+
+    `extra` names models a trace uses: each one the table has no variant of but that is a config name
+    under configs/models/ gets that config's shape at ``DEFAULT_WEIGHT_DTYPE`` (bf16); a name that is
+    neither is left out, for the caller to report with its trace line."""
     p = _resolve(path, "hardware")
     raw = yaml.safe_load(p.read_text())
     if not isinstance(raw, dict) or not isinstance(raw.get("variants"), dict):
@@ -217,4 +225,8 @@ def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None 
                                                     expert_dtype=entry.get("expert_dtype"), name=str(name))
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
+    configs = set(available_models())
+    for name in extra:
+        if name not in out and name in configs:
+            out[name] = ModelShape.from_config(load_model_config(name), DEFAULT_WEIGHT_DTYPE, tp, name=name)
     return out

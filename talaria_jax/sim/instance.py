@@ -181,7 +181,7 @@ class SimInstance:
     def estimate_service_s(self, call: Call) -> float:
         m = self.shapes[call.model]
         loc = self.cached_prefix(call.session, call.model)
-        cached = min(call.prompt_tokens, max(loc.device_tokens, loc.host_tokens))
+        cached = min(call.max_prefix_tokens, max(loc.device_tokens, loc.host_tokens))
         batch = len(self.running) + 1
         ctx = sum(r.ctx for r in self.running) + call.prompt_tokens
         return self.cost.service_s(m, call.prompt_tokens, call.output_tokens, cached, batch, ctx)
@@ -391,11 +391,14 @@ class SimInstance:
             if e is not None and e.model != model:
                 self._drop_dev_kv(c.session)
                 e = None
-            cached = min(e.tokens, c.prompt_tokens) if e is not None else 0
+            # cached KV serves the call's reusable prefix at most: after a compaction (prefix_tokens) the
+            # rest of the prompt is new, and the session's older KV beyond the prefix is overwritten
+            limit = c.max_prefix_tokens
+            cached = min(e.tokens, limit) if e is not None else 0
             h = self.kv_host.get(c.session)
             restore = 0
             if self.host_kv and h is not None and h[0] == model:
-                restore = max(0, min(h[1], c.prompt_tokens) - cached)
+                restore = max(0, min(h[1], limit) - cached)
             need = (self.pages_for(model, c.context_after) - (self.pages_for(model, e.tokens) if e else 0)) * self.page_bytes
             if e is not None:
                 e.in_use = True

@@ -1,8 +1,9 @@
 """SWE-bench-style agent session traces: a generator and the JSONL format (configs/traces/README.md).
 
 One call per line: {"session", "turn", "model", "prompt_tokens", "output_tokens", "tool_gap_s"}
-plus "start_s" on turn 0. Unknown fields are ignored; a malformed line raises ``TraceError`` with
-its line number. Statistics of the generator follow REFERENCES.md ("Agent sessions").
+plus "start_s" on turn 0 and, on a turn that compacts its context, "prefix_tokens". Unknown fields
+are ignored; a malformed line raises ``TraceError`` with its line number. Statistics of the
+generator follow REFERENCES.md ("Agent sessions").
 """
 from __future__ import annotations
 
@@ -43,22 +44,40 @@ class TraceSpec:
     output_mean_tokens: float = 220.0  # REFERENCES: ~220 output tokens per call (OpenHands/SWE-smith)
     output_sigma: float = 0.6
     output_range: tuple[int, int] = (16, 2048)
-    max_context_tokens: int = 131072  # REFERENCES: deepest turn up to 131K
+    max_context_tokens: int = 131072  # REFERENCES: deepest turn up to 131K; a turn that would pass it compacts
+    # Context compaction (0 = off): a turn whose prompt would exceed compact_at_tokens instead starts a
+    # new prefix: it keeps the session's first prompt (system prompt + issue, drawn from system_tokens)
+    # as its reusable prefix (prefix_tokens) and replaces the rest by a summary of compact_summary_tokens
+    # new tokens. A turn whose prompt + output would pass max_context_tokens compacts the same way,
+    # whatever compact_at_tokens is (its summary shortened if it must be, to fit).
+    compact_at_tokens: int = 0
+    compact_summary_tokens: int = 2000
     gap_median_s: float = TOOL_GAP_MEDIAN_S
     gap_p90_s: float = TOOL_GAP_P90_S
     gap_max_s: float = TOOL_GAP_P99_S  # clip at the reported p99 so one session is not a single 20-minute tool run
+    tool_gap_scale: float = 1.0  # multiplies every drawn tool gap (the draws stay the same)
     seed: int = 0
 
     def __post_init__(self):
         checks = [("sessions", self.sessions, 1, 1_000_000), ("turns", self.turns, 1, 10_000),
                   ("zipf_s", self.zipf_s, 0.0, 10.0), ("arrival_rate_per_s", self.arrival_rate_per_s, 1e-9, 1e9),
                   ("obs_median_tokens", self.obs_median_tokens, 1, 1e6), ("output_mean_tokens", self.output_mean_tokens, 1, 1e6),
-                  ("gap_median_s", self.gap_median_s, 1e-6, 1e6), ("gap_p90_s", self.gap_p90_s, self.gap_median_s, 1e6)]
+                  ("gap_median_s", self.gap_median_s, 1e-6, 1e6), ("gap_p90_s", self.gap_p90_s, self.gap_median_s, 1e6),
+                  ("tool_gap_scale", self.tool_gap_scale, 0.0, 1e6), ("compact_at_tokens", self.compact_at_tokens, 0, 1e9),
+                  ("compact_summary_tokens", self.compact_summary_tokens, 1, 1e7)]
         for name, v, lo, hi in checks:
             if not lo <= v <= hi:
                 raise TraceError(f"trace spec: '{name}'={v} outside [{lo}, {hi}]")
         if not self.models:
             raise TraceError("trace spec: 'models' must name at least one model")
+        if self.system_tokens[1] + self.output_range[1] > self.max_context_tokens:
+            raise TraceError(f"trace spec: 'max_context_tokens'={self.max_context_tokens} must be >= system_tokens max "
+                             f"+ output_range max = {self.system_tokens[1] + self.output_range[1]} (a compacted turn "
+                             f"must fit)")
+        compacted = self.system_tokens[1] + self.compact_summary_tokens  # the longest prompt after a compaction
+        if self.compact_at_tokens and not compacted < self.compact_at_tokens:
+            raise TraceError(f"trace spec: 'compact_at_tokens'={self.compact_at_tokens} must be 0 (off) or > system_tokens "
+                             f"max + compact_summary_tokens = {compacted} (a compaction must shrink the context)")
 
 
 def generate(spec: TraceSpec) -> list[Call]:
@@ -75,14 +94,18 @@ def generate(spec: TraceSpec) -> list[Call]:
     for s in range(spec.sessions):
         t += float(rng.exponential(1.0 / spec.arrival_rate_per_s)) if s else 0.0
         model = spec.models[int(rng.choice(len(spec.models), p=pop))]
-        prompt = int(rng.integers(spec.system_tokens[0], spec.system_tokens[1] + 1))
+        system = prompt = int(rng.integers(spec.system_tokens[0], spec.system_tokens[1] + 1))
         sid = f"s{s:0{width}d}"
         for k in range(spec.turns):
             out = int(np.clip(rng.lognormal(out_mu, spec.output_sigma), *spec.output_range))
             last = k == spec.turns - 1
             gap = 0.0 if last else float(min(spec.gap_max_s, rng.lognormal(math.log(spec.gap_median_s), gap_sigma)))
-            prompt = min(prompt, spec.max_context_tokens - out)
-            calls.append(Call(sid, k, model, prompt, out, round(gap, 3), round(t, 3) if k == 0 else None))
+            gap *= spec.tool_gap_scale
+            prefix = None
+            if prompt + out > spec.max_context_tokens or 0 < spec.compact_at_tokens < prompt:
+                # compaction: a new prefix, the first prompt, then the summary
+                prompt, prefix = min(system + spec.compact_summary_tokens, spec.max_context_tokens - out), system
+            calls.append(Call(sid, k, model, prompt, out, round(gap, 3), round(t, 3) if k == 0 else None, prefix))
             obs = int(min(spec.obs_max_tokens, rng.lognormal(math.log(spec.obs_median_tokens), spec.obs_sigma)))
             prompt = prompt + out + obs
     return calls
@@ -95,6 +118,8 @@ def write_jsonl(calls: Iterable[Call], path: str | pathlib.Path) -> None:
                  "output_tokens": c.output_tokens, "tool_gap_s": c.tool_gap_s}
             if c.turn == 0:
                 d["start_s"] = c.start_s
+            if c.prefix_tokens is not None:
+                d["prefix_tokens"] = c.prefix_tokens
             f.write(json.dumps(d) + "\n")
 
 
@@ -116,11 +141,23 @@ def _field(d: dict, name: str, kind: type, where: str, lo: float, hi: float | No
     return kind(v)
 
 
-def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> list[Call]:
+class Trace(list):
+    """The calls of a trace file in file order (a list of ``Call``), and where each was read:
+    ``where(key)`` is "file:line", for checks made after parsing (unknown model, too big a call)."""
+
+    def __init__(self, calls: Iterable[Call], source: str, lines: dict[tuple[str, int], int]):
+        super().__init__(calls)
+        self.source, self.lines = source, lines
+
+    def where(self, key: tuple[str, int]) -> str:
+        return f"{self.source}:{self.lines[key]}"
+
+
+def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> Trace:
     """Parses and validates a trace; errors name the line, the field and the limit."""
     calls: list[Call] = []
+    lines_of: dict[tuple[str, int], int] = {}  # call key -> line
     last: dict[str, Call] = {}
-    line_of: dict[str, int] = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -138,27 +175,37 @@ def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> list[Call]:
         out = _field(d, "output_tokens", int, where, 1)
         gap = _field(d, "tool_gap_s", float, where, 0.0)
         start = _field(d, "start_s", float, where, 0.0) if turn == 0 else None
+        prefix = _field(d, "prefix_tokens", int, where, 0) if "prefix_tokens" in d else None
         prev = last.get(sid)
         if prev is None and turn != 0:
             raise TraceError(f"{where}: session {sid!r} starts at turn {turn}; its first line must be turn 0")
         if prev is not None:
             if turn != prev.turn + 1:
-                raise TraceError(f"{where}: session {sid!r} turn {turn} follows turn {prev.turn} (line {line_of[sid]}); "
-                                 f"turns must be consecutive")
+                raise TraceError(f"{where}: session {sid!r} turn {turn} follows turn {prev.turn} "
+                                 f"(line {lines_of[prev.key]}); turns must be consecutive")
             if model != prev.model:
                 raise TraceError(f"{where}: session {sid!r} changes model from {prev.model!r} to {model!r}")
-            if prompt < prev.context_after:
+            if prefix is None and prompt < prev.context_after:
                 raise TraceError(f"{where}: field 'prompt_tokens'={prompt} must be >= previous prompt_tokens + "
-                                 f"output_tokens = {prev.context_after} (the earlier context is the prefix)")
-        c = Call(sid, turn, model, prompt, out, gap, start)
+                                 f"output_tokens = {prev.context_after} (the earlier context is the prefix; a turn "
+                                 f"that compacts its context states 'prefix_tokens')")
+        if prefix is not None:
+            if prefix > prompt:
+                raise TraceError(f"{where}: field 'prefix_tokens'={prefix} must be <= prompt_tokens = {prompt}")
+            if prev is None and prefix > 0:
+                raise TraceError(f"{where}: field 'prefix_tokens'={prefix} must be 0 on turn 0 (no earlier context)")
+            if prev is not None and prefix > prev.context_after:
+                raise TraceError(f"{where}: field 'prefix_tokens'={prefix} must be <= previous prompt_tokens + "
+                                 f"output_tokens = {prev.context_after} (the session's earlier context)")
+        c = Call(sid, turn, model, prompt, out, gap, start, prefix)
         calls.append(c)
-        last[sid], line_of[sid] = c, n
+        last[sid], lines_of[c.key] = c, n
     if not calls:
         raise TraceError(f"{source}: no calls")
-    return calls
+    return Trace(calls, source, lines_of)
 
 
-def read_jsonl(path: str | pathlib.Path) -> list[Call]:
+def read_jsonl(path: str | pathlib.Path) -> Trace:
     p = pathlib.Path(path)
     if not p.exists():
         raise TraceError(f"trace file not found: {p}")
@@ -172,8 +219,8 @@ def summary(calls: Sequence[Call]) -> dict:
     for c in calls:
         by.setdefault(c.session, []).append(c)
     gaps = np.array([c.tool_gap_s for cs in by.values() for c in cs[:-1]])
-    deepest = np.array([cs[-1].context_after for cs in by.values()])
-    reuse = sum(min(a.context_after, b.prompt_tokens) for cs in by.values() for a, b in zip(cs, cs[1:]))
+    deepest = np.array([max(c.context_after for c in cs) for cs in by.values()])
+    reuse = sum(b.reusable_prefix(a.context_after) for cs in by.values() for a, b in zip(cs, cs[1:]))
     models: dict[str, int] = {}
     for cs in by.values():
         models[cs[0].model] = models.get(cs[0].model, 0) + 1
@@ -185,5 +232,6 @@ def summary(calls: Sequence[Call]) -> dict:
         "tool_gap_mean_s": float(gaps.mean()) if gaps.size else 0.0,
         "deepest_context_mean": float(deepest.mean()), "deepest_context_max": int(deepest.max()),
         "prefix_reuse_fraction": reuse / sum(c.prompt_tokens for c in calls),
+        "compactions": sum(1 for c in calls if c.prefix_tokens is not None),
         "last_start_s": max(c.start_s for c in calls if c.turn == 0),
     }
