@@ -38,7 +38,10 @@ class PolicyConfig:
     multiplexer: str = "round"  # round (slots in a fixed model order) | on_demand (serverless)
     # round only: which waiting model gets the next slot. round_robin: the next in a fixed order;
     # most_sessions: the one with the most unfinished sessions on the instance (ties in round order),
-    # which finishes the popular model's sessions first and the others later
+    # which finishes the popular model's sessions first and the others later; smith: Smith's rule, the
+    # most sessions advanced per second of slot (sessions waiting, running or back within the observed
+    # p90 tool gap, over the model's observed seconds per call), a slot kept while its model stays
+    # first (no drain), and the slot after a call waits max_wait_s given to that call's model
     slot_order: str = "round_robin"
     sp: bool = True  # session-prefill: admit continuations before the active slot closes
     host_kv: bool = True  # keep session KV restorable from host memory across switches
@@ -57,13 +60,17 @@ class PolicyConfig:
     reserve_horizon_s: float = _TOOL_GAP_P90_S  # a reservation lapses after the p90 tool gap
     reserve_growth_tokens: int = 1000  # expected observation + output appended per turn (REFERENCES: 0.5-1K median obs)
     hold_s: float = _TOOL_GAP_P75_S  # hold a drained slot this long for a reserved session's return
+    # smith only: a call that has waited this long makes its model first in slot order (oldest
+    # first). Starvation bound: it is admitted within max_wait_s + the active model's drain + a switch.
+    max_wait_s: float = 60.0
     weights: RouterWeights = dataclasses.field(default_factory=RouterWeights)
 
     def __post_init__(self):
         if self.router not in ("talaria", "load", "sticky", "kv"):
             raise ValueError(f"policy {self.name}: router={self.router!r} not in talaria|load|sticky|kv")
-        if self.slot_order not in ("round_robin", "most_sessions"):
-            raise ValueError(f"policy {self.name}: slot_order={self.slot_order!r} not in round_robin|most_sessions")
+        if self.slot_order not in ("round_robin", "most_sessions", "smith"):
+            raise ValueError(f"policy {self.name}: slot_order={self.slot_order!r} not in "
+                             f"round_robin|most_sessions|smith")
         if self.multiplexer not in ("round", "on_demand"):
             raise ValueError(f"policy {self.name}: multiplexer={self.multiplexer!r} not in round|on_demand")
         if self.slot_s <= 0:
@@ -96,6 +103,9 @@ POLICIES: dict[str, PolicyConfig] = {
     # (configs/traces/README.md: it wins when tool time is short and loses on the default trace)
     "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,
                                           switches_per_slot=None),
+    # a variant, not the default: Smith's rule with observed tool gaps and a 30 s starvation bound
+    # (configs/traces/README.md: ahead of talaria at p50 when tool time is short, behind at p95 at x1)
+    "talaria-smith": PolicyConfig("talaria-smith", slot_order="smith"),
 }
 
 DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",

@@ -6,8 +6,11 @@ issued, ``on_finish`` when one completes, and ``plan`` whenever an instance is b
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
+
+import numpy as np
 
 from talaria_jax.scheduler import router
 from talaria_jax.scheduler.admission import AdmissionBudget
@@ -17,11 +20,38 @@ from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, SessionTable
 
 
+_AGED = 1e12  # a starving model's weight: above any Smith ratio, older waits higher
+
+
+class ToolGaps:
+    """The tool gaps the scheduler has seen (a session's call issued this long after its previous
+    one finished), over the last `window` returns. Until `min_seen` are seen, quantiles come from
+    the policy's stated prior (REFERENCES.md's agent-session statistics, ``PolicyConfig``)."""
+
+    def __init__(self, policy: PolicyConfig, window: int = 256, min_seen: int = 16):
+        self.prior = {0.75: policy.hold_s, 0.9: policy.reserve_horizon_s}
+        self.seen: collections.deque[float] = collections.deque(maxlen=window)
+        self.min_seen = min_seen
+        self._cache: dict[float, float] = {}
+
+    def observe(self, gap_s: float) -> None:
+        self.seen.append(max(0.0, gap_s))
+        self._cache.clear()
+
+    def quantile(self, q: float) -> float:
+        if len(self.seen) < self.min_seen:
+            return self.prior[q]
+        if q not in self._cache:
+            self._cache[q] = float(np.quantile(np.fromiter(self.seen, float), q))
+        return self._cache[q]
+
+
 @dataclasses.dataclass
 class _InstanceState:
     mux: RoundMultiplexer
     budget: AdmissionBudget
     pending: list[tuple[float, Call]] = dataclasses.field(default_factory=list)  # routed, not admitted
+    admitted: dict[str, tuple[str, float]] = dataclasses.field(default_factory=dict)  # session -> (model, when), running
     switching_to: str | None = None
     quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
 
@@ -34,6 +64,9 @@ class Scheduler:
         self.instances = list(instances)
         self.sessions = sessions
         self.state: dict[str, _InstanceState] = {}
+        self.gaps = ToolGaps(policy)
+        self.finished_at: dict[str, float] = {}  # session -> when its last call finished
+        self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds from admission to finish
         for inst in self.instances:
             self.state[inst.name] = _InstanceState(RoundMultiplexer(inst.models(), policy.slot_s, policy.switches_per_slot,
                                                                     policy.min_slot_s),
@@ -46,22 +79,39 @@ class Scheduler:
         inst = router.rank(self.policy, call, self.sessions[call.session], self.instances, routed)[0]
         for st in self.state.values():
             st.budget.release(call.session)  # the likely return has happened
+        if call.session in self.finished_at:
+            self.gaps.observe(now - self.finished_at.pop(call.session))
         self.state[inst.name].pending.append((now, call))
         return inst
 
     def withdraw(self, call: Call) -> bool:
-        """Takes back a routed call that no instance admitted yet (its caller gave up); whether it was one."""
+        """Takes back a call its caller gave up; whether no instance had admitted it yet (else the
+        caller cancels it on its instance)."""
         for st in self.state.values():
+            st.admitted.pop(call.session, None)
             for k, (_, c) in enumerate(st.pending):
                 if c.key == call.key:
                     del st.pending[k]
                     return True
         return False
 
+    def forget(self, session: str) -> None:
+        """Drops what the scheduler keeps about a session that has ended or gone idle for good."""
+        self.finished_at.pop(session, None)
+        for st in self.state.values():
+            st.admitted.pop(session, None)
+            st.budget.release(session)
+
     def on_finish(self, call: Call, inst: InstanceAPI, now: float) -> None:
         """Bookkeeping after `call` completed on `inst` (the session table is already advanced)."""
+        admitted = self.state[inst.name].admitted.pop(call.session, None)
+        if admitted is not None:
+            prev = self.call_s.get(call.model)
+            took = now - admitted[1]
+            self.call_s[call.model] = took if prev is None else prev + 0.1 * (took - prev)
         if self.sessions[call.session].done:
             return
+        self.finished_at[call.session] = now
         p = self.policy
         if p.reservations:
             pages = inst.pages_for(call.model, call.context_after + p.reserve_growth_tokens)
@@ -83,18 +133,49 @@ class Scheduler:
     def demand(self, inst: InstanceAPI) -> set[str]:
         return {c.model for _, c in self.state[inst.name].pending}
 
-    def slot_priority(self, inst: InstanceAPI) -> dict[str, float] | None:
-        """Under ``slot_order="most_sessions"``: per model, the unfinished sessions this instance
-        knows (a call pending here, or its last call served here); None for round-robin order."""
-        if self.policy.slot_order != "most_sessions":
+    def slot_priority(self, inst: InstanceAPI, now: float = 0.0) -> dict[str, float] | None:
+        """The weight of each model in slot order (``RoundMultiplexer.next_model``); None for round-robin.
+        most_sessions: the unfinished sessions this instance knows (a call pending or running here,
+        or its last call served here). smith: the sessions pending, running, or whose last call
+        finished here within the observed p90 tool gap, over the model's seconds per call; a model
+        whose oldest pending call has waited max_wait_s outranks every other (oldest first)."""
+        order = self.policy.slot_order
+        if order == "round_robin":
             return None
-        sids = {c.session for _, c in self.state[inst.name].pending}
-        sids |= {s.id for s in self.sessions if s.last_instance == inst.name and not s.done}
+        st = self.state[inst.name]
+        sids = {c.session for _, c in st.pending} | set(st.admitted)
+        if order == "most_sessions":
+            sids |= {s.id for s in self.sessions if s.last_instance == inst.name and not s.done}
+        else:  # smith: and those likely back soon (their tool gap is within the observed p90)
+            horizon = now - self.gaps.quantile(0.9)
+            sids |= {sid for sid, t in self.finished_at.items()
+                     if t >= horizon and self.sessions[sid].last_instance == inst.name}
         out: dict[str, float] = {}
         for sid in sids:
             m = self.sessions[sid].model
             out[m] = out.get(m, 0.0) + 1.0
+        if order == "smith":  # Smith's rule: sessions a model's slot advances per second of it
+            out = {m: n / self._call_s(st, inst, m) for m, n in out.items()}
+            # aging: a model whose oldest pending call has waited max_wait_s goes first, oldest first
+            for t, c in st.pending:
+                if now - t >= self.policy.max_wait_s:
+                    out[c.model] = max(out.get(c.model, 0.0), _AGED * (1.0 + now - t))
         return out
+
+    def _call_s(self, st: _InstanceState, inst: InstanceAPI, model: str) -> float:
+        """Seconds a call of `model` takes once admitted: the observed moving mean, else the
+        instance's estimate for its oldest pending call."""
+        if model in self.call_s:
+            return max(self.call_s[model], 1e-3)
+        c = next((c for _, c in st.pending if c.model == model), None)
+        return max(inst.estimate_service_s(c), 1e-3) if c is not None else 1.0
+
+    def _keeps_slot(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> bool:
+        """Under a priority slot order: whether the active `model` still ranks strictly first."""
+        prio = self.slot_priority(inst, now)
+        if not prio:
+            return False
+        return st.mux.next_model(self.demand(inst) | {model}, prio) == model
 
     def _admit(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float,
                continuations_only: bool = False) -> int:
@@ -111,6 +192,7 @@ class Scheduler:
                         pages <= inst.kv_pages_total() - inst.kv_pages_used()
             if ok:
                 inst.admit(c)
+                st.admitted[c.session] = (c.model, now)
                 n += 1
             else:
                 keep.append((t, c))
@@ -124,9 +206,9 @@ class Scheduler:
         if others:
             st.mux.bound(sum(inst.estimate_switch_s(m) for m in others))
 
-    def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str) -> None:
+    def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> None:
         """Stages the model whose slot follows `model`'s (when staging is on)."""
-        nxt = st.mux.after(model, self.demand(inst), self.slot_priority(inst))
+        nxt = st.mux.after(model, self.demand(inst), self.slot_priority(inst, now))
         if nxt is not None and self.policy.staging:
             inst.stage_model(nxt)
 
@@ -134,7 +216,7 @@ class Scheduler:
         st.mux.open(model, now)
         self._bound_slot(inst, st, model)
         self._admit(inst, st, model, now)
-        self._stage_next(inst, st, model)
+        self._stage_next(inst, st, model, now)
 
     def _switch(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> None:
         inst.switch_model(model)
@@ -150,9 +232,12 @@ class Scheduler:
         if slot is not None:
             m = slot.model
             self._bound_slot(inst, st, m)  # before SP, so SP never admits past the bounded deadline
+            if now >= slot.deadline_s and self._keeps_slot(inst, st, m, now):
+                self._open_slot(inst, st, m, now)  # still first in slot order: a fresh slot, no drain
+                slot = mux.slot
             if p.sp and now < slot.deadline_s:
                 self._admit(inst, st, m, now, continuations_only=True)  # session-prefill
-            self._stage_next(inst, st, m)
+            self._stage_next(inst, st, m, now)
             if inst.num_running() or inst.num_waiting():
                 return None
             demand = self.demand(inst)
@@ -164,14 +249,14 @@ class Scheduler:
             if p.reservations and p.sp and now < slot.deadline_s:
                 # keep the slot for a reserved session's likely return, but (ski rental) never longer
                 # than switching away and back would cost
-                nxt = st.mux.after(m, demand, self.slot_priority(inst))
+                nxt = st.mux.after(m, demand, self.slot_priority(inst, now))
                 hold = min(p.hold_s, 2.0 * inst.estimate_switch_s(nxt)) if nxt is not None else p.hold_s
                 holds = [r.start_s + hold for r in st.budget.live_for(m, now)]
                 until = min(max(holds, default=now), slot.deadline_s)
                 if until > now:
                     return until
             mux.close()
-        nxt = mux.next_model(self.demand(inst), self.slot_priority(inst))
+        nxt = mux.next_model(self.demand(inst), self.slot_priority(inst, now))
         if nxt is None:
             return None
         if inst.active_model() == nxt:

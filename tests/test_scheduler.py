@@ -1,5 +1,6 @@
 """Scheduler mechanisms on hand-computable SimInstance costs (talaria_jax.sim.toys: 1 GPU, 10 GB
 models that load in 1.0 s, stage-to-slot in 0.2 s, prefill 1000 tokens in 2.002 s)."""
+import dataclasses
 import math
 import pathlib
 import re
@@ -10,7 +11,8 @@ from talaria_jax.scheduler import (AdmissionBudget, Call, RoundMultiplexer, Sche
                                    get_policy, rank, talaria_score)
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.instance import SimInstance
-from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES
+from talaria_jax.scheduler.scheduler import ToolGaps
+from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES, toy_model
 
 
 def _inst(name, **kw):
@@ -294,3 +296,43 @@ def test_on_demand_quantum_follows_the_switch_it_amortises():
                    seed=0, jitter_sigma=0, gap_jitter_sigma=0)
     b_done = [{(r.session, r.turn): r.done_s for r in res.records}[("b", 0)] for res in (bounded, fixed)]
     assert b_done[0] < 10.0 < 20.0 < b_done[1]
+
+
+def test_smith_order_serves_the_most_sessions_per_second_first():
+    # x (m1) starts first; then y of m2, whose weights are 1.5x as large (its decode steps take
+    # 1.5x as long), then z of m3: round robin serves m2 before m3, Smith's rule the faster m3 first
+    shapes = {**TOY_SHAPES, "m2": toy_model("m2", weights_gb=15.0)}
+    calls = [Call("x", 0, "m1", 1000, 10, 0.0, 0.0), Call("x", 1, "m1", 1100, 10, 0.0),
+             Call("y", 0, "m2", 1000, 50, 0.0, 0.01), Call("z", 0, "m3", 1000, 50, 0.0, 0.02)]
+    logs = {}
+    for name in ("talaria", "talaria-smith"):
+        res = replay(calls, get_policy(name), TOY_HW, shapes, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+        logs[name] = [m for _, m, _ in res.instances[0].stats.switch_log]
+    assert logs == {"talaria": ["m1", "m2", "m3"], "talaria-smith": ["m1", "m3", "m2"]}
+
+
+def test_smith_order_keeps_the_slot_and_bounds_the_wait():
+    # three m1 sessions return at once (no tool time) while one m2 call waits: without a bound on the
+    # wait m1 keeps its slot past every deadline (no drain) until its sessions end; with max_wait_s=3
+    # the m2 call is served as soon as the m1 slot's deadline passes after 3 s of waiting
+    calls = [Call(s, k, "m1", 1000 + 100 * k, 10, 0.0, 0.0 if k == 0 else None) for s in "abc" for k in range(6)]
+    calls.append(Call("d", 0, "m2", 1000, 10, 0.0, 0.01))
+    done = {}
+    for wait in (1e9, 3.0):
+        pol = dataclasses.replace(get_policy("talaria-smith"), max_wait_s=wait)
+        res = replay(calls, pol, TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+        done[wait] = {r.session: r.done_s for r in res.records}
+        m1_end = max(done[wait][s] for s in "abc")
+        assert (done[wait]["d"] > m1_end) == (wait == 1e9), (wait, done[wait])
+    assert [m for _, m, _ in res.instances[0].stats.switch_log][:3] == ["m1", "m2", "m1"]
+
+
+def test_tool_gaps_use_the_prior_until_enough_are_seen():
+    gaps = ToolGaps(get_policy("talaria-smith"), window=100, min_seen=16)
+    assert gaps.quantile(0.9) == get_policy("talaria-smith").reserve_horizon_s  # REFERENCES.md's p90, 13.6 s
+    for g in range(15):
+        gaps.observe(float(g))
+    assert gaps.quantile(0.9) == 13.6
+    for g in range(15, 200):  # the window keeps the last 100: 100..199
+        gaps.observe(float(g))
+    assert gaps.quantile(0.9) == pytest.approx(189.1)

@@ -191,6 +191,7 @@ class InstanceEngine:
 
     def _forget(self, sid: str) -> None:
         self.instance.forget(sid)
+        self.scheduler.forget(sid)
         self.sessions.sessions.pop(sid, None)
 
     # --- what the router asks (POST /talaria/probe) -------------------------------------------------
