@@ -19,6 +19,15 @@ def test_prefill_is_compute_bound_by_hand():
     assert C.prefill_s(M, 0, 5000) == 0.0
 
 
+def test_batched_prefill_reads_the_weights_once():
+    # two 10-token prompts: memory-bound, (10 GB of weights + 20 tokens x 1 MB) / 100 GB/s once,
+    # not 0.1001 s each; two 1000-token prompts stay compute-bound, their FLOPs adding up
+    assert C.prefill_batch_s(M, [(10, 0), (10, 0)]) == pytest.approx(0.1002)
+    assert 2 * C.prefill_s(M, 10, 0) == pytest.approx(0.2002)
+    assert C.prefill_batch_s(M, [(1000, 0), (1000, 0)]) == pytest.approx(4.004)
+    assert C.prefill_batch_s(M, [(0, 100)]) == 0.0
+
+
 def test_decode_step_is_memory_bound_by_hand():
     # (10 GB weights + 1000 tokens x 1 MB KV) / 100 GB/s
     assert C.decode_step_s(M, 1, 1000) == pytest.approx(0.11)

@@ -125,3 +125,31 @@ def test_compacted_turn_reuses_only_its_prefix(on_device):
     assert st.restored_tokens - before.restored_tokens == (0 if on_device else 300)
     assert st.prefill_tokens - before.prefill_tokens == 400
     assert inst.cached_prefix("s", "m1") == type(inst.cached_prefix("s", "m1"))(710, 710)
+
+
+def test_staging_never_evicts_the_active_models_kv():
+    # m1 active (10 GB) with the idle KV of s1 (5 GB) and s2 (10 GB): staging m2 (10 GB) must free 5 GB.
+    # Dropping s1's KV would cost a 0.5 s restore, within the 0.8 s staging saves, but s1 returns
+    # within m1's slot, before m2 is needed: staging is refused and both prefixes stay
+    inst = _inst(("m1", "m2"), staging=True)
+    inst.switch_model("m1")
+    t = _serve(inst, Call("s1", 0, "m1", 4900, 100, 0.0, 0.0), _run(inst))
+    _serve(inst, Call("s2", 0, "m1", 9900, 100, 0.0, 0.0), t)
+    assert not inst.stage_model("m2") and inst.weight_state("m2") == WeightState.HOST
+    assert [inst.cached_prefix(s, "m1").device_tokens for s in ("s1", "s2")] == [5000, 10000]
+
+
+@pytest.mark.parametrize("host_kv", [True, False])
+def test_staging_evicts_only_what_costs_less_than_it_saves(host_kv):
+    # u's 4.1 GB of m3 KV idle and m3 resident, m1 active: 24.1 of 30 GB. Staging m2 saves 1.0 - 0.2 s
+    # (a PCIe load against a D2D copy) and must free 4.1 GB. With a host copy, u's KV comes back in
+    # 0.41 s: it goes. Without one it costs a 8.2 s recompute, so the weights of m3 would go first,
+    # a 1.0 s reload: more than staging saves, so staging is refused and nothing is evicted.
+    inst = _inst(("m1", "m2", "m3"), staging=True, host_kv=host_kv)
+    inst.switch_model("m3")
+    t = _serve(inst, Call("u", 0, "m3", 4000, 100, 0.0, 0.0), _run(inst))
+    inst.switch_model("m1")
+    _run(inst, t)
+    assert inst.stage_model("m2") == host_kv
+    assert inst.weight_state("m3") == WeightState.RESIDENT
+    assert inst.cached_prefix("u", "m3").device_tokens == (0 if host_kv else 4100)

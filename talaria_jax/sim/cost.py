@@ -8,6 +8,7 @@ come from the hardware config, whose comments cite REFERENCES.md.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from talaria_jax.sim.hardware import GB, HardwareConfig, ModelShape
 
@@ -47,11 +48,17 @@ class CostModel:
 
     def prefill_s(self, m: ModelShape, new_tokens: int, past_tokens: int = 0) -> float:
         """Seconds to prefill new_tokens on top of past_tokens cached (0 when nothing is new)."""
-        if new_tokens <= 0:
+        return self.prefill_batch_s(m, [(new_tokens, past_tokens)])
+
+    def prefill_batch_s(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one prefill step over several sequences, each (new tokens, cached tokens): their
+        FLOPs add up, but the weights are read once for the whole batch (each sequence's KV once)."""
+        chunks = [(n, p) for n, p in chunks if n > 0]
+        if not chunks:
             return 0.0
-        compute = self.prefill_flops(m, new_tokens, past_tokens) / self._matmul_rate()
-        memory = (m.weight_bytes + (past_tokens + new_tokens) * m.kv_bytes_per_token) / self._hbm_rate()
-        return max(compute, memory) + self._allreduce_s(m, new_tokens) + self._overhead_s()
+        compute = sum(self.prefill_flops(m, n, p) for n, p in chunks) / self._matmul_rate()
+        memory = (m.weight_bytes + sum(n + p for n, p in chunks) * m.kv_bytes_per_token) / self._hbm_rate()
+        return max(compute, memory) + self._allreduce_s(m, sum(n for n, _ in chunks)) + self._overhead_s()
 
     def expert_touch_fraction(self, m: ModelShape, batch: int) -> float:
         """Expected share of routed experts read by a decode step of `batch` tokens."""

@@ -221,7 +221,12 @@ class SimInstance:
             return True
         if self._staging_model is not None:
             return False  # one staging area; it holds the model staged earlier
-        if not self._make_room(self.shapes[model].weight_bytes, allow_protected=False):
+        # Staging pays for itself: it evicts only what costs less to bring back than the switch time it
+        # saves (a PCIe load against a D2D copy), never protected KV, and never the active model's idle
+        # KV (its sessions return within its slot, before the staged model is needed).
+        m = self.shapes[model]
+        saved_s = self.cost.weight_load_s(m) - self.cost.d2d_weights_s(m)
+        if not self._make_room(m.weight_bytes, allow_protected=False, keep_model=self._active, budget_s=saved_s):
             return False
         self.weights[model] = WeightState.STAGING
         self._staging_model, self._staging_start = model, self.now
@@ -278,21 +283,36 @@ class SimInstance:
             secs = self.cost.prefill_s(m, e.tokens, 0)
         return secs / max(1.0, e.tokens * m.kv_bytes_per_token)
 
-    def _make_room(self, need: float, allow_protected: bool = True) -> bool:
+    def _make_room(self, need: float, allow_protected: bool = True, keep_model: str | None = None,
+                   budget_s: float = math.inf) -> bool:
         """Evicts until `need` bytes are free. Unprotected idle KV and inactive resident weights go
         first, cheapest to bring back per byte freed first (least recently used among equals): KV
         with a host copy (a PCIe restore), then weights (a PCIe load), then KV without a host copy
-        (a recompute). Protected idle KV goes last (soonest to lapse first), and only if allowed."""
+        (a recompute). Protected idle KV goes last (soonest to lapse first), and only if allowed.
+        Idle KV of `keep_model` is never evicted. With a finite `budget_s`, nothing is evicted unless
+        the unprotected victims free `need` for at most that many seconds of bringing them back."""
         def free() -> float:
             return self.capacity - self.device_bytes()
         if free() >= need:
             return True
         sig = lambda x: float(f"{x:.9g}")  # equal rates must tie exactly so that LRU decides
         victims = [(sig(self._kv_refill_s_per_byte(sid, e)), e.last_used, 0, sid) for sid, e in self.kv_dev.items()
-                   if not e.in_use and e.protect_until <= self.now]
+                   if not e.in_use and e.protect_until <= self.now and e.model != keep_model]
         victims += [(sig(self.cost.weight_load_s(self.shapes[m]) / self.shapes[m].weight_bytes),
                      self._weights_lru.get(m, 0.0), 1, m) for m, s in self.weights.items() if s == WeightState.RESIDENT]
-        for _, _, kind, key in sorted(victims):
+        victims.sort()
+        if budget_s < math.inf:
+            short, cost = need - free(), 0.0
+            for k, (rate, _, kind, key) in enumerate(victims):
+                freed = self.pages_for(self.kv_dev[key].model, self.kv_dev[key].tokens) * self.page_bytes \
+                    if kind == 0 else self.shapes[key].weight_bytes
+                short, cost = short - freed, cost + rate * freed
+                if short <= 0:
+                    break
+            if short > 0 or cost > budget_s:
+                return False
+            victims = victims[:k + 1]
+        for _, _, kind, key in victims:
             if kind == 0:
                 self._drop_dev_kv(key)
             else:
@@ -382,7 +402,7 @@ class SimInstance:
     def _start_prefill(self) -> float | None:
         model = self._active
         m = self.shapes[model]
-        batch, keep, restore_s, work_s = [], [], 0.0, 0.0
+        batch, keep, chunks, restore_s = [], [], [], 0.0
         for r in self.waiting:
             c = r.call
             if c.model != model:
@@ -418,7 +438,7 @@ class SimInstance:
             if self._staging_model is not None and self.weights[self._staging_model] == WeightState.STAGING:
                 self._staging_start += t_restore  # KV restore and weight staging share the PCIe link
             restore_s += t_restore
-            work_s += self.cost.prefill_s(m, new, cached + restore)
+            chunks.append((new, cached + restore))
             r.ctx = c.prompt_tokens
             batch.append(r)
         self._check_capacity()
@@ -427,8 +447,8 @@ class SimInstance:
         self.waiting = keep
         self._chunk = ("prefill", batch)
         # the restores go first (the staging copy waits for them: _staging_start moved by as much),
-        # then the prefill work, slowed while the copy is in flight
-        dur = restore_s + self._staging_stretch_s(self.now + restore_s, work_s)
+        # then one prefill step over the batch (one weight read), slowed while the copy is in flight
+        dur = restore_s + self._staging_stretch_s(self.now + restore_s, self.cost.prefill_batch_s(m, chunks))
         return dur * self._jitter()
 
     def _start_decode(self, now: float, horizon: float | None) -> float:
