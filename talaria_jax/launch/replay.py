@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import sys
 import time
@@ -35,14 +34,12 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
-from talaria_jax.models.config import available_models
 from talaria_jax.scheduler.policies import DEFAULT_POLICIES, get_policy
-from talaria_jax.sim.bounds import sct_floor_s
 from talaria_jax.sim.cluster import replay
-from talaria_jax.sim.cost import CostModel
-from talaria_jax.sim.hardware import CONFIG_ROOT, HardwareConfig, ModelShape, load_hardware, load_models
+from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware
+from talaria_jax.sim.compare import run_replay, trace_shapes
 from talaria_jax.sim.instance import CapacityError
-from talaria_jax.sim.traces import Trace, TraceError, read_jsonl
+from talaria_jax.sim.traces import read_jsonl
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"), "JSONL trace (configs/traces/README.md).")
@@ -53,7 +50,14 @@ flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds (run-to-run kernel 
 flags.DEFINE_float("tool_gap_scale", 1.0, "Multiply every tool gap of the trace by this (>= 0): how the ratios depend on tool time.")
 flags.DEFINE_integer("servers", 1, "Servers, one TP instance each; every server can host every model.")
 flags.DEFINE_string("json_out", "", "Write the results as JSON here.")
-flags.DEFINE_string("plot", "", "Write an SCT CDF per policy (PNG) here; needs matplotlib.")
+flags.DEFINE_string("plot", "", "Write an SCT CDF per policy (PNG) here (with --sweep: a heatmap of talaria's ratio "
+                    "over each rival per cell); needs matplotlib.")
+flags.DEFINE_bool("sweep", False, "Replay --policies in every cell of the regime matrix (talaria_jax/launch/sweep.py: "
+                  "tool-gap scales x hardware x traces, plus an open-arrival load sweep) and mark the cells where "
+                  "talaria is not best.")
+flags.DEFINE_list("sweep_traces", [], "--sweep: only these traces (default, gen1, gen2, gen3, open0.02, ...).")
+flags.DEFINE_string("timeline", "", "Write each policy's model slots per instance and calls per session over time "
+                    "(PNG, first seed) here; needs matplotlib.")
 flags.DEFINE_enum("backend", "sim", ["sim", "local"], "sim: simulated instances; local: real JAX instances here.")
 flags.DEFINE_list("local_models", ["smollm2-135m-instruct", "tiny-dense", "tiny-moe"],
                   "--backend=local: the models each instance hosts (named models or configs/models/ names).")
@@ -61,10 +65,6 @@ flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model 
                   "local 12-session trace, whose names are the local models'.")
 flags.DEFINE_integer("devices_per_instance", 1, "--backend=local: devices (TP) of each instance (default "
                      "--servers there: 2; default --hardware: cpu, the profile talaria-calibrate wrote).")
-
-_AGG_KEYS = ("sct_p50_s", "sct_p95_s", "sct_mean_s", "calls_per_s", "makespan_s", "model_switches", "switch_time_s",
-             "kv_restored_tokens", "kv_recomputed_tokens", "kv_device_hit_tokens", "prefill_tokens", "peak_hbm_fraction")
-
 
 def _parse_seeds(raw: Sequence[str]) -> list[int]:
     out = []
@@ -75,71 +75,6 @@ def _parse_seeds(raw: Sequence[str]) -> list[int]:
             raise app.UsageError(f"--seeds: {s!r} is not an integer") from None
     if not out:
         raise app.UsageError("--seeds: give at least one seed")
-    return out
-
-
-def check_trace(calls: Trace, hw: HardwareConfig, shapes: dict[str, ModelShape], page_bytes: int = 4 * 2**20) -> None:
-    """Raises ``TraceError`` naming the file and line of the first call whose model has no shape, or
-    whose context (prompt + output) needs more KV pages than the usable HBM leaves beside its model's
-    weights (the replay would otherwise stop at that call with a ``CapacityError``)."""
-    seen = set()
-    for c in calls:
-        if c.model not in seen:
-            seen.add(c.model)
-            if c.model not in shapes:
-                known = ", ".join(sorted(set(shapes) | set(available_models())))
-                raise TraceError(f"{calls.where(c.key)}: model {c.model!r} has no shape in the models table "
-                                 f"(known: {known})")
-        m = shapes[c.model]
-        kv = math.ceil(c.context_after * m.kv_bytes_per_token / page_bytes) * page_bytes
-        if kv > (hw.usable_hbm_bytes - m.weight_bytes) // page_bytes * page_bytes:
-            raise TraceError(f"{calls.where(c.key)}: call {c.key} needs {kv / 1e9:.1f} GB of KV + "
-                             f"{m.weight_bytes / 1e9:.1f} GB of weights, more than the usable HBM "
-                             f"{hw.usable_hbm_bytes / 1e9:.1f} GB of {hw.name}")
-
-
-def run_replay(trace: str, hardware: str, policies: Sequence[str], seeds: Sequence[int], servers: int = 1,
-               models_table: str | None = None, tool_gap_scale: float = 1.0) -> dict:
-    """Replays every policy for every seed; returns the JSON-ready results (seed-averaged figures
-    per policy, per-seed figures and every session's SCT). `tool_gap_scale` multiplies every tool gap."""
-    if not tool_gap_scale >= 0:
-        raise ValueError(f"tool_gap_scale={tool_gap_scale} must be >= 0")
-    calls = read_jsonl(trace)
-    hw = load_hardware(hardware)
-    models = dict.fromkeys(c.model for c in calls)
-    shapes = load_models(models_table, extra=models) if models_table else load_models(extra=models)
-    check_trace(calls, hw, shapes)
-    if tool_gap_scale != 1.0:
-        calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * tool_gap_scale) for c in calls]
-    out: dict = {"trace": str(trace), "hardware": hw.name, "servers": servers, "seeds": list(seeds),
-                 "tool_gap_scale": tool_gap_scale, "policies": {}}
-    floors: dict[int, np.ndarray] = {}  # seed -> per-session floors (tool time is common to all policies)
-    for name in policies:
-        pol = get_policy(name)
-        per_seed, scts = [], []
-        for seed in seeds:
-            r = replay(calls, pol, hw, shapes, servers=servers, seed=seed)
-            per_seed.append(r.summary())
-            scts.append(sorted(r.sct_s.values()))
-            if seed not in floors:
-                floors[seed] = np.array(sorted(sct_floor_s(calls, CostModel(hw), shapes, r.tool_s).values()))
-        agg = {k: float(np.mean([s[k] for s in per_seed])) for k in _AGG_KEYS}
-        agg["sct_p50_s_range"] = [min(s["sct_p50_s"] for s in per_seed), max(s["sct_p50_s"] for s in per_seed)]
-        agg["sct_p95_s_range"] = [min(s["sct_p95_s"] for s in per_seed), max(s["sct_p95_s"] for s in per_seed)]
-        agg["per_seed"] = per_seed
-        agg["sct_s"] = scts
-        out["policies"][name] = agg
-    if floors:
-        out["floor"] = {k: float(np.mean([np.quantile(f, q) for f in floors.values()]))
-                        for k, q in (("sct_p50_s", 0.5), ("sct_p95_s", 0.95))}
-        out["floor"]["sct_mean_s"] = float(np.mean([f.mean() for f in floors.values()]))
-        out["speedup_ceiling"] = {n: {"p50": v["sct_p50_s"] / out["floor"]["sct_p50_s"],
-                                      "p95": v["sct_p95_s"] / out["floor"]["sct_p95_s"]}
-                                  for n, v in out["policies"].items()}
-    if "talaria" in out["policies"]:
-        t = out["policies"]["talaria"]
-        out["talaria_speedup"] = {n: {"p50": v["sct_p50_s"] / t["sct_p50_s"], "p95": v["sct_p95_s"] / t["sct_p95_s"]}
-                                  for n, v in out["policies"].items() if n != "talaria"}
     return out
 
 
@@ -285,13 +220,35 @@ def _main(argv: Sequence[str]) -> None:
             get_policy(p)
         except ValueError as e:
             raise app.UsageError(f"--policies: {e}") from None
-    res = run_replay(FLAGS.trace, FLAGS.hardware, FLAGS.policies, _parse_seeds(FLAGS.seeds), FLAGS.servers,
+    seeds = _parse_seeds(FLAGS.seeds)
+    if FLAGS.sweep:
+        from talaria_jax.launch import sweep
+
+        res = sweep.run_sweep(FLAGS.policies, seeds, FLAGS.trace, FLAGS.sweep_traces or None,
+                              progress=lambda m: print(m, file=sys.stderr))
+        print(sweep.format_sweep(res))
+        _write_json(res)
+        if FLAGS.plot:
+            sweep.plot_heatmap(res, FLAGS.plot)
+            print(f"wrote {FLAGS.plot}", file=sys.stderr)
+        return
+    res = run_replay(FLAGS.trace, FLAGS.hardware, FLAGS.policies, seeds, FLAGS.servers,
                      FLAGS.models_table, FLAGS.tool_gap_scale)
     print(format_table(res))
     _write_json(res)
     if FLAGS.plot:
         plot_cdf(res, FLAGS.plot)
         print(f"wrote {FLAGS.plot}", file=sys.stderr)
+    if FLAGS.timeline:
+        from talaria_jax.launch import sweep
+
+        calls = read_jsonl(FLAGS.trace)
+        calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * FLAGS.tool_gap_scale) for c in calls]
+        hw = load_hardware(FLAGS.hardware)
+        shapes = trace_shapes(read_jsonl(FLAGS.trace), hw, FLAGS.models_table)
+        runs = {n: replay(calls, get_policy(n), hw, shapes, servers=FLAGS.servers, seed=seeds[0]) for n in FLAGS.policies}
+        sweep.plot_timeline(runs, FLAGS.timeline)
+        print(f"wrote {FLAGS.timeline}", file=sys.stderr)
 
 
 def _write_json(res: dict) -> None:

@@ -29,6 +29,7 @@ class CallRecord:
     instance: str
     issued_s: float
     done_s: float
+    model: str = ""
 
 
 @dataclasses.dataclass
@@ -129,7 +130,7 @@ def run(calls: Sequence[Call], policy: PolicyConfig, insts: Sequence, sessions: 
         elif kind == _READY:
             inst = obj
             for c in inst.finish_chunk(now):
-                records.append(CallRecord(c.session, c.turn, inst.name, issued[c.key], now))
+                records.append(CallRecord(c.session, c.turn, inst.name, issued[c.key], now, c.model))
                 nxt = sessions.complete(c, inst.name, now)
                 sched.on_finish(c, inst, now)
                 if nxt is not None:

@@ -145,12 +145,13 @@ class Trace(list):
     """The calls of a trace file in file order (a list of ``Call``), and where each was read:
     ``where(key)`` is "file:line", for checks made after parsing (unknown model, too big a call)."""
 
-    def __init__(self, calls: Iterable[Call], source: str, lines: dict[tuple[str, int], int]):
+    def __init__(self, calls: Iterable[Call], source: str, lines: dict[tuple[str, int], int] | None = None):
         super().__init__(calls)
-        self.source, self.lines = source, lines
+        self.source, self.lines = source, lines or {}
 
     def where(self, key: tuple[str, int]) -> str:
-        return f"{self.source}:{self.lines[key]}"
+        line = self.lines.get(key)
+        return f"{self.source}:{line}" if line is not None else f"{self.source}: call {key}"
 
 
 def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> Trace:

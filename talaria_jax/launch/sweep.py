@@ -1,0 +1,170 @@
+"""`talaria-replay --sweep`: every policy in every cell of a regime matrix, and where talaria is not best.
+
+Cells: tool-gap scale {0, 0.1, 0.25, 1} x hardware {h200x8, h100x8} x trace {the default trace file,
+the generator at seeds 1-3}, plus an open-arrival load sweep (30 default-style sessions arriving at
+0.02, 0.03 and 0.05 sessions/s on h200x8, tool gaps x1). Each cell replays every policy over the
+same seeds. A cell is marked where a rival's p50 or p95 SCT is more than 2% below talaria's.
+
+`plot_heatmap` draws talaria's ratio over each rival per cell; `plot_timeline` draws one replay's
+model slots per instance and each session's calls over time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Sequence
+
+import numpy as np
+
+from talaria_jax.sim.compare import replay_calls, trace_shapes
+from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware
+from talaria_jax.sim.traces import Trace, TraceSpec, generate, read_jsonl
+
+SCALES = (0.0, 0.1, 0.25, 1.0)
+HARDWARE = ("h200x8", "h100x8")
+GENERATOR_SEEDS = (1, 2, 3)
+ARRIVAL_RATES = (0.02, 0.03, 0.05)  # sessions/s of the open-arrival load sweep
+TIE = 0.02  # a rival within 2% of talaria does not beat it
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    trace: str  # "default", "gen<seed>" or "open<rate>"
+    hardware: str
+    tool_gap_scale: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.trace} {self.hardware} gaps x{self.tool_gap_scale:g}"
+
+
+def cells(trace_names: Sequence[str] | None = None) -> list[Cell]:
+    names = ["default"] + [f"gen{s}" for s in GENERATOR_SEEDS]
+    out = [Cell(t, hw, sc) for t in names for hw in HARDWARE for sc in SCALES]
+    out += [Cell(f"open{r:g}", "h200x8", 1.0) for r in ARRIVAL_RATES]
+    return [c for c in out if trace_names is None or c.trace in trace_names]
+
+
+def cell_trace(name: str, default_path: str | pathlib.Path) -> Trace:
+    if name == "default":
+        return read_jsonl(default_path)
+    if name.startswith("gen"):
+        spec = TraceSpec(seed=int(name[3:]))
+    elif name.startswith("open"):
+        spec = TraceSpec(arrival_rate_per_s=float(name[4:]))
+    else:
+        raise ValueError(f"sweep trace {name!r}: not default, gen<seed> or open<rate>")
+    return Trace(generate(spec), f"generated {spec}")
+
+
+def run_sweep(policies: Sequence[str], seeds: Sequence[int], default_trace: str | pathlib.Path | None = None,
+              trace_names: Sequence[str] | None = None, progress=print) -> dict:
+    """Replays `policies` (talaria among them) in every cell; returns {"cells": [...]} with each cell's
+    seed-averaged p50/p95 per policy, talaria's ratio over each rival and the rivals that beat it."""
+    if "talaria" not in policies:
+        raise ValueError("--sweep compares talaria with the other policies: put talaria in --policies")
+    default_trace = default_trace or CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"
+    traces: dict[str, Trace] = {}
+    out = []
+    todo = cells(trace_names)
+    for k, cell in enumerate(todo, 1):
+        if cell.trace not in traces:
+            traces[cell.trace] = cell_trace(cell.trace, default_trace)
+        calls, hw = traces[cell.trace], load_hardware(cell.hardware)
+        res = replay_calls(calls, cell.trace, hw, trace_shapes(calls, hw), policies, seeds,
+                           tool_gap_scale=cell.tool_gap_scale)
+        sct = {n: (v["sct_p50_s"], v["sct_p95_s"]) for n, v in res["policies"].items()}
+        t50, t95 = sct["talaria"]
+        ratio = {n: (p50 / t50, p95 / t95) for n, (p50, p95) in sct.items() if n != "talaria"}
+        beaten_by = [n for n, (r50, r95) in ratio.items() if r50 < 1 - TIE or r95 < 1 - TIE]
+        out.append({"cell": dataclasses.asdict(cell), "label": cell.label, "sct": sct, "ratio": ratio,
+                    "beaten_by": beaten_by, "floor": (res["floor"]["sct_p50_s"], res["floor"]["sct_p95_s"])})
+        progress(f"[{k}/{len(todo)}] {cell.label}: talaria {t50:.0f} / {t95:.0f} s"
+                 + (f", beaten by {', '.join(beaten_by)}" if beaten_by else ", best"))
+    return {"policies": list(policies), "seeds": list(seeds), "tie": TIE, "cells": out}
+
+
+def format_sweep(res: dict) -> str:
+    """One row per cell: talaria's p50/p95, its ratio over each rival (rival SCT / talaria SCT at p50 /
+    p95: above 1 means talaria is faster) and a mark where a rival beats it by more than the tie."""
+    rivals = [p for p in res["policies"] if p != "talaria"]
+    lines = [f"seeds {','.join(map(str, res['seeds']))} (means); cells: rival SCT / talaria SCT at p50 / p95; "
+             f"`!` marks a rival more than {res['tie']:.0%} faster than talaria", "",
+             "| cell | talaria p50 / p95 (s) | floor p50 / p95 (s) | " + " | ".join(rivals) + " | talaria best |",
+             "|---|---:|---:|" + "---:|" * len(rivals) + "---|"]
+    for c in res["cells"]:
+        t50, t95 = c["sct"]["talaria"]
+        row = []
+        for n in rivals:
+            r50, r95 = c["ratio"][n]
+            mark = lambda r: f"{r:.2f}" + ("!" if r < 1 - res["tie"] else "")
+            row.append(f"{mark(r50)} / {mark(r95)}")
+        best = "yes" if not c["beaten_by"] else "no: " + ", ".join(c["beaten_by"])
+        lines.append(f"| {c['label']} | {t50:.0f} / {t95:.0f} | {c['floor'][0]:.0f} / {c['floor'][1]:.0f} | "
+                     + " | ".join(row) + f" | {best} |")
+    n_best = sum(not c["beaten_by"] for c in res["cells"])
+    lines += ["", f"talaria best (p50 and p95, ties within {res['tie']:.0%}) in {n_best} of {len(res['cells'])} cells"]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("plots need matplotlib (pip install matplotlib)") from None
+    return plt
+
+
+def plot_heatmap(res: dict, path: str) -> None:
+    """Two panels (p50, p95): rows are cells, columns rivals, colour and number the rival/talaria ratio."""
+    plt = _pyplot()
+    rivals = [p for p in res["policies"] if p != "talaria"]
+    labels = [c["label"] for c in res["cells"]]
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.3 * len(rivals), 1.5 + 0.28 * len(labels)), sharey=True)
+    for ax, q, title in zip(axes, (0, 1), ("p50", "p95")):
+        m = np.array([[c["ratio"][n][q] for n in rivals] for c in res["cells"]])
+        im = ax.imshow(np.log2(m), cmap="RdBu", vmin=-2, vmax=2, aspect="auto")
+        for i in range(m.shape[0]):
+            for j in range(m.shape[1]):
+                ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(rivals)), rivals, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set_title(f"rival SCT / talaria SCT, {title} (blue: talaria faster)", fontsize=8)
+    fig.colorbar(im, ax=axes, shrink=0.6, label="log2 ratio")
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+
+
+def plot_timeline(runs: dict, path: str) -> None:
+    """`runs`: policy -> ReplayResult. Per policy, each instance's model slots (switch time hatched)
+    and, below, each session's calls (issue to completion) coloured by model."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 0.09 * sum(len(r.sct_s) for r in runs.values())),
+                             squeeze=False, sharex=True)
+    models = sorted({rec.model for r in runs.values() for rec in r.records})
+    colour = {m: plt.cm.tab10(k % 10) for k, m in enumerate(models)}
+    for ax, (name, r) in zip(axes[:, 0], runs.items()):
+        start = min(rec.issued_s for rec in r.records)
+        rows = [inst.name for inst in r.instances]
+        for k, inst in enumerate(r.instances):
+            log = inst.stats.switch_log
+            for j, (t, m, dur) in enumerate(log):
+                end = log[j + 1][0] if j + 1 < len(log) else start + r.makespan_s
+                ax.barh(k, end - t, left=t - start, color=colour[m], height=0.8)
+                ax.barh(k, dur, left=t - start, color="white", hatch="////", edgecolor=colour[m], height=0.8)
+        sessions = sorted({rec.session for rec in r.records})
+        row_of = {s: len(rows) + k for k, s in enumerate(sessions)}
+        for rec in r.records:
+            ax.barh(row_of[rec.session], rec.done_s - rec.issued_s, left=rec.issued_s - start, height=0.6,
+                    color=colour.get(rec.model, "grey"))
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_ylabel("instances, then sessions", fontsize=7)
+        p = np.quantile(list(r.sct_s.values()), [0.5, 0.95])
+        ax.set_title(f"{name}: SCT p50 {p[0]:.0f} s, p95 {p[1]:.0f} s", fontsize=8)
+    axes[-1, 0].set_xlabel("time since the first call (s)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[m]) for m in models]
+    fig.legend(handles, models, loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
