@@ -10,13 +10,30 @@ On the accelerator it measures, in one run:
      synthetic 2K-token KV prefix, against the HBM roofline (weight + KV bytes per step over the
      measured copy bandwidth), and the same decode with the parameters carved out of an instance's
      flat weight slot (talaria_jax/weights/slot.py): on CPU the carve copies every parameter each
-     step (~4x slower); whether XLA:GPU reads the slot in place is what the slot/own column shows.
-Prints a table and writes JSON to --out. `--small` shrinks every size so that the script runs on a
-CPU in seconds (tests/test_device_check.py keeps it from rotting).
+     step (~4x slower); whether XLA:GPU reads the slot in place is what the slot/own column shows;
+  5. weight-slot switch of that model (`common.switch_times`, as in benchmarks/model_switch.py): the staged
+     switch (a device-to-device copy into the slot) against the HBM copy rate (hbm_copy_gb_s / 2:
+     that figure counts read + write), and the load and the staging copy (host-to-device) against the
+     pinned_host device_put of 1.;
+  6. host KV restore on that model's pool (`common.copy_times`, as in benchmarks/host_restore.py), 8K and 32K
+     tokens of KV: the host tier's restore (H2D + scatter into pages) and offload (gather + D2H)
+     against a bare device_put of the same bytes; where the backend has no host memory kind the
+     tier keeps its copies in device memory and there is no device_put to compare with;
+  7. prefill of a 256-token chunk over 8K and 32K tokens of cached prefix on that model
+     (`common.prefill_tok_s`, as in benchmarks/engine_prefill.py), next to prefilling the whole context
+     from scratch in chunks of 2048 tokens (`common.ttft`, as in benchmarks/host_restore.py).
+Sections 4-7 share one model, built once; 5-7 take the best of --reps (after an untimed run). A
+section that fails is printed and recorded as {"error": ...}, and the run goes on; the JSON is
+rewritten after each section (with the seconds each took under "seconds"), so a run cut short keeps
+what it measured. Prints tables and writes JSON to --out. `--small` shrinks every size so that the
+script runs on a CPU in seconds (tests/test_device_check.py keeps it from rotting).
 """
 from __future__ import annotations
 
+import functools
 import json
+import time
+import traceback
 
 from absl import app, flags
 
@@ -25,6 +42,30 @@ import common
 _OUT = flags.DEFINE_string("out", "/tmp/device_check.json", "Write the results as JSON here.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes (a CPU smoke run).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Decode batch sizes.")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each measurement of sections 5-7 (best is reported).")
+
+
+def bench_config(small: bool):
+    from talaria_jax.models import ModelConfig
+
+    if small:
+        return ModelConfig(name="small", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=32, ffn_size=256, dtype="float32", weight_dtype="float32", kv_dtype="float32")
+    # ~1.1B parameters, Llama-shaped, bf16 weights and KV; positions for a 32K prefix plus a chunk
+    return ModelConfig(name="llama-1b-shape", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16,
+                       num_kv_heads=8, head_dim=128, ffn_size=5632, dtype="bfloat16", weight_dtype="bfloat16",
+                       kv_dtype="bfloat16", max_position=65536)
+
+
+@functools.cache
+def bench_model(small: bool):
+    """The model of sections 4-7, built on first use (so a failure is the section's) and then shared."""
+    import jax
+
+    from talaria_jax.models import init_model
+    from talaria_jax.sharding import make_mesh
+
+    return init_model(bench_config(small), make_mesh(jax.devices()[:1]), seed=0)
 
 
 def memory_checks(nbytes: int) -> dict:
@@ -74,24 +115,12 @@ def engine_parity() -> dict:
 
 
 def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[dict]:
-    import jax
-
     from talaria_jax.engine import Engine, EngineConfig
-    from talaria_jax.models import ModelConfig, init_model
-    from talaria_jax.sharding import make_mesh
-
-    if small:
-        cfg = ModelConfig(name="small", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                          head_dim=32, ffn_size=256, dtype="float32", weight_dtype="float32", kv_dtype="float32")
-        ctx, steps = 64, 2
-    else:  # ~1.1B parameters, Llama-shaped, bf16 weights and KV
-        cfg = ModelConfig(name="llama-1b-shape", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16,
-                          num_kv_heads=8, head_dim=128, ffn_size=5632, dtype="bfloat16", weight_dtype="bfloat16",
-                          kv_dtype="bfloat16")
-        ctx, steps = 2048, 32
     from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot
 
-    model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=0)
+    ctx, steps = (64, 2) if small else (2048, 32)
+    model = bench_model(small)
+    cfg = model.cfg
     layout = SlotLayout.of(model)
     slot = WeightSlot.for_layouts(model.mesh, [layout])
     slot.load(HostWeights.of(model, layout))
@@ -114,21 +143,157 @@ def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[di
     return rows
 
 
+def weight_switch(small: bool, reps: int, hbm_gb_s: float, h2d_gb_s: float | None) -> list[dict]:
+    """GB/s of switching the model's weights into a WeightSlot, each path against its bandwidth limit."""
+    import jax
+
+    from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot
+
+    model = bench_model(small)
+    layout = SlotLayout.of(model)
+    host = HostWeights.of(model, layout)
+    slot = WeightSlot.for_layouts(model.mesh, [layout])
+    # switch_times also times an Orbax restore between the switches: here it returns the model itself
+    # (already on the device, so it costs nothing and is not reported).
+    times = common.switch_times(slot, [host], lambda: model, reps)
+    nbytes = layout.bytes_per_device * model.mesh.devices.size
+    kind = host.data.sharding.memory_kind if isinstance(host.data, jax.Array) else None  # None: numpy
+    rows = []
+    for path, key, limit, limit_name in (
+            ("activate_staged (D2D into the slot)", "activate_staged", hbm_gb_s / 2, "HBM copy (hbm_copy_gb_s / 2)"),
+            ("load (H2D into the slot)", "load", h2d_gb_s, "pinned_host device_put"),
+            ("staging copy (H2D, issue to arrival)", "stage_copy", h2d_gb_s, "pinned_host device_put")):
+        best = min(times[key])
+        gb_s = nbytes / best / 1e9
+        rows.append(dict(path=path, gb=nbytes / 1e9, best_ms=best * 1e3, gb_s=gb_s, limit=limit_name,
+                         limit_gb_s=limit, of_limit=gb_s / limit if limit else None, host_memory_kind=kind))
+    return rows
+
+
+def host_kv_restore(small: bool, reps: int) -> list[dict]:
+    """GB/s of the host tier's restore and offload of a prefix's KV pages, and of a bare device_put of
+    the same bytes each way (where the backend has host memory)."""
+    from talaria_jax.engine import Engine, EngineConfig
+    from talaria_jax.kvcache.host_tier import HostTier
+
+    model = bench_model(small)
+    contexts, page = ((64, 128) if small else (8192, 32768)), 16
+    eng = Engine(model, EngineConfig(page_size=page, max_seqs=1, max_tokens_per_step=16,
+                                     max_model_len=max(contexts) + page, warmup=False))
+    kind = eng.host_tier.memory_kind
+    if kind is None:  # no host memory kind: let the tier keep its copies in device memory (no H2D to compare)
+        eng.host_tier = HostTier(eng.pool_spec, model.mesh, model=model.cfg.name, weights=model.fingerprint,
+                                 device_fallback_bytes=1 << 40)
+    rows = []
+    for ctx in contexts:
+        pages = eng.allocator.allocate(ctx // page)
+        kv = eng.host_tier.offload(eng.runner.kv, pages, range(ctx))  # what the pages hold does not matter
+        eng.allocator.free(pages)
+        t = common.copy_times(eng, kv, reps)
+        gb = kv.host_bytes / 1e9
+        row = dict(context=ctx, memory_kind=kind or "device (fallback)", copy_mb=gb * 1e3,
+                   restore_ms=t["restore_s"] * 1e3, restore_gb_s=gb / t["restore_s"], h2d_gb_s=None,
+                   restore_of_device_put=None, offload_gb_s=gb / t["offload_s"], d2h_gb_s=None,
+                   offload_of_device_put=None)
+        if kind:  # device_put from / to the tier's host memory kind: the copy's bandwidth limit
+            row.update(h2d_gb_s=gb / t["h2d_s"], restore_of_device_put=t["h2d_s"] / t["restore_s"],
+                       d2h_gb_s=gb / t["d2h_s"], offload_of_device_put=t["d2h_s"] / t["offload_s"])
+        rows.append(row)
+        eng.host_tier.release(kv)
+    return rows
+
+
+def prefill_cached(small: bool, reps: int) -> list[dict]:
+    """A chunk prefilled over a cached prefix vs the whole context prefilled from scratch."""
+    import numpy as np
+
+    from talaria_jax.engine import Engine, EngineConfig
+
+    model = bench_model(small)
+    contexts, chunk, recompute_chunk = ((64, 128), 32, 64) if small else ((8192, 32768), 256, 2048)
+    tile = EngineConfig().query_tile
+    rows = []
+    for ctx in contexts:  # one engine per context (prefill_tok_s builds it); its first step compiles
+        tok_s = common.prefill_tok_s(model, ctx, chunk, tile, reps)
+        rows.append(dict(context=ctx, chunk=chunk, chunk_ms=1e3 * chunk / tok_s, chunk_tok_s=tok_s))
+    page = 16
+    eng = Engine(model, EngineConfig(page_size=page, max_seqs=1, max_tokens_per_step=recompute_chunk,
+                                     max_model_len=-(-(max(contexts) + chunk + 8) // page) * page, warmup=False))
+    rng = np.random.RandomState(1)
+    for r in rows:
+        prompt = rng.randint(0, model.cfg.vocab_size, r["context"] + chunk).tolist()
+        best = min(common.ttft(eng, prompt) for _ in range(reps + 1))  # the first run may compile
+        r.update(recompute_chunk=recompute_chunk, recompute_ms=best * 1e3, recompute_tok_s=len(prompt) / best,
+                 recompute_over_chunk=best * 1e3 / r["chunk_ms"])
+    return rows
+
+
+def print_memory(res: dict) -> None:
+    print(json.dumps(res, indent=1), flush=True)
+
+
+def print_parity(res: dict) -> None:
+    print({k: res[k] for k in ("engine_greedy_equals_reference", "pool_addresses_stable", "compilations")})
+
+
+def table(columns):
+    return functools.partial(common.print_markdown_table, columns)
+
+
+PRINT_DECODE = table([
+    ("model", "model", "s"), ("batch", "batch", "d"), ("context", "context", "d"), ("tok/s", "tok_s", ".0f"),
+    ("step ms", "step_ms", ".2f"), ("roofline tok/s", "roofline_tok_s", ".0f"), ("of roofline", "of_roofline", ".2f"),
+    ("slot tok/s", "slot_tok_s", ".0f"), ("slot / own", "slot_over_own", ".2f")])
+PRINT_SWITCH = table([
+    ("weight-slot switch", "path", "s"), ("GB", "gb", ".2f"), ("best ms", "best_ms", ".2f"), ("GB/s", "gb_s", ".1f"),
+    ("limit", "limit", "s"), ("limit GB/s", "limit_gb_s", ".1f"), ("of limit", "of_limit", ".2f")])
+PRINT_RESTORE = table([
+    ("prefix tokens", "context", "d"), ("host memory", "memory_kind", "s"), ("copy MB", "copy_mb", ".1f"),
+    ("restore ms", "restore_ms", ".2f"), ("restore GB/s", "restore_gb_s", ".1f"),
+    ("device_put H2D GB/s", "h2d_gb_s", ".1f"), ("restore / device_put", "restore_of_device_put", ".2f"),
+    ("offload GB/s", "offload_gb_s", ".1f"), ("device_put D2H GB/s", "d2h_gb_s", ".1f"),
+    ("offload / device_put", "offload_of_device_put", ".2f")])
+PRINT_PREFILL = table([
+    ("cached tokens", "context", "d"), ("chunk", "chunk", "d"), ("chunk ms", "chunk_ms", ".2f"),
+    ("chunk tok/s", "chunk_tok_s", ".0f"), ("recompute ms", "recompute_ms", ".1f"),
+    ("recompute tok/s", "recompute_tok_s", ".0f"), ("recompute / chunk", "recompute_over_chunk", ".1f")])
+
+
+def run_section(res: dict, key: str, fn, show, out: str, merge: bool = False) -> None:
+    """res[key] = fn() (with `merge`: res.update(fn())), printed by show(); an exception is printed and
+    recorded as res[key] = {"error": ...}, and the run goes on. Then res is written as JSON to `out`."""
+    t = time.perf_counter()
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 -- one run on a lent machine: record the failure, run the rest
+        traceback.print_exc()
+        res[key] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"\n{key}: FAILED: {res[key]['error']}", flush=True)
+    else:
+        if merge:
+            res.update(value)
+        else:
+            res[key] = value
+        show(value)
+    res.setdefault("seconds", {})[key] = time.perf_counter() - t
+    print(f"[{key}: {res['seconds'][key]:.1f} s]", flush=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main(argv):
     del argv
-    small = _SMALL.value
-    res = memory_checks(1 << (20 if small else 30))
-    print(json.dumps(res, indent=1), flush=True)
-    res.update(engine_parity())
-    print({k: res[k] for k in ("engine_greedy_equals_reference", "pool_addresses_stable", "compilations")}, flush=True)
-    res["decode"] = decode_roofline(small, [int(b) for b in _BATCHES.value], res["hbm_copy_gb_s"])
-    print("\n| model | batch | context | tok/s | step ms | roofline tok/s | of roofline | slot tok/s | slot / own |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in res["decode"]:
-        print(f"| {r['model']} | {r['batch']} | {r['context']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | "
-              f"{r['roofline_tok_s']:.0f} | {r['of_roofline']:.2f} | {r['slot_tok_s']:.0f} | {r['slot_over_own']:.2f} |")
-    with open(_OUT.value, "w") as f:
-        json.dump(res, f, indent=1)
+    small, reps, out = _SMALL.value, _REPS.value, _OUT.value
+    res: dict = {}
+    run_section(res, "memory", lambda: memory_checks(1 << (20 if small else 30)), print_memory, out, merge=True)
+    run_section(res, "engine_parity", engine_parity, print_parity, out, merge=True)
+    run_section(res, "decode", lambda: decode_roofline(small, [int(b) for b in _BATCHES.value], res["hbm_copy_gb_s"]),
+                PRINT_DECODE, out)
+    run_section(res, "weight_switch", lambda: weight_switch(small, reps, res["hbm_copy_gb_s"], res.get("h2d_gb_s")),
+                PRINT_SWITCH, out)
+    run_section(res, "host_restore", lambda: host_kv_restore(small, reps), PRINT_RESTORE, out)
+    run_section(res, "prefill_cached", lambda: prefill_cached(small, reps), PRINT_PREFILL, out)
+    print(f"\ntotal {sum(res['seconds'].values()):.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import json
 import tempfile
 import time
 
-import numpy as np
 from absl import app, flags
 
 import common
@@ -33,31 +32,6 @@ _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 la
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
-
-
-def bench_ours(model, ctx: int, chunk: int, tile: int, reps: int) -> float:
-    """Tokens/s of the one step that prefills `chunk` tokens over `ctx` cached ones."""
-    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
-
-    page = 16
-    eng = Engine(model, EngineConfig(page_size=page, max_seqs=1, max_tokens_per_step=chunk, query_tile=tile,
-                                     pages_per_block=_PPB.value,
-                                     max_model_len=-(-(ctx + chunk + 8) // page) * page, warmup=False))
-    rng = np.random.RandomState(0)
-    times = []
-    for _ in range(reps + 1):  # the first compiles
-        rid = eng.add_request(rng.randint(0, model.cfg.vocab_size, ctx + chunk).tolist(),
-                              SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        req = eng.requests[rid]
-        req.seq.grow(eng.allocator, ctx)
-        req.num_computed = ctx
-        eng.waiting.remove(req)
-        eng.running.append(req)
-        t = time.perf_counter()
-        out = eng.step()
-        times.append(time.perf_counter() - t)
-        assert len(out) == 1 and out[0].finished, "the chunk did not fit one step"
-    return chunk / min(times[1:])
 
 
 def bench_hf(model, ctx: int, chunk: int, reps: int) -> float:
@@ -105,8 +79,8 @@ def main(argv):
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
         print(f"model: {n_params / 1e6:.0f}M params fp32; chunk {_CHUNK.value} tokens")
         for ctx in contexts:
-            tiled = bench_ours(model, ctx, _CHUNK.value, _TILE.value, _REPS.value)
-            per_token = bench_ours(model, ctx, _CHUNK.value, 1, _REPS.value)
+            tiled = common.prefill_tok_s(model, ctx, _CHUNK.value, _TILE.value, _REPS.value, _PPB.value)
+            per_token = common.prefill_tok_s(model, ctx, _CHUNK.value, 1, _REPS.value, _PPB.value)
             theirs = bench_hf(hf_model, ctx, _CHUNK.value, _REPS.value) if hf_model is not None else None
             rows.append(dict(context=ctx, chunk=_CHUNK.value, ours_tok_s=tiled, ours_tile1_tok_s=per_token,
                              hf_tok_s=theirs, tiled_over_tile1=tiled / per_token,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 from absl import app, flags
@@ -37,40 +36,6 @@ _COPY_REPS = flags.DEFINE_integer("copy_reps", 10, "Timed runs of each copy (bes
 _HIDDEN = flags.DEFINE_integer("hidden", 256, "Model hidden size (768 with 12 layers: ~125M parameters).")
 _LAYERS = flags.DEFINE_integer("layers", 2, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
-
-
-def ttft(eng, prompt, restore=None) -> float:
-    from talaria_jax.engine import SamplingParams
-
-    t = time.perf_counter()
-    rid = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), restore=restore)
-    while eng.has_unfinished():
-        if any(o.request_id == rid and o.token_ids for o in eng.step()):
-            break
-    return time.perf_counter() - t
-
-
-def copy_times(eng, kv, reps: int) -> dict:
-    """Seconds of the tier's restore of `kv` into free pages and of its offload from them, and of a bare
-    device_put of an array of the same shape between the same shardings, each way."""
-    import jax
-
-    tier = eng.host_tier
-    pages = eng.allocator.allocate(kv.num_pages)  # free now (the engine is idle): held while timing
-
-    def restore():
-        eng.runner.kv = tier.restore(eng.runner.kv, kv, pages)
-        return eng.runner.kv
-
-    host = jax.device_put(np.ones(kv.data.shape, kv.data.dtype), tier.host_sharding)
-    dev = jax.device_put(host, tier.transfer_sharding)
-    try:
-        return dict(restore_s=common.best_time(restore, reps),
-                    h2d_s=common.best_time(lambda: jax.device_put(host, tier.transfer_sharding), reps),
-                    offload_s=common.best_time(lambda: tier.offload(eng.runner.kv, pages, kv.token_ids).data, reps),
-                    d2h_s=common.best_time(lambda: jax.device_put(dev, tier.host_sharding), reps))
-    finally:
-        eng.allocator.free(pages)
 
 
 def main(argv):
@@ -104,9 +69,9 @@ def main(argv):
         kv = done[0].kv
         assert kv.num_tokens == ctx
         nxt = list(kv.token_ids) + done[0].token_ids[-1:] + rng.randint(0, cfg.vocab_size, _NEW.value - 1).tolist()
-        restored = min(ttft(eng, nxt, kv) for _ in range(_REPS.value))
-        scratch = min(ttft(eng, nxt) for _ in range(_REPS.value))
-        t = copy_times(eng, kv, _COPY_REPS.value)
+        restored = min(common.ttft(eng, nxt, kv) for _ in range(_REPS.value))
+        scratch = min(common.ttft(eng, nxt) for _ in range(_REPS.value))
+        t = common.copy_times(eng, kv, _COPY_REPS.value)
         gb = kv.host_bytes / 1e9
         rows.append(dict(context=ctx, new_tokens=_NEW.value, kv_mb=kv.nbytes / 1e6, copy_mb=kv.host_bytes / 1e6,
                          restore_ttft_s=restored, recompute_ttft_s=scratch, speedup=scratch / restored, **t,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-import time
 
 from absl import app, flags, logging
 
@@ -56,32 +55,6 @@ def bench_config(hidden: int, layers: int):
                        num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn_size=hf["intermediate_size"],
                        norm_eps=hf["rms_norm_eps"], max_position=4096, weight_dtype="float32", kv_dtype="float32",
                        dtype="float32")
-
-
-def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:
-    """Seconds per switch of each path, alternating the models; one untimed run of each first."""
-    import jax
-
-    out = {k: [] for k in ("stage_call", "stage_copy", "activate_staged", "load", "restore")}
-    for i in range(reps + 1):
-        host = hosts[i % len(hosts)]
-        t = time.perf_counter()
-        slot.stage(host)
-        issued = time.perf_counter()
-        slot.wait_staged()
-        arrived = time.perf_counter()
-        slot.activate_staged()
-        slot.array.block_until_ready()
-        switched = time.perf_counter()
-        slot.load(hosts[(i + 1) % len(hosts)])
-        slot.array.block_until_ready()
-        loaded = time.perf_counter()
-        jax.block_until_ready(restore().state)
-        restored = time.perf_counter()
-        if i:  # the first run compiles the in-place copy for each model size
-            for k, dt in zip(out, (issued - t, arrived - t, switched - arrived, loaded - switched, restored - loaded)):
-                out[k].append(dt)
-    return out
 
 
 def decode_tok_s(times: list[float]) -> float:
@@ -116,7 +89,7 @@ def main(argv):
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint.save(b, tmp)
         b = without_weights(b)  # its device copy is not needed any more
-        times = switch_times(slot, hosts, lambda: checkpoint.restore(tmp, mesh), _REPS.value)
+        times = common.switch_times(slot, hosts, lambda: checkpoint.restore(tmp, mesh), _REPS.value)
 
     plain = Engine(a, ecfg)
     served = Engine(without_weights(a), ecfg)

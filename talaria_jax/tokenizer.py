@@ -258,7 +258,9 @@ class GGUFTokenizer:
     @classmethod
     def from_gguf(cls, path: str | pathlib.Path) -> "GGUFTokenizer":
         """From a .gguf file's tokenizer.* fields (read with gguf.GGUFReader)."""
-        from gguf import GGUFReader
+        from talaria_jax.weights.gguf import gguf_package
+
+        GGUFReader = gguf_package().GGUFReader
 
         try:
             reader = GGUFReader(str(path))

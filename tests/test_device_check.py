@@ -6,15 +6,65 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
 
 
 def test_device_check_small_runs_on_cpu(tmp_path):
     out = tmp_path / "dc.json"
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--small", "--batches=2",
-                          f"--out={out}"], capture_output=True, text=True, timeout=300, env=env)
+                          f"--out={out}"], capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["engine_greedy_equals_reference"] and res["pool_addresses_stable"]
     assert res["hbm_copy_gb_s"] > 0 and res["decode"][0]["batch"] == 2 and res["decode"][0]["tok_s"] > 0
     assert "| small | 2 |" in run.stdout
+    # the sections added for the GPU: each a list of rows, none failed
+    switch = {r["path"].split()[0]: r for r in res["weight_switch"]}
+    assert set(switch) == {"activate_staged", "load", "staging"}
+    assert all(r["gb_s"] > 0 and r["limit_gb_s"] > 0 and r["of_limit"] > 0 for r in switch.values())
+    assert [r["context"] for r in res["host_restore"]] == [64, 128]
+    assert all(r["restore_gb_s"] > 0 and r["offload_gb_s"] > 0 for r in res["host_restore"])
+    if "pinned_host" in res["memory_kinds"]:
+        assert all(r["h2d_gb_s"] > 0 and r["restore_of_device_put"] > 0 for r in res["host_restore"])
+    assert [r["context"] for r in res["prefill_cached"]] == [64, 128]
+    assert all(r["chunk_tok_s"] > 0 and r["recompute_ms"] > 0 for r in res["prefill_cached"])
+    assert set(res["seconds"]) == {"memory", "engine_parity", "decode", "weight_switch", "host_restore",
+                                   "prefill_cached"}
+    for header in ("| weight-slot switch |", "| prefix tokens |", "| cached tokens |"):
+        assert header in run.stdout
+
+
+def test_a_failed_section_is_recorded_and_the_next_runs(tmp_path):
+    out = tmp_path / "dc.json"
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+import device_check as dc
+res = {{}}
+dc.run_section(res, "broken", lambda: 1 / 0, print, {str(out)!r})
+dc.run_section(res, "fine", lambda: [{{"x": 1}}], print, {str(out)!r})
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["broken"] == {"error": "ZeroDivisionError: division by zero"} and res["fine"] == [{"x": 1}]
+    assert set(res["seconds"]) == {"broken", "fine"} and "broken: FAILED" in run.stdout
+
+
+def test_weights_import_without_the_gguf_package():
+    """The device machine has no `gguf`: talaria_jax.weights (slot, named, the engine) still imports, and
+    reading a GGUF file says in one line what is missing."""
+    script = """
+import sys
+sys.modules["gguf"] = None  # import gguf now raises ModuleNotFoundError
+import talaria_jax.engine, talaria_jax.weights.named, talaria_jax.weights.slot
+from talaria_jax.weights import CheckpointError, load_gguf
+try:
+    load_gguf("model.gguf")
+except CheckpointError as e:
+    assert isinstance(e, ImportError), type(e)
+    print("ERROR:", e)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "ERROR: reading GGUF files needs the gguf package: pip install gguf"

@@ -3,17 +3,20 @@ and loaded into sharded arrays through the HF loader's machinery (`hf.build_mode
 
 Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Block layouts
 follow ggml's `block_*` structs (ggml-common.h); every decoder here is vectorised over blocks.
+
+The `gguf` package (llama.cpp's reader) is imported on first use, so that talaria_jax.weights imports
+without it; reading a GGUF file without it raises `GGUFPackageMissing`.
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
 from jax.sharding import Mesh
 
 from talaria_jax.models.config import ModelConfig
@@ -21,22 +24,54 @@ from talaria_jax.models.model import ShardedModel, weights_fingerprint
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights.hf import FULL_HASH_BYTES, CheckpointError, build_model, file_digest
 
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
+
+
+class GGUFPackageMissing(CheckpointError, ImportError):
+    """A GGUF file was to be read and the gguf package is not installed."""
+
+
+def gguf_package():
+    """The gguf package, imported here on first use (not at module level: see the module docstring)."""
+    try:
+        import gguf
+    except ModuleNotFoundError as e:
+        if e.name != "gguf":  # the package is there, one of its own imports failed: show that
+            raise
+        raise GGUFPackageMissing("reading GGUF files needs the gguf package: pip install gguf") from None
+    return gguf
+
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_FREQS = "rope_freqs.weight"  # per-frequency RoPE divisors (Llama-3 scaling); read into the config
 
-# (values per block, bytes per block) of ggml's block structs.
 QK, QK_K = 32, 256
-BLOCKS: dict[T, tuple[int, int]] = {
-    T.F32: (1, 4), T.F16: (1, 2), T.BF16: (1, 2),
-    T.Q4_0: (QK, 2 + QK // 2),                       # d, 32 x 4-bit
-    T.Q4_1: (QK, 4 + QK // 2),                       # d, m, 32 x 4-bit
-    T.Q5_0: (QK, 2 + 4 + QK // 2),                   # d, 32 high bits, 32 x 4-bit
-    T.Q5_1: (QK, 4 + 4 + QK // 2),                   # d, m, 32 high bits, 32 x 4-bit
-    T.Q8_0: (QK, 2 + QK),                            # d, 32 x int8
-    T.Q4_K: (QK_K, 4 + 12 + QK_K // 2),              # d, dmin, 8 x 6-bit (scale, min), 256 x 4-bit
-    T.Q5_K: (QK_K, 4 + 12 + QK_K // 8 + QK_K // 2),  # ... as Q4_K plus 256 high bits
-    T.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),  # 256 x low 4, 256 x high 2, 16 int8 scales, d
-}
+
+
+@functools.cache
+def _blocks() -> dict[T, tuple[int, int]]:
+    """BLOCKS: (values per block, bytes per block) of ggml's block structs, by the gguf package's tensor
+    type (so built on first use)."""
+    T = gguf_package().GGMLQuantizationType
+    return {
+        T.F32: (1, 4), T.F16: (1, 2), T.BF16: (1, 2),
+        T.Q4_0: (QK, 2 + QK // 2),                       # d, 32 x 4-bit
+        T.Q4_1: (QK, 4 + QK // 2),                       # d, m, 32 x 4-bit
+        T.Q5_0: (QK, 2 + 4 + QK // 2),                   # d, 32 high bits, 32 x 4-bit
+        T.Q5_1: (QK, 4 + 4 + QK // 2),                   # d, m, 32 high bits, 32 x 4-bit
+        T.Q8_0: (QK, 2 + QK),                            # d, 32 x int8
+        T.Q4_K: (QK_K, 4 + 12 + QK_K // 2),              # d, dmin, 8 x 6-bit (scale, min), 256 x 4-bit
+        T.Q5_K: (QK_K, 4 + 12 + QK_K // 8 + QK_K // 2),  # ... as Q4_K plus 256 high bits
+        T.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),  # 256 x low 4, 256 x high 2, 16 int8 scales, d
+    }
+
+
+def __getattr__(name: str):
+    if name == "BLOCKS":  # module attribute built on first use (it needs the gguf package)
+        return _blocks()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Metadata keys (after "{arch}.") that change the maths in ways this decoder does not run, with the values
 # that are harmless (absent keys are fine).
@@ -140,10 +175,11 @@ def _q6_k(b):
     return ((_f16(b, 208).reshape(n, 1, 1, 1, 1) * sc) * q).reshape(n, QK_K)
 
 
-_DECODERS: dict[T, Callable[[np.ndarray], np.ndarray]] = {
-    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-    T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
-}
+@functools.cache
+def _decoders() -> dict[T, Callable[[np.ndarray], np.ndarray]]:
+    T = gguf_package().GGMLQuantizationType
+    return {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
+            T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
 
 def dequantize(raw: np.ndarray, qtype: T | int, shape: tuple[int, ...], name: str = "tensor") -> np.ndarray:
@@ -151,14 +187,15 @@ def dequantize(raw: np.ndarray, qtype: T | int, shape: tuple[int, ...], name: st
 
     Unsupported types and byte counts that do not match the shape raise CheckpointError naming `name`.
     """
+    T, blocks = gguf_package().GGMLQuantizationType, _blocks()
     try:
         qtype = T(int(qtype))
     except ValueError:
         raise CheckpointError(f"GGUF tensor {name!r}: unknown ggml type id {int(qtype)}") from None
-    if qtype not in BLOCKS:
+    if qtype not in blocks:
         raise CheckpointError(f"GGUF tensor {name!r}: type {qtype.name} is not supported; supported: "
-                              f"{[t.name for t in BLOCKS]}")
-    per_block, block_bytes = BLOCKS[qtype]
+                              f"{[t.name for t in blocks]}")
+    per_block, block_bytes = blocks[qtype]
     n = int(np.prod(shape))
     if not shape or shape[-1] % per_block:
         raise CheckpointError(f"GGUF tensor {name!r}: row length {shape[-1] if shape else 0} is not a multiple "
@@ -174,16 +211,17 @@ def dequantize(raw: np.ndarray, qtype: T | int, shape: tuple[int, ...], name: st
     elif qtype == T.BF16:  # bf16 is the top half of an fp32
         out = (b.view("<u2").astype(np.uint32) << 16).view(np.float32)
     else:
-        out = _DECODERS[qtype](b.reshape(-1, block_bytes))
+        out = _decoders()[qtype](b.reshape(-1, block_bytes))
     return out.reshape(shape)
 
 
 # ---- config ---------------------------------------------------------------------------------------
 def _open(path: pathlib.Path) -> GGUFReader:
+    reader_class = gguf_package().GGUFReader
     if not path.is_file():
         raise CheckpointError(f"GGUF file {str(path)!r} does not exist")
     try:
-        reader = GGUFReader(path)
+        reader = reader_class(path)
     except Exception as e:  # the reader raises ValueError/struct/IndexError on truncated or corrupt files
         raise CheckpointError(f"GGUF file {str(path)!r} cannot be parsed (truncated or corrupt?): "
                               f"{type(e).__name__}: {e}") from None
@@ -224,6 +262,7 @@ def _default_dtype(reader: GGUFReader) -> str:
     """bfloat16/float16 for files whose matrices are all stored so; float32 otherwise: quantized values
     (fp16 scale x small int) are exact in fp32 and llama.cpp dequantizes to fp32, while a bf16 cast would
     round them a second time."""
+    T = gguf_package().GGMLQuantizationType
     kinds = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
     return {frozenset({T.BF16}): "bfloat16", frozenset({T.F16}): "float16"}.get(frozenset(kinds), "float32")
 
