@@ -42,6 +42,8 @@ import common
 _OUT = flags.DEFINE_string("out", "/tmp/device_check.json", "Write the results as JSON here.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes (a CPU smoke run).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Decode batch sizes.")
+_SECTIONS = flags.DEFINE_list("sections", [], "Run only these sections (memory always runs): engine_parity, "
+                               "decode, step_profile, weight_switch, host_restore, prefill_cached.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each measurement of sections 5-7 (best is reported).")
 
 
@@ -140,6 +142,55 @@ def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[di
                      "tok_s": tok_s, "step_ms": 1e3 * batch / tok_s, "roofline_tok_s": roof,
                      "of_roofline": tok_s / roof, "slot_tok_s": slot_tok_s, "slot_over_own": slot_tok_s / tok_s})
         del eng
+    return rows
+
+
+def step_profile(small: bool, batches: list[int], steps: int = 20) -> list[dict]:
+    """Where one decode step's time goes: `Engine.step` (scheduling, the runner, output bookkeeping),
+    `runner.step` alone on the same batch (host tiling, input transfer, the jitted step, the sampled
+    tokens back), `runner.tiling` alone, and the jitted step alone on inputs already on the device,
+    dispatched back to back (device time, or dispatch time where that is longer)."""
+    import jax
+    import numpy as np
+
+    from talaria_jax.calibrate import start_synthetic_decode
+    from talaria_jax.engine import Engine, EngineConfig
+
+    ctx = 64 if small else 2048
+    model = bench_model(small)
+    rows = []
+    for batch in batches:
+        eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
+                                         max_model_len=-(-(ctx + 5 * steps + 16) // 16) * 16, warmup=False))
+        r = eng.runner
+        start_synthetic_decode(eng, batch, ctx, max_tokens=5 * steps + 8)
+        seen = []
+        run = r.step
+        r.step = lambda b: seen.append(b) or run(b)
+        for _ in range(3):
+            eng.step()
+        ms = lambda fn: common.best_time(fn, 3) * 1e3 / steps
+        engine_ms = ms(lambda: [eng.step() for _ in range(steps)])  # 4 x steps: an untimed call, best of 3
+        assert len(eng.running) == batch, "a sequence finished while the engine steps were timed"
+        b = seen[-1]
+        runner_ms = ms(lambda: [run(b) for _ in range(steps)])
+        tiling_ms = ms(lambda: [r.tiling(b) for _ in range(steps)])
+        s = b.sampling
+        args = jax.device_put((b.tokens, b.positions, *r.tiling(b), b.slots, b.page_tables, np.int32(b.num_blocks),
+                               b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step))
+
+        def device_steps():
+            out = None
+            for _ in range(steps):
+                r.kv, *out = r._step(r.model.graphdef, r.model.state, r.kv, *args, layout=r.layout)
+            jax.block_until_ready(out)
+
+        with jax.set_mesh(r.model.mesh):
+            device_steps()
+            device_ms = ms(device_steps)
+        rows.append({"batch": batch, "context": ctx, "engine_step_ms": engine_ms, "runner_step_ms": runner_ms,
+                     "tiling_ms": tiling_ms, "device_ms": device_ms, "engine_python_ms": engine_ms - runner_ms,
+                     "runner_host_ms": runner_ms - device_ms})
     return rows
 
 
@@ -244,6 +295,11 @@ PRINT_DECODE = table([
     ("model", "model", "s"), ("batch", "batch", "d"), ("context", "context", "d"), ("tok/s", "tok_s", ".0f"),
     ("step ms", "step_ms", ".2f"), ("roofline tok/s", "roofline_tok_s", ".0f"), ("of roofline", "of_roofline", ".2f"),
     ("slot tok/s", "slot_tok_s", ".0f"), ("slot / own", "slot_over_own", ".2f")])
+PRINT_PROFILE = table([
+    ("batch", "batch", "d"), ("context", "context", "d"), ("Engine.step ms", "engine_step_ms", ".2f"),
+    ("runner.step ms", "runner_step_ms", ".2f"), ("tiling ms", "tiling_ms", ".2f"),
+    ("jitted step ms", "device_ms", ".2f"), ("engine Python ms", "engine_python_ms", ".2f"),
+    ("runner host ms", "runner_host_ms", ".2f")])
 PRINT_SWITCH = table([
     ("weight-slot switch", "path", "s"), ("GB", "gb", ".2f"), ("best ms", "best_ms", ".2f"), ("GB/s", "gb_s", ".1f"),
     ("limit", "limit", "s"), ("limit GB/s", "limit_gb_s", ".1f"), ("of limit", "of_limit", ".2f")])
@@ -284,15 +340,24 @@ def run_section(res: dict, key: str, fn, show, out: str, merge: bool = False) ->
 def main(argv):
     del argv
     small, reps, out = _SMALL.value, _REPS.value, _OUT.value
+    batches = [int(b) for b in _BATCHES.value]
     res: dict = {}
     run_section(res, "memory", lambda: memory_checks(1 << (20 if small else 30)), print_memory, out, merge=True)
-    run_section(res, "engine_parity", engine_parity, print_parity, out, merge=True)
-    run_section(res, "decode", lambda: decode_roofline(small, [int(b) for b in _BATCHES.value], res["hbm_copy_gb_s"]),
-                PRINT_DECODE, out)
-    run_section(res, "weight_switch", lambda: weight_switch(small, reps, res["hbm_copy_gb_s"], res.get("h2d_gb_s")),
-                PRINT_SWITCH, out)
-    run_section(res, "host_restore", lambda: host_kv_restore(small, reps), PRINT_RESTORE, out)
-    run_section(res, "prefill_cached", lambda: prefill_cached(small, reps), PRINT_PREFILL, out)
+    sections = {
+        "engine_parity": (engine_parity, print_parity, True),
+        "decode": (lambda: decode_roofline(small, batches, res["hbm_copy_gb_s"]), PRINT_DECODE, False),
+        "step_profile": (lambda: step_profile(small, sorted({batches[0], batches[-1]})), PRINT_PROFILE, False),
+        "weight_switch": (lambda: weight_switch(small, reps, res["hbm_copy_gb_s"], res.get("h2d_gb_s")), PRINT_SWITCH,
+                          False),
+        "host_restore": (lambda: host_kv_restore(small, reps), PRINT_RESTORE, False),
+        "prefill_cached": (lambda: prefill_cached(small, reps), PRINT_PREFILL, False),
+    }
+    unknown = set(_SECTIONS.value) - set(sections)
+    if unknown:
+        raise app.UsageError(f"--sections: unknown {sorted(unknown)}; known: {', '.join(sections)}")
+    for key, (fn, show, merge) in sections.items():
+        if not _SECTIONS.value or key in _SECTIONS.value:
+            run_section(res, key, fn, show, out, merge=merge)
     print(f"\ntotal {sum(res['seconds'].values()):.1f} s", flush=True)
 
 
