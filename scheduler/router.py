@@ -11,7 +11,7 @@ Ties break by instance order, so ranking is deterministic.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from talaria_jax.scheduler.api import InstanceAPI
 from talaria_jax.scheduler.policies import PolicyConfig
@@ -67,3 +67,105 @@ def rank(policy: PolicyConfig, call: Call, session: Session, instances: Sequence
         sticky = [i for i in cands if i.name == session.last_instance]
         ranked = sticky + [i for i in ranked if i.name != session.last_instance]
     return ranked
+
+
+class RouteIndex:
+    """`rank(...)[0]` over many instances at once, for an event loop that re-plans an instance after
+    every change to it (``talaria_jax.sim.cluster.run``).
+
+    It keeps each instance's call-independent routing figures in arrays (queue length, KV pages used,
+    protected and total, and each model's residency term) and refreshes an instance's row only when
+    the scheduler touched it (``touch``: planned, a call finished or was routed there) or when the
+    instance said its figures change with time (``routing_valid_until``: a staging copy in flight, a
+    KV protection lapsing). A call's own session only weighs on the instances it was routed to
+    before (its locality and its own protected KV are there): those are scored exactly, one by one,
+    and every other instance by the arrays, with the same float operations as the scalar scores.
+    So the winner is the same instance as `rank`'s, ties included (first in instance order).
+
+    Instances must implement ``routing_valid_until(now)``, and a session's prefix may be cached only
+    on instances its calls were admitted to (true of ``SimInstance``, not of a real instance whose
+    prefix cache is shared across sessions).
+    """
+
+    def __init__(self, policy: PolicyConfig, instances: Sequence[InstanceAPI], routed: Callable[[str], int]):
+        import numpy as np  # here, so the rest of the scheduler stays standard-library only
+
+        self.np = np
+        self.policy = policy
+        self.insts = list(instances)
+        self.pos = {inst.name: k for k, inst in enumerate(self.insts)}
+        self.routed = routed  # instance name -> calls routed there and not admitted yet
+        models = sorted({m for inst in self.insts for m in inst.models()})
+        self.col = {m: k for k, m in enumerate(models)}
+        n = len(self.insts)
+        self.hosts = np.zeros((n, len(models)), bool)
+        for k, inst in enumerate(self.insts):
+            for m in inst.models():
+                self.hosts[k, self.col[m]] = True
+        self.residency = np.zeros((n, len(models)))  # exp(-switch_s / switch_scale_s)
+        self.queue = np.zeros(n, np.int64)  # running + waiting + routed
+        self.used = np.zeros(n, np.int64)
+        self.reserved = np.zeros(n, np.int64)  # protected idle KV of any session
+        self.total = np.zeros(n, np.int64)
+        self.valid_until = np.full(n, -np.inf)  # refresh every row at the first placement
+        self.weights_seen: list = [None] * n  # the instance's weights_version when its residency was computed
+        self.dirty: set[int] = set()
+        self.seen: dict[str, dict[int, None]] = {}  # session -> instances its calls were routed to
+
+    def touch(self, inst: InstanceAPI) -> None:
+        self.dirty.add(self.pos[inst.name])
+
+    def _refresh(self, k: int, now: float) -> None:
+        inst = self.insts[k]
+        inst.now = now  # the loop's clock: the figures are read at the placement's time
+        if self.policy.router == "talaria":
+            # an instance with a `weights_version` (None while it cannot vouch) recomputes its
+            # switch estimates only when its weights changed
+            v = getattr(inst, "weights_version", None)
+            if v is None or v != self.weights_seen[k]:
+                scale = self.policy.weights.switch_scale_s
+                for m in inst.models():
+                    self.residency[k, self.col[m]] = math.exp(-inst.estimate_switch_s(m) / scale)
+                self.weights_seen[k] = v
+        self.queue[k] = inst.num_running() + inst.num_waiting() + self.routed(inst.name)
+        self.used[k] = inst.kv_pages_used()
+        self.reserved[k] = inst.kv_pages_reserved()
+        self.total[k] = inst.kv_pages_total()
+        self.valid_until[k] = inst.routing_valid_until(now)
+
+    def best(self, call: Call, session: Session, now: float) -> InstanceAPI:
+        np, p, w = self.np, self.policy, self.policy.weights
+        stale = self.dirty.union(np.flatnonzero(self.valid_until <= now).tolist())
+        for k in stale:
+            self._refresh(k, now)
+        self.dirty.clear()
+        col = self.col.get(call.model)
+        if col is None or not self.hosts[:, col].any():
+            raise ValueError(f"no instance hosts model {call.model!r} (call {call.key})")
+        mask = self.hosts[:, col]
+        if p.router in ("load", "sticky"):
+            if p.router == "sticky" and session.last_instance in self.pos and mask[self.pos[session.last_instance]]:
+                return self.insts[self.pos[session.last_instance]]
+            return self.insts[int(np.argmin(np.where(mask, self.queue, np.iinfo(np.int64).max)))]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            util = np.where(self.total > 0, (self.used + self.reserved) / self.total, 1.0)
+        if p.router == "talaria":
+            score = (w.residency * self.residency[:, col] + 0.0) - w.pressure * (self.queue / w.queue_ref + util)
+        elif p.router == "kv":
+            score = (0.0 + 2.0 * (1.0 - np.minimum(1.0, self.queue / w.queue_ref))) + 2.0 * (1.0 - util)
+        else:
+            raise ValueError(f"router {p.router!r}")
+        for k in self.seen.get(call.session, ()):
+            if mask[k]:  # the session's own KV: its locality, and its protected KV is not pressure
+                inst = self.insts[k]
+                inst.now = now
+                routed = self.routed(inst.name)
+                score[k] = (talaria_score if p.router == "talaria" else kv_aware_score)(p, call, inst, routed)
+        score[~mask] = -np.inf
+        return self.insts[int(np.argmax(score))]
+
+    def routed_to(self, call: Call, inst: InstanceAPI) -> None:
+        """Records that `call` was routed to `inst` (its session's prefix may be cached there from now on)."""
+        k = self.pos[inst.name]
+        self.seen.setdefault(call.session, {})[k] = None
+        self.dirty.add(k)

@@ -59,7 +59,11 @@ class _InstanceState:
 class Scheduler:
     """One policy over a set of instances (the same code drives simulated and real instances)."""
 
-    def __init__(self, policy: PolicyConfig, instances: Sequence[InstanceAPI], sessions: SessionTable):
+    def __init__(self, policy: PolicyConfig, instances: Sequence[InstanceAPI], sessions: SessionTable,
+                 indexed: bool = False):
+        """`indexed`: place calls through a ``router.RouteIndex`` (the same placements, in time that
+        grows with the instances changed since the last placement rather than with all of them); only
+        for a caller that runs every change to an instance through ``plan`` (see ``RouteIndex``)."""
         self.policy = policy
         self.instances = list(instances)
         self.sessions = sessions
@@ -67,18 +71,32 @@ class Scheduler:
         self.gaps = ToolGaps(policy)
         self.finished_at: dict[str, float] = {}  # session -> when its last call finished
         self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds from admission to finish
+        self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
+        # instances other than the routed one whose state the last on_arrival changed (a released
+        # reservation can end a slot hold there): an event loop re-plans them if they are idle
+        self.released: list[InstanceAPI] = []
+        self._by_name = {inst.name: inst for inst in self.instances}
         for inst in self.instances:
             self.state[inst.name] = _InstanceState(RoundMultiplexer(inst.models(), policy.slot_s, policy.switches_per_slot,
                                                                     policy.min_slot_s),
                                                    AdmissionBudget(policy.reserve_horizon_s))
+        self.index = router.RouteIndex(policy, self.instances, lambda n: len(self.state[n].pending)) if indexed else None
 
     # --- callbacks --------------------------------------------------------------------------
     def on_arrival(self, call: Call, now: float) -> InstanceAPI:
         """Routes a newly issued call to an instance's pending queue; returns that instance."""
-        routed = {n: len(s.pending) for n, s in self.state.items()}
-        inst = router.rank(self.policy, call, self.sessions[call.session], self.instances, routed)[0]
-        for st in self.state.values():
-            st.budget.release(call.session)  # the likely return has happened
+        if self.index is not None:
+            inst = self.index.best(call, self.sessions[call.session], now)
+            self.index.routed_to(call, inst)
+        else:
+            routed = {n: len(s.pending) for n, s in self.state.items()}
+            inst = router.rank(self.policy, call, self.sessions[call.session], self.instances, routed)[0]
+        self.released = []
+        for held in self._reserved_on.pop(call.session, ()):  # the likely return has happened
+            if call.session in self.state[held].budget.reservations:
+                self.state[held].budget.release(call.session)
+                if held != inst.name:
+                    self.released.append(self._by_name[held])
         if call.session in self.finished_at:
             self.gaps.observe(now - self.finished_at.pop(call.session))
         self.state[inst.name].pending.append((now, call))
@@ -87,17 +105,20 @@ class Scheduler:
     def withdraw(self, call: Call) -> bool:
         """Takes back a call its caller gave up; whether no instance had admitted it yet (else the
         caller cancels it on its instance)."""
-        for st in self.state.values():
+        for name, st in self.state.items():
             st.admitted.pop(call.session, None)
             for k, (_, c) in enumerate(st.pending):
                 if c.key == call.key:
                     del st.pending[k]
+                    if self.index is not None:
+                        self.index.touch(self._by_name[name])
                     return True
         return False
 
     def forget(self, session: str) -> None:
         """Drops what the scheduler keeps about a session that has ended or gone idle for good."""
         self.finished_at.pop(session, None)
+        self._reserved_on.pop(session, None)
         for st in self.state.values():
             st.admitted.pop(session, None)
             st.budget.release(session)
@@ -109,6 +130,8 @@ class Scheduler:
             prev = self.call_s.get(call.model)
             took = now - admitted[1]
             self.call_s[call.model] = took if prev is None else prev + 0.1 * (took - prev)
+        if self.index is not None:
+            self.index.touch(inst)
         if self.sessions[call.session].done:
             return
         self.finished_at[call.session] = now
@@ -116,6 +139,7 @@ class Scheduler:
         if p.reservations:
             pages = inst.pages_for(call.model, call.context_after + p.reserve_growth_tokens)
             self.state[inst.name].budget.reserve(call.session, call.model, pages, now)
+            self._reserved_on.setdefault(call.session, {})[inst.name] = None
             inst.protect_kv(call.session, now + p.reserve_horizon_s)
         elif p.kv_ttl_s > 0:
             inst.protect_kv(call.session, now + p.kv_ttl_s)
@@ -125,6 +149,8 @@ class Scheduler:
         which to be called again even if nothing else happens (a slot hold ending), or None."""
         st = self.state[inst.name]
         st.budget.expire(now)
+        if self.index is not None:
+            self.index.touch(inst)  # what the plan and the chunk after it change is read at the next placement
         if self.policy.multiplexer == "round":
             return self._plan_round(inst, st, now)
         return self._plan_on_demand(inst, st, now)

@@ -1,9 +1,11 @@
 """Discrete-event replay of a trace through the scheduler over simulated instances.
 
 A session's first call is issued at its start_s and each next call tool_gap_s after the previous
-one completes. Every instance between chunks is planned by the scheduler, then starts its next
-chunk; decode chunks stop at the next outside event (or after max_chunk_s) so arrivals are
-admitted within one decode step of when they would be on a real engine.
+one completes. An instance between chunks is planned by the scheduler, then starts its next chunk;
+a decode chunk runs at most max_chunk_s and is cut short at the next step boundary when a call is
+routed to its instance, so arrivals are admitted within one decode step of when they would be on a
+real engine. Each instance is planned only on its own events (`run`), so a replay's cost grows with
+its calls, not with calls times servers.
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ class ReplayResult:
             "kv_device_hit_tokens": sum(s.device_hit_tokens for s in st),
             "prefill_tokens": sum(s.prefill_tokens for s in st),
             "peak_hbm_fraction": max(s.peak_device_bytes / i.capacity for s, i in zip(st, self.instances)),
+            # chunks each instance started (SimInstance counts them), per call
+            "chunks_per_call": sum(getattr(s, "chunks", 0) for s in st) / max(1, len(self.records)),
         }
 
 
@@ -83,10 +87,11 @@ def session_tool_s(calls: Sequence[Call], factors: dict[tuple[str, int], float])
 
 def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shapes: dict[str, ModelShape], *,
            servers: int = 1, seed: int = 0, jitter_sigma: float = 0.05, gap_jitter_sigma: float = 0.1,
-           max_chunk_s: float = 0.25, page_bytes: int = 4 * 2**20) -> ReplayResult:
+           max_chunk_s: float = 0.25, page_bytes: int = 4 * 2**20, indexed: bool | None = None) -> ReplayResult:
     """Replays `calls` under `policy` on `servers` instances of `hw`, each able to host every model
     of the trace. `seed` drives run-to-run variance: kernel-time jitter (lognormal jitter_sigma per
-    chunk) and tool-time jitter (lognormal gap_jitter_sigma per gap); the trace itself is fixed."""
+    chunk) and tool-time jitter (lognormal gap_jitter_sigma per gap); the trace itself is fixed.
+    `max_chunk_s` and `indexed`: as `run`."""
     if servers < 1:
         raise ValueError(f"servers={servers} must be >= 1")
     models = tuple(dict.fromkeys(c.model for c in calls))
@@ -104,15 +109,29 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
                          reusable_prefix=lambda c: prefix.get(c.key, 0),
                          jitter_sigma=jitter_sigma, rng=np.random.default_rng([seed, k]))
              for k in range(servers)]
-    return run(calls, policy, insts, sessions, seed, gap_factor, max_chunk_s)
+    return run(calls, policy, insts, sessions, seed, gap_factor, max_chunk_s, indexed)
 
 
 def run(calls: Sequence[Call], policy: PolicyConfig, insts: Sequence, sessions: SessionTable, seed: int,
-        gap_factor: dict[tuple[str, int], float], max_chunk_s: float = 0.25) -> ReplayResult:
+        gap_factor: dict[tuple[str, int], float], max_chunk_s: float = 0.25, indexed: bool | None = None) -> ReplayResult:
     """The event loop over any instances with SimInstance's chunk interface (`start_chunk`,
-    `finish_chunk`, `is_busy`, `now`): simulated ones, or real ones (``talaria_jax.instance``) whose
-    chunks run for real and report their measured seconds."""
-    sched = Scheduler(policy, insts, sessions)
+    `finish_chunk`, `is_busy`, `now`, and optionally `truncate_chunk`): simulated ones, or real ones
+    (``talaria_jax.instance``) whose chunks run for real and report their measured seconds.
+
+    One heap of events; each instance is planned only on its own events: its chunk's end, a wake it
+    asked for, and an arrival routed to it (or one that released a reservation it holds) while it
+    is idle. An arrival routed to an instance mid-decode cuts that chunk short at the step boundary
+    at or after the arrival (``truncate_chunk``), as a real engine's next step would admit it; the
+    superseded chunk end stays in the heap and is skipped by its chunk number.
+
+    `indexed` (default: when every instance has ``routing_valid_until``, as SimInstance does) places
+    calls through the scheduler's ``RouteIndex``: the same placements as ranking every instance at
+    every arrival, at the cost of the instances changed since the last one."""
+    if indexed is None:  # the loop below plans an instance after every change to it, as the index needs
+        indexed = all(hasattr(inst, "routing_valid_until") for inst in insts)
+    sched = Scheduler(policy, insts, sessions, indexed=indexed)
+    index = {inst.name: k for k, inst in enumerate(insts)}
+    truncate = [getattr(inst, "truncate_chunk", None) for inst in insts]
     heap: list = []
     seq = itertools.count()
     for s in sessions:
@@ -120,15 +139,47 @@ def run(calls: Sequence[Call], policy: PolicyConfig, insts: Sequence, sessions: 
         s.arrived_s = s.calls[0].start_s
     issued: dict[tuple[str, int], float] = {}
     records: list[CallRecord] = []
-    wake_at: dict[str, float] = {}
+    chunk_no = [0] * len(insts)  # the chunk in flight on each instance; other _READY entries are stale
+    wake_at: list[float | None] = [None] * len(insts)
     now = 0.0
+
+    def plan(k: int) -> None:  # instance k is idle: plan it and start its next chunk
+        inst = insts[k]
+        inst.now = now
+        wake = sched.plan(inst, now)
+        end = inst.start_chunk(now, now + max_chunk_s)
+        if end is not None:
+            chunk_no[k] += 1
+            heapq.heappush(heap, (end, next(seq), _READY, (k, chunk_no[k])))
+        elif wake is not None and wake > now and wake_at[k] != wake:
+            wake_at[k] = wake
+            heapq.heappush(heap, (wake, next(seq), _WAKE, k))
+
     while heap:
-        now, _, kind, obj = heapq.heappop(heap)
+        t, _, kind, obj = heapq.heappop(heap)
+        if kind == _READY and obj[1] != chunk_no[obj[0]]:
+            continue  # a chunk end superseded by a truncation
+        now = t
         if kind == _ARRIVAL:
             issued[obj.key] = now
-            sched.on_arrival(obj, now)
+            if not indexed:
+                for inst in insts:
+                    inst.now = now  # the router reads every instance's state at this time
+            k = index[sched.on_arrival(obj, now).name]
+            if not insts[k].is_busy():
+                plan(k)
+            elif truncate[k] is not None:
+                end = truncate[k](now)
+                if end is not None:
+                    chunk_no[k] += 1
+                    heapq.heappush(heap, (end, next(seq), _READY, (k, chunk_no[k])))
+            for inst in sched.released:
+                j = index[inst.name]
+                if not inst.is_busy():
+                    plan(j)
         elif kind == _READY:
-            inst = obj
+            k = obj[0]
+            inst = insts[k]
             for c in inst.finish_chunk(now):
                 records.append(CallRecord(c.session, c.turn, inst.name, issued[c.key], now, c.model))
                 nxt = sessions.complete(c, inst.name, now)
@@ -136,20 +187,9 @@ def run(calls: Sequence[Call], policy: PolicyConfig, insts: Sequence, sessions: 
                 if nxt is not None:
                     gap = c.tool_gap_s * gap_factor.get(c.key, 1.0)
                     heapq.heappush(heap, (now + gap, next(seq), _ARRIVAL, nxt))
-        # _WAKE carries nothing: it only makes the planning below run at that time
-        for inst in insts:
-            inst.now = now
-        for inst in insts:
-            if inst.is_busy():
-                continue
-            wake = sched.plan(inst, now)
-            horizon = min(heap[0][0] if heap else now + max_chunk_s, now + max_chunk_s)
-            end = inst.start_chunk(now, horizon)
-            if end is not None:
-                heapq.heappush(heap, (end, next(seq), _READY, inst))
-            elif wake is not None and wake > now and wake_at.get(inst.name) != wake:
-                wake_at[inst.name] = wake
-                heapq.heappush(heap, (wake, next(seq), _WAKE, None))
+            plan(k)
+        elif not insts[obj].is_busy():  # _WAKE: a slot hold of an idle instance may end
+            plan(obj)
     unfinished = [s.id for s in sessions if not s.done]
     if unfinished:
         raise RuntimeError(f"policy {policy.name}: sessions never finished: {unfinished[:5]} (scheduler stalled)")

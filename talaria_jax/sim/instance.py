@@ -9,8 +9,10 @@ times slower (``_staging_stretch_s``); switches and KV restores do not.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import math
 from typing import Callable, Sequence
 
@@ -55,6 +57,8 @@ class InstanceStats:
     prefill_tokens: int = 0
     peak_device_bytes: float = 0.0
     peak_kv_pages: int = 0
+    chunks: int = 0  # chunks started (switches, prefills, decode runs)
+    truncated_chunks: int = 0  # decode chunks cut short by `truncate_chunk`
     switch_log: list = dataclasses.field(default_factory=list)  # (start time, model, seconds)
 
 
@@ -87,6 +91,17 @@ class SimInstance:
         if self.host_kv_capacity < 0 and host_kv:
             raise ValueError(f"instance {name}: host memory {hw.host_memory_gb} GB cannot hold the weights of {models}")
         self.weights = {m: WeightState.HOST for m in models}
+        self._kv_bytes_per_token = {m: shapes[m].kv_bytes_per_token for m in models}
+        # Derived figures the router reads for every placement, cached until the state they derive
+        # from changes (`_touch`): weight bytes on device, the protected idle KV. The device KV
+        # pages and the pages of calls in flight are running counts (tests check them against sums).
+        self._cache: dict = {}
+        self._dev_pages = 0
+        self._flight_pages = 0  # pages of the calls waiting or running: each holds its context_after
+        self._protected_sids: dict[str, None] = {}  # sessions whose KV protect_kv protected (see _protected)
+        self._protect_pruned_s = -math.inf
+        self._host_bytes = 0  # bytes of kv_host
+        self._weights_version = 0  # counts weight-state changes
         self._active: str | None = None
         self._staging_model: str | None = None
         self._staging_start = 0.0
@@ -97,6 +112,7 @@ class SimInstance:
         self.now = 0.0
         self.busy_until: float | None = None
         self._chunk: tuple | None = None
+        self._decode: tuple | None = None  # the decode chunk in flight: (start, shape, batch, ctx, step0, slow, jitter)
         self._switch_to: str | None = None
         self._weights_lru: dict[str, float] = {}
         self.stats = InstanceStats()
@@ -126,12 +142,44 @@ class SimInstance:
 
     # --- InstanceAPI: KV pages --------------------------------------------------------------
     def pages_for(self, model: str, tokens: int) -> int:
-        return math.ceil(tokens * self.shapes[model].kv_bytes_per_token / self.page_bytes)
+        kvb = self._kv_bytes_per_token.get(model)
+        if kvb is None:
+            kvb = self.shapes[model].kv_bytes_per_token
+        return math.ceil(tokens * kvb / self.page_bytes)
+
+    def _touch(self) -> None:
+        """Drops the cached figures: the KV entries, the waiting queue or the weights changed."""
+        self._cache.clear()
+
+    def _set_weight(self, model: str, state: WeightState) -> None:
+        self.weights[model] = state
+        self._weights_version += 1
+        self._touch()
+
+    @property
+    def weights_version(self) -> int | None:
+        """Changes whenever a switch estimate may have changed; None while a staging copy is in flight
+        (its estimate shrinks with time)."""
+        m = self._staging_model
+        if m is not None and self.weight_state(m) == WeightState.STAGING:
+            return None
+        return self._weights_version
+
+    def _set_kv_tokens(self, e: _DevKV, tokens: int) -> None:
+        self._dev_pages += self.pages_for(e.model, tokens) - self.pages_for(e.model, e.tokens)
+        e.tokens = tokens
+        self._touch()
 
     def _weights_bytes(self) -> float:
-        return sum(self.shapes[m].weight_bytes for m, s in self.weights.items() if s in _ON_DEVICE)
+        v = self._cache.get("weights")
+        if v is None:
+            v = self._cache["weights"] = sum(self.shapes[m].weight_bytes for m, s in self.weights.items() if s in _ON_DEVICE)
+        return v
 
     def _kv_dev_pages(self) -> int:
+        return self._dev_pages
+
+    def _kv_dev_pages_slow(self) -> int:  # what _dev_pages counts (tests check the two agree)
         return sum(self.pages_for(e.model, e.tokens) for e in self.kv_dev.values())
 
     def device_bytes(self) -> float:
@@ -143,6 +191,9 @@ class SimInstance:
     def kv_pages_used(self) -> int:
         """Pages held by running calls plus pages that waiting calls will need. A waiting call's
         device prefix (marked in use at admission) is part of what it will need, not counted twice."""
+        return self._flight_pages  # a running call's device KV holds its context_after tokens
+
+    def _kv_pages_used_slow(self) -> int:
         waiting = {r.call.session for r in self.waiting}
         held = sum(self.pages_for(e.model, e.tokens) for sid, e in self.kv_dev.items() if e.in_use and sid not in waiting)
         need = sum(self.pages_for(r.call.model, r.call.context_after) for r in self.waiting)
@@ -151,8 +202,51 @@ class SimInstance:
     def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
         """Pages of idle KV protected for sessions likely to return, other than `exclude_session`
         (a returning session's own protected KV is what it will use, not pressure against it)."""
+        until, after = self._protected()
+        pages = after[bisect.bisect_right(until, self.now)]
+        if exclude_session is not None:
+            e = self.kv_dev.get(exclude_session)
+            if e is not None and not e.in_use and e.protect_until > self.now:
+                pages -= self.pages_for(e.model, e.tokens)
+        return pages
+
+    def _protected(self) -> tuple[list[float], list[int]]:
+        """The idle KV protected beyond now: protection ends in order, and the pages protected from
+        each on (a suffix sum), valid from now until the next change (`_touch`). Only sessions
+        `protect_kv` was called for are looked at, and those whose protection had lapsed are
+        forgotten (a protection only moves by `protect_kv`, which remembers the session again)."""
+        prot = self._cache.get("protected")
+        if prot is not None and prot[2] <= self.now:
+            return prot[0], prot[1]
+        now = self.now
+        if now >= self._protect_pruned_s:
+            self._protect_pruned_s = now
+            sids = self._protected_sids
+            for sid in [sid for sid in sids if (e := self.kv_dev.get(sid)) is None or e.protect_until <= now]:
+                del sids[sid]
+        else:  # asked about an earlier time than already pruned at: look at every entry
+            sids = self.kv_dev
+        items = sorted((e.protect_until, self.pages_for(e.model, e.tokens))
+                       for e in map(self.kv_dev.get, sids) if not e.in_use and e.protect_until > now)
+        after = list(itertools.accumulate(p for _, p in reversed(items)))[::-1] + [0]
+        self._cache["protected"] = ([u for u, _ in items], after, now)
+        return [u for u, _ in items], after
+
+    def _kv_pages_reserved_slow(self, exclude_session: str | None = None) -> int:
         return sum(self.pages_for(e.model, e.tokens) for sid, e in self.kv_dev.items()
                    if not e.in_use and e.protect_until > self.now and sid != exclude_session)
+
+    def routing_valid_until(self, now: float) -> float:
+        """Until when the router's figures (switch estimates, KV pages used, reserved and total, queue
+        lengths) stay what they are at `now` if nothing is done to the instance: `now` while a staging
+        copy is in flight (the switch estimate shrinks with it), else the next lapse of a KV protection."""
+        self.now = now
+        m = self._staging_model
+        if m is not None and self.weight_state(m) == WeightState.STAGING:
+            return now
+        until = self._protected()[0]
+        k = bisect.bisect_right(until, now)
+        return until[k] if k < len(until) else math.inf
 
     def kv_pages_free(self) -> int:
         return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
@@ -191,17 +285,21 @@ class SimInstance:
         if call.model not in self.weights:
             raise ValueError(f"instance {self.name} does not host model {call.model!r}")
         self.waiting.append(_Req(call, 0, call.output_tokens, self.now))
+        self._flight_pages += self.pages_for(call.model, call.context_after)
         e = self.kv_dev.get(call.session)
         if e is not None:
             e.in_use = True  # its prefix must survive until the prefill reads it
+        self._touch()
 
     def abort(self, call: Call) -> bool:
         for k, r in enumerate(self.waiting):
             if r.call.key == call.key:
                 del self.waiting[k]
+                self._flight_pages -= self.pages_for(call.model, call.context_after)
                 e = self.kv_dev.get(call.session)
                 if e is not None:
                     e.in_use = False
+                self._touch()
                 return True
         return False
 
@@ -228,7 +326,7 @@ class SimInstance:
         saved_s = self.cost.weight_load_s(m) - self.cost.d2d_weights_s(m)
         if not self._make_room(m.weight_bytes, allow_protected=False, keep_model=self._active, budget_s=saved_s):
             return False
-        self.weights[model] = WeightState.STAGING
+        self._set_weight(model, WeightState.STAGING)
         self._staging_model, self._staging_start = model, self.now
         self._check_capacity()
         return True
@@ -237,13 +335,15 @@ class SimInstance:
         e = self.kv_dev.get(session_id)
         if e is not None:
             e.protect_until = until_s
+            self._protected_sids[session_id] = None
+            self._touch()
 
     # --- memory management ------------------------------------------------------------------
     def _update_staging(self, now: float) -> None:
         m = self._staging_model
         if m is not None and self.weights[m] == WeightState.STAGING:
             if now >= self._staging_start + self.cost.weight_load_s(self.shapes[m]) - 1e-12:
-                self.weights[m] = WeightState.STAGED
+                self._set_weight(m, WeightState.STAGED)
 
     def _staging_stretch_s(self, start: float, work_s: float) -> float:
         """Wall seconds of `work_s` seconds of engine step work (prefill or decode) begun at `start`,
@@ -253,11 +353,20 @@ class SimInstance:
         A chunk that outlasts the copy is charged proportionally: the part of it before the copy's
         arrival at f, the rest at 1. The copy's own duration stays `weight_load_s` (its slowdown
         by the step is not modelled). With f = 1, or no copy in flight, this is `work_s`."""
-        f = self.hw.staging_step_slowdown
+        return self._stretch(self._stretch_window(start), work_s)
+
+    def _stretch_window(self, start: float) -> float | None:
+        """Wall seconds after `start` during which steps run slowed by a staging copy (None: none)."""
         m = self._staging_model
-        if f == 1.0 or work_s <= 0.0 or m is None or self.weights[m] != WeightState.STAGING:
+        if self.hw.staging_step_slowdown == 1.0 or m is None or self.weights[m] != WeightState.STAGING:
+            return None
+        return max(0.0, self._staging_start + self.cost.weight_load_s(self.shapes[m]) - start)
+
+    def _stretch(self, slow: float | None, work_s: float) -> float:
+        """`_staging_stretch_s` given the slowed window `slow` from `_stretch_window`."""
+        f = self.hw.staging_step_slowdown
+        if slow is None or work_s <= 0.0:
             return work_s
-        slow = max(0.0, self._staging_start + self.cost.weight_load_s(self.shapes[m]) - start)  # wall s of overlap
         if work_s * f <= slow:
             return work_s * f
         return slow + (work_s - slow / f)
@@ -270,7 +379,9 @@ class SimInstance:
         self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self._kv_dev_pages())
 
     def _drop_dev_kv(self, sid: str) -> None:
-        del self.kv_dev[sid]  # host copies are written through at call end, so nothing is lost
+        e = self.kv_dev.pop(sid)  # host copies are written through at call end, so nothing is lost
+        self._dev_pages -= self.pages_for(e.model, e.tokens)
+        self._touch()
 
     def _kv_refill_s_per_byte(self, sid: str, e: _DevKV) -> float:
         """Seconds per byte to bring idle device KV back once dropped: a host restore when a host
@@ -316,7 +427,7 @@ class SimInstance:
             if kind == 0:
                 self._drop_dev_kv(key)
             else:
-                self.weights[key] = WeightState.HOST
+                self._set_weight(key, WeightState.HOST)
             if free() >= need:
                 return True
         if allow_protected:
@@ -328,13 +439,16 @@ class SimInstance:
         return free() >= need
 
     def _host_store(self, sid: str, model: str, tokens: int) -> None:
+        kvb = lambda v: v[1] * self._kv_bytes_per_token[v[0]]
+        old = self.kv_host.get(sid)
+        if old is not None:
+            self._host_bytes -= kvb(old)
         self.kv_host[sid] = (model, tokens)
         self.kv_host.move_to_end(sid)
-        kvb = lambda v: v[1] * self.shapes[v[0]].kv_bytes_per_token
-        total = sum(kvb(v) for v in self.kv_host.values())
-        while total > self.host_kv_capacity and self.kv_host:
+        self._host_bytes += kvb((model, tokens))  # a running total (integers: KV bytes per token are)
+        while self._host_bytes > self.host_kv_capacity and self.kv_host:
             _, v = self.kv_host.popitem(last=False)
-            total -= kvb(v)
+            self._host_bytes -= kvb(v)
 
     # --- chunks -----------------------------------------------------------------------------
     def _jitter(self) -> float:
@@ -342,10 +456,17 @@ class SimInstance:
 
     def start_chunk(self, now: float, horizon: float | None = None) -> float | None:
         """Starts the next chunk at `now`; returns when it ends, or None when there is no work.
-        A decode chunk stops at the first step that reaches `horizon` (the next outside event)."""
+        A decode chunk stops at the first step that reaches `horizon` (at most the event loop's
+        longest chunk; ``truncate_chunk`` cuts it shorter when an arrival needs planning sooner)."""
         assert self.busy_until is None, "start_chunk while busy"
         self.now = now
         self._update_staging(now)
+        end = self._start_chunk(now, horizon)
+        if end is not None:
+            self.stats.chunks += 1
+        return end
+
+    def _start_chunk(self, now: float, horizon: float | None) -> float | None:
         if self._switch_to is not None:
             dur = self._start_switch(self._switch_to)
             self._chunk = ("switch", self._switch_to)
@@ -371,7 +492,7 @@ class SimInstance:
         m = self.shapes[model]
         old = self._active
         if old is not None:
-            self.weights[old] = WeightState.RESIDENT
+            self._set_weight(old, WeightState.RESIDENT)
             self._weights_lru[old] = self.now
             if self.drop_kv_on_switch:  # sleep mode level 1 discards the KV cache
                 for sid in [s for s, e in self.kv_dev.items() if e.model == old]:
@@ -391,7 +512,7 @@ class SimInstance:
             dur = self.cost.weight_load_s(m)
         if self._staging_model == model:
             self._staging_model = None
-        self.weights[model] = WeightState.ACTIVE
+        self._set_weight(model, WeightState.ACTIVE)
         self._check_capacity()
         dur *= self._jitter()
         self.stats.switches += 1
@@ -422,12 +543,14 @@ class SimInstance:
             need = (self.pages_for(model, c.context_after) - (self.pages_for(model, e.tokens) if e else 0)) * self.page_bytes
             if e is not None:
                 e.in_use = True
+                self._touch()
             if not self._make_room(need):
                 keep.append(r)
                 continue
             if e is None:
                 e = self.kv_dev[c.session] = _DevKV(model, 0, self.now, in_use=True)
-            e.tokens, e.last_used = c.context_after, self.now
+            self._set_kv_tokens(e, c.context_after)
+            e.last_used = self.now
             new = c.prompt_tokens - cached - restore
             reusable = self.reusable_prefix(c)
             self.stats.device_hit_tokens += cached
@@ -445,6 +568,7 @@ class SimInstance:
         if not batch:
             return None
         self.waiting = keep
+        self._touch()
         self._chunk = ("prefill", batch)
         # the restores go first (the staging copy waits for them: _staging_start moved by as much),
         # then one prefill step over the batch (one weight read), slowed while the copy is in flight
@@ -456,13 +580,44 @@ class SimInstance:
         b = len(self.running)
         ctx = sum(r.ctx for r in self.running)
         kmax = min(r.remaining for r in self.running)
-        step0 = self._staging_stretch_s(now, self.cost.decode_step_s(m, b, ctx))
+        slow = self._stretch_window(now)
+        step0 = self._stretch(slow, self.cost.decode_step_s(m, b, ctx))
         k = kmax
         if horizon is not None and step0 > 0:
             k = max(1, min(kmax, math.ceil((horizon - now) / step0)))
-        dur = self._staging_stretch_s(now, k * self.cost.decode_step_s(m, b, ctx + b * k // 2))
+        jitter = self._jitter()
+        self._decode = (now, m, b, ctx, step0, slow, jitter)
         self._chunk = ("decode", k)
-        return dur * self._jitter()
+        return self._decode_s(k)
+
+    def _decode_s(self, k: int) -> float:
+        """Seconds of the started decode chunk if it ran `k` steps (its jitter drawn at its start)."""
+        now, m, b, ctx, _, slow, jitter = self._decode
+        return self._stretch(slow, k * self.cost.decode_step_s(m, b, ctx + b * k // 2)) * jitter
+
+    def truncate_chunk(self, t: float) -> float | None:
+        """Cuts the decode chunk in flight short at the first step boundary at or after `t` (an
+        arrival routed here while it runs): it then runs the steps it would have run had it been
+        started with `t` as its horizon. Returns its new end, or None when nothing changed (no decode
+        chunk in flight, or it ends in the step that covers `t` anyway)."""
+        if self.busy_until is None or self._chunk is None or self._chunk[0] != "decode" or t >= self.busy_until:
+            return None
+        t0, step0 = self._decode[0], self._decode[4]
+        k = self._chunk[1]
+        if step0 <= 0:
+            return None
+        k2 = max(1, math.ceil((t - t0) / step0))
+        while k2 < k:
+            end = t0 + self._decode_s(k2)
+            if end >= t:  # (kernel jitter can end k2 steps before t; it then runs one step more)
+                break
+            k2 += 1
+        if k2 >= k:
+            return None
+        self._chunk = ("decode", k2)
+        self.busy_until = end
+        self.stats.truncated_chunks += 1
+        return end
 
     def finish_chunk(self, now: float) -> list[Call]:
         """Applies the chunk that ends at `now`; returns the calls that completed."""
@@ -486,7 +641,9 @@ class SimInstance:
                     continue
                 c = r.call
                 e = self.kv_dev[c.session]
-                e.in_use, e.last_used, e.tokens = False, now, c.context_after
+                e.in_use, e.last_used = False, now
+                self._set_kv_tokens(e, c.context_after)
+                self._flight_pages -= self.pages_for(c.model, c.context_after)
                 if self.host_kv:
                     # write-through of the new tokens only (~1K tokens, about a millisecond over PCIe),
                     # overlapped with decode on the otherwise idle device-to-host direction
