@@ -1,0 +1,46 @@
+"""talaria-replay --sweep: the regime matrix, the marking of cells where talaria is not best, the plots."""
+import pytest
+
+from talaria_jax.launch import sweep
+
+
+def test_compare_marks_rivals_more_than_the_tie_faster():
+    sct = {"talaria": (100.0, 200.0), "a": (97.0, 300.0), "b": (150.0, 190.0), "c": (99.0, 199.0)}
+    ratio, beaten_by = sweep.compare(sct)
+    assert ratio["a"] == pytest.approx((0.97, 1.5)) and ratio["b"] == pytest.approx((1.5, 0.95))
+    assert beaten_by == ["a", "b"]  # c is within the 2% tie at both quantiles
+
+
+def test_matrix_cells():
+    cells = sweep.cells()
+    assert len(cells) == 4 * 2 * 4 + 3
+    assert {c.trace for c in cells} == {"default", "gen1", "gen2", "gen3", "open0.02", "open0.03", "open0.05"}
+    assert [c.label for c in sweep.cells(["open0.05"])] == ["open0.05 h200x8 gaps x1"]
+    with pytest.raises(ValueError, match="not default, gen<seed> or open<rate>"):
+        sweep.cell_trace("nope", "unused")
+
+
+def test_sweep_runs_a_cell_and_reports_it(tmp_path):
+    with pytest.raises(ValueError, match="put talaria in --policies"):
+        sweep.run_sweep(["round"], [0], trace_names=["open0.05"])
+    res = sweep.run_sweep(["talaria", "round"], [0], trace_names=["open0.05"], progress=lambda m: None)
+    (cell,) = res["cells"]
+    assert cell["label"] == "open0.05 h200x8 gaps x1" and cell["floor"][0] <= cell["sct"]["talaria"][0]
+    table = sweep.format_sweep(res)
+    assert "| open0.05 h200x8 gaps x1 |" in table and "of 1 cells" in table
+    pytest.importorskip("matplotlib")
+    sweep.plot_heatmap(res, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_timeline_draws_slots_and_calls(tmp_path):
+    pytest.importorskip("matplotlib")
+    from talaria_jax.scheduler import Call, get_policy
+    from talaria_jax.sim.cluster import replay
+    from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES
+
+    calls = [Call("a", 0, "m1", 1000, 10, 0.5, 0.0), Call("a", 1, "m1", 1100, 10, 0.0), Call("b", 0, "m2", 1000, 10, 0.0, 0.1)]
+    runs = {n: replay(calls, get_policy(n), TOY_HW, TOY_SHAPES, seed=0) for n in ("talaria", "round")}
+    assert sorted(r.model for r in runs["talaria"].records) == ["m1", "m1", "m2"]  # records carry the model
+    sweep.plot_timeline(runs, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 0
