@@ -28,8 +28,10 @@ def test_device_check_small_runs_on_cpu(tmp_path):
         assert all(r["h2d_gb_s"] > 0 and r["restore_of_device_put"] > 0 for r in res["host_restore"])
     assert [r["context"] for r in res["prefill_cached"]] == [64, 128]
     assert all(r["chunk_tok_s"] > 0 and r["recompute_ms"] > 0 for r in res["prefill_cached"])
-    assert set(res["seconds"]) == {"memory", "engine_parity", "decode", "weight_switch", "host_restore",
-                                   "prefill_cached"}
+    (prof,) = res["step_profile"]  # --batches=2: one batch size
+    assert prof["batch"] == 2 and all(prof[k] > 0 for k in ("engine_step_ms", "runner_step_ms", "device_ms"))
+    assert set(res["seconds"]) == {"memory", "engine_parity", "decode", "step_profile", "weight_switch",
+                                   "host_restore", "prefill_cached"}
     for header in ("| weight-slot switch |", "| prefix tokens |", "| cached tokens |"):
         assert header in run.stdout
 
