@@ -61,7 +61,8 @@ class PolicyConfig:
     reserve_growth_tokens: int = 1000  # expected observation + output appended per turn (REFERENCES: 0.5-1K median obs)
     hold_s: float = _TOOL_GAP_P75_S  # hold a drained slot this long for a reserved session's return
     # smith only: a call that has waited this long makes its model first in slot order (oldest
-    # first). Starvation bound: it is admitted within max_wait_s + the active model's drain + a switch.
+    # first). Starvation bound: it is admitted within max_wait_s + what is left of the open slot
+    # (at most slot_s) + the active model's drain + a switch.
     max_wait_s: float = 60.0
     weights: RouterWeights = dataclasses.field(default_factory=RouterWeights)
 
@@ -103,7 +104,7 @@ POLICIES: dict[str, PolicyConfig] = {
     # (configs/traces/README.md: it wins when tool time is short and loses on the default trace)
     "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,
                                           switches_per_slot=None),
-    # a variant, not the default: Smith's rule with observed tool gaps and a 30 s starvation bound
+    # a variant, not the default: Smith's rule with observed tool gaps and a 60 s bound on a call's wait
     # (configs/traces/README.md: ahead of talaria at p50 when tool time is short, behind at p95 at x1)
     "talaria-smith": PolicyConfig("talaria-smith", slot_order="smith"),
 }

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from talaria_jax.scheduler.api import InstanceAPI
+from talaria_jax.scheduler.api import InstanceAPI, PrefixLocation
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, Session
 
@@ -29,10 +29,18 @@ def queue_len(inst: InstanceAPI, routed: int) -> int:
     return inst.num_running() + inst.num_waiting() + routed
 
 
+def usable_prefix(call: Call, inst: InstanceAPI) -> PrefixLocation:
+    """The session's cached prefix on `inst`, up to what the call can reuse (a compacted turn states
+    ``prefix_tokens``: KV beyond it is stale)."""
+    loc = inst.cached_prefix(call.session, call.model)
+    cap = call.max_prefix_tokens
+    return PrefixLocation(min(loc.device_tokens, cap), min(loc.host_tokens, cap))
+
+
 def talaria_score(policy: PolicyConfig, call: Call, inst: InstanceAPI, routed: int) -> float:
     w = policy.weights
     residency = math.exp(-inst.estimate_switch_s(call.model) / w.switch_scale_s)
-    loc = inst.cached_prefix(call.session, call.model)
+    loc = usable_prefix(call, inst)
     host = loc.host_tokens if policy.host_kv else 0
     locality = min(1.0, (loc.device_tokens + w.host_factor * max(0, host - loc.device_tokens)) / max(1, call.prompt_tokens))
     pressure = queue_len(inst, routed) / w.queue_ref + kv_utilisation(inst, call.session)
@@ -41,7 +49,7 @@ def talaria_score(policy: PolicyConfig, call: Call, inst: InstanceAPI, routed: i
 
 def kv_aware_score(policy: PolicyConfig, call: Call, inst: InstanceAPI, routed: int) -> float:
     """llm-d's scorer (REFERENCES.md: 3 prefix + 2 queue + 2 KV utilisation); blind to residency."""
-    loc = inst.cached_prefix(call.session, call.model)
+    loc = usable_prefix(call, inst)
     prefix = min(1.0, max(loc.device_tokens, loc.host_tokens if policy.host_kv else 0) / max(1, call.prompt_tokens))
     queue = min(1.0, queue_len(inst, routed) / policy.weights.queue_ref)
     return 3.0 * prefix + 2.0 * (1.0 - queue) + 2.0 * (1.0 - kv_utilisation(inst, call.session))

@@ -10,8 +10,6 @@ import collections
 import dataclasses
 from typing import Sequence
 
-import numpy as np
-
 from talaria_jax.scheduler import router
 from talaria_jax.scheduler.admission import AdmissionBudget
 from talaria_jax.scheduler.api import InstanceAPI
@@ -25,25 +23,29 @@ _AGED = 1e12  # a starving model's weight: above any Smith ratio, older waits hi
 
 class ToolGaps:
     """The tool gaps the scheduler has seen (a session's call issued this long after its previous
-    one finished), over the last `window` returns. Until `min_seen` are seen, quantiles come from
-    the policy's stated prior (REFERENCES.md's agent-session statistics, ``PolicyConfig``)."""
+    one finished), over the last `window` returns. Until `min_seen` are seen, the p90 is the stated
+    prior (REFERENCES.md's agent-session statistics: ``PolicyConfig.reserve_horizon_s``, 13.6 s)."""
 
-    def __init__(self, policy: PolicyConfig, window: int = 256, min_seen: int = 16):
-        self.prior = {0.75: policy.hold_s, 0.9: policy.reserve_horizon_s}
+    def __init__(self, prior_p90_s: float, window: int = 256, min_seen: int = 16):
+        self.prior_p90_s = prior_p90_s
         self.seen: collections.deque[float] = collections.deque(maxlen=window)
         self.min_seen = min_seen
-        self._cache: dict[float, float] = {}
+        self._p90: float | None = None
 
     def observe(self, gap_s: float) -> None:
         self.seen.append(max(0.0, gap_s))
-        self._cache.clear()
+        self._p90 = None
 
-    def quantile(self, q: float) -> float:
+    def p90(self) -> float:
+        """The 0.9 quantile of the gaps seen (linear interpolation, as numpy's default), or the prior."""
         if len(self.seen) < self.min_seen:
-            return self.prior[q]
-        if q not in self._cache:
-            self._cache[q] = float(np.quantile(np.fromiter(self.seen, float), q))
-        return self._cache[q]
+            return self.prior_p90_s
+        if self._p90 is None:
+            v = sorted(self.seen)
+            pos = 0.9 * (len(v) - 1)
+            k = int(pos)
+            self._p90 = v[k] + (pos - k) * (v[min(k + 1, len(v) - 1)] - v[k])
+        return self._p90
 
 
 @dataclasses.dataclass
@@ -51,7 +53,8 @@ class _InstanceState:
     mux: RoundMultiplexer
     budget: AdmissionBudget
     pending: list[tuple[float, Call]] = dataclasses.field(default_factory=list)  # routed, not admitted
-    admitted: dict[str, tuple[str, float]] = dataclasses.field(default_factory=dict)  # session -> (model, when), running
+    admitted: dict[tuple[str, int], tuple[Call, float]] = dataclasses.field(default_factory=dict)  # call key -> (call, when)
+    finished: dict[str, float] = dataclasses.field(default_factory=dict)  # session -> when its last call finished here
     switching_to: str | None = None
     quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
 
@@ -68,7 +71,7 @@ class Scheduler:
         self.instances = list(instances)
         self.sessions = sessions
         self.state: dict[str, _InstanceState] = {}
-        self.gaps = ToolGaps(policy)
+        self.gaps = ToolGaps(policy.reserve_horizon_s)
         self.finished_at: dict[str, float] = {}  # session -> when its last call finished
         self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds from admission to finish
         self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
@@ -99,6 +102,7 @@ class Scheduler:
                     self.released.append(self._by_name[held])
         if call.session in self.finished_at:
             self.gaps.observe(now - self.finished_at.pop(call.session))
+            self.state[self.sessions[call.session].last_instance].finished.pop(call.session, None)
         self.state[inst.name].pending.append((now, call))
         return inst
 
@@ -106,7 +110,7 @@ class Scheduler:
         """Takes back a call its caller gave up; whether no instance had admitted it yet (else the
         caller cancels it on its instance)."""
         for name, st in self.state.items():
-            st.admitted.pop(call.session, None)
+            st.admitted.pop(call.key, None)
             for k, (_, c) in enumerate(st.pending):
                 if c.key == call.key:
                     del st.pending[k]
@@ -120,12 +124,14 @@ class Scheduler:
         self.finished_at.pop(session, None)
         self._reserved_on.pop(session, None)
         for st in self.state.values():
-            st.admitted.pop(session, None)
+            for key in [k for k in st.admitted if k[0] == session]:
+                del st.admitted[key]
+            st.finished.pop(session, None)
             st.budget.release(session)
 
     def on_finish(self, call: Call, inst: InstanceAPI, now: float) -> None:
         """Bookkeeping after `call` completed on `inst` (the session table is already advanced)."""
-        admitted = self.state[inst.name].admitted.pop(call.session, None)
+        admitted = self.state[inst.name].admitted.pop(call.key, None)
         if admitted is not None:
             prev = self.call_s.get(call.model)
             took = now - admitted[1]
@@ -135,6 +141,7 @@ class Scheduler:
         if self.sessions[call.session].done:
             return
         self.finished_at[call.session] = now
+        self.state[inst.name].finished[call.session] = now
         p = self.policy
         if p.reservations:
             pages = inst.pages_for(call.model, call.context_after + p.reserve_growth_tokens)
@@ -169,13 +176,12 @@ class Scheduler:
         if order == "round_robin":
             return None
         st = self.state[inst.name]
-        sids = {c.session for _, c in st.pending} | set(st.admitted)
+        sids = {c.session for _, c in st.pending} | {k[0] for k in st.admitted}
         if order == "most_sessions":
             sids |= {s.id for s in self.sessions if s.last_instance == inst.name and not s.done}
         else:  # smith: and those likely back soon (their tool gap is within the observed p90)
-            horizon = now - self.gaps.quantile(0.9)
-            sids |= {sid for sid, t in self.finished_at.items()
-                     if t >= horizon and self.sessions[sid].last_instance == inst.name}
+            horizon = now - self.gaps.p90()
+            sids |= {sid for sid, t in st.finished.items() if t >= horizon}
         out: dict[str, float] = {}
         for sid in sids:
             m = self.sessions[sid].model
@@ -190,10 +196,11 @@ class Scheduler:
 
     def _call_s(self, st: _InstanceState, inst: InstanceAPI, model: str) -> float:
         """Seconds a call of `model` takes once admitted: the observed moving mean, else the
-        instance's estimate for its oldest pending call."""
+        instance's estimate for one of its pending (else running) calls."""
         if model in self.call_s:
             return max(self.call_s[model], 1e-3)
-        c = next((c for _, c in st.pending if c.model == model), None)
+        c = next((c for _, c in st.pending if c.model == model), None) or \
+            next((c for c, _ in st.admitted.values() if c.model == model), None)
         return max(inst.estimate_service_s(c), 1e-3) if c is not None else 1.0
 
     def _keeps_slot(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> bool:
@@ -218,7 +225,7 @@ class Scheduler:
                         pages <= inst.kv_pages_total() - inst.kv_pages_used()
             if ok:
                 inst.admit(c)
-                st.admitted[c.session] = (c.model, now)
+                st.admitted[c.key] = (c, now)
                 n += 1
             else:
                 keep.append((t, c))

@@ -328,11 +328,24 @@ def test_smith_order_keeps_the_slot_and_bounds_the_wait():
 
 
 def test_tool_gaps_use_the_prior_until_enough_are_seen():
-    gaps = ToolGaps(get_policy("talaria-smith"), window=100, min_seen=16)
-    assert gaps.quantile(0.9) == get_policy("talaria-smith").reserve_horizon_s  # REFERENCES.md's p90, 13.6 s
+    gaps = ToolGaps(13.6, window=100, min_seen=16)  # REFERENCES.md's p90, as PolicyConfig.reserve_horizon_s
+    assert gaps.p90() == 13.6
     for g in range(15):
         gaps.observe(float(g))
-    assert gaps.quantile(0.9) == 13.6
+    assert gaps.p90() == 13.6
     for g in range(15, 200):  # the window keeps the last 100: 100..199
         gaps.observe(float(g))
-    assert gaps.quantile(0.9) == pytest.approx(189.1)
+    assert gaps.p90() == pytest.approx(189.1)
+
+
+def test_router_credits_a_compacted_call_only_its_stated_prefix():
+    local = _inst("local")  # session s's 1100-token prefix on device
+    local.switch_model("m1")
+    t = _run(local)
+    local.admit(Call("s", 0, "m1", 1000, 100, 0.0, 0.0))
+    _run(local, t)
+    pol = get_policy("talaria")
+    full = Call("s", 1, "m1", 2000, 10, 0.0)
+    compacted = Call("s", 1, "m1", 2000, 10, 0.0, prefix_tokens=500)  # the agent kept 500 tokens of it
+    assert talaria_score(pol, full, local, 0) == pytest.approx(2.0 + 1100 / 2000)
+    assert talaria_score(pol, compacted, local, 0) == pytest.approx(2.0 + 500 / 2000)

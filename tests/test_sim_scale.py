@@ -80,7 +80,7 @@ def test_truncating_a_decode_chunk_is_starting_it_with_that_horizon():
 
 
 def test_route_index_places_every_call_where_ranking_every_instance_would():
-    for name in ("talaria", "composite", "sticky", "load"):
+    for name in ("talaria", "composite", "sticky", "load", "talaria-smith", "talaria-popular-first"):
         a = cluster.replay(CALLS, get_policy(name), HW, SHAPES, servers=8, seed=1, indexed=True)
         b = cluster.replay(CALLS, get_policy(name), HW, SHAPES, servers=8, seed=1, indexed=False)
         assert [(r.session, r.turn, r.instance, r.done_s) for r in a.records] == \

@@ -16,6 +16,8 @@ def test_matrix_cells():
     assert len(cells) == 4 * 2 * 4 + 3
     assert {c.trace for c in cells} == {"default", "gen1", "gen2", "gen3", "open0.02", "open0.03", "open0.05"}
     assert [c.label for c in sweep.cells(["open0.05"])] == ["open0.05 h200x8 gaps x1"]
+    with pytest.raises(ValueError, match=r"sweep traces \['gen5'\] unknown; known: default, gen1"):
+        sweep.cells(["gen5"])
     with pytest.raises(ValueError, match="not default, gen<seed> or open<rate>"):
         sweep.cell_trace("nope", "unused")
 

@@ -224,6 +224,11 @@ def _main(argv: Sequence[str]) -> None:
     if FLAGS.sweep:
         from talaria_jax.launch import sweep
 
+        ignored = [f"--{n}" for n in ("hardware", "servers", "tool_gap_scale", "timeline") if FLAGS[n].present]
+        if ignored:
+            raise app.UsageError(f"--sweep sets the hardware, servers and tool gaps of each cell itself: drop {', '.join(ignored)}")
+        if FLAGS.plot:
+            sweep.pyplot()  # fail before the sweep, not after it
         res = sweep.run_sweep(FLAGS.policies, seeds, FLAGS.trace, FLAGS.sweep_traces or None,
                               progress=lambda m: print(m, file=sys.stderr))
         print(sweep.format_sweep(res))

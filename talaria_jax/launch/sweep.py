@@ -39,9 +39,14 @@ class Cell:
 
 
 def cells(trace_names: Sequence[str] | None = None) -> list[Cell]:
+    """The matrix, or its cells of `trace_names` (an unknown name raises ValueError listing the known)."""
     names = ["default"] + [f"gen{s}" for s in GENERATOR_SEEDS]
     out = [Cell(t, hw, sc) for t in names for hw in HARDWARE for sc in SCALES]
     out += [Cell(f"open{r:g}", "h200x8", 1.0) for r in ARRIVAL_RATES]
+    known = list(dict.fromkeys(c.trace for c in out))
+    unknown = [t for t in trace_names or () if t not in known]
+    if unknown:
+        raise ValueError(f"sweep traces {unknown} unknown; known: {', '.join(known)}")
     return [c for c in out if trace_names is None or c.trace in trace_names]
 
 
@@ -114,7 +119,7 @@ def format_sweep(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -126,7 +131,7 @@ def _pyplot():
 
 def plot_heatmap(res: dict, path: str) -> None:
     """Two panels (p50, p95): rows are cells, columns rivals, colour and number the rival/talaria ratio."""
-    plt = _pyplot()
+    plt = pyplot()
     rivals = [p for p in res["policies"] if p != "talaria"]
     labels = [c["label"] for c in res["cells"]]
     fig, axes = plt.subplots(1, 2, figsize=(4 + 1.3 * len(rivals), 1.5 + 0.28 * len(labels)), sharey=True)
@@ -146,7 +151,7 @@ def plot_heatmap(res: dict, path: str) -> None:
 def plot_timeline(runs: dict, path: str) -> None:
     """`runs`: policy -> ReplayResult. Per policy, each instance's model slots (switch time hatched)
     and, below, each session's calls (issue to completion) coloured by model."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 0.09 * sum(len(r.sct_s) for r in runs.values())),
                              squeeze=False, sharex=True)
     models = sorted({rec.model for r in runs.values() for rec in r.records})
