@@ -346,7 +346,8 @@ def main(argv):
     sections = {
         "engine_parity": (engine_parity, print_parity, True),
         "decode": (lambda: decode_roofline(small, batches, res["hbm_copy_gb_s"]), PRINT_DECODE, False),
-        "step_profile": (lambda: step_profile(small, sorted({batches[0], batches[-1]})), PRINT_PROFILE, False),
+        "step_profile": (lambda: step_profile(small, sorted({batches[0], batches[-1]}), steps=4 if small else 20),
+                         PRINT_PROFILE, False),
         "weight_switch": (lambda: weight_switch(small, reps, res["hbm_copy_gb_s"], res.get("h2d_gb_s")), PRINT_SWITCH,
                           False),
         "host_restore": (lambda: host_kv_restore(small, reps), PRINT_RESTORE, False),

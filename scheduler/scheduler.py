@@ -53,7 +53,8 @@ class _InstanceState:
     mux: RoundMultiplexer
     budget: AdmissionBudget
     pending: list[tuple[float, Call]] = dataclasses.field(default_factory=list)  # routed, not admitted
-    admitted: dict[tuple[str, int], tuple[Call, float]] = dataclasses.field(default_factory=dict)  # call key -> (call, when)
+    # call key -> (call, when admitted), until it finishes
+    admitted: dict[tuple[str, int], tuple[Call, float]] = dataclasses.field(default_factory=dict)
     finished: dict[str, float] = dataclasses.field(default_factory=dict)  # session -> when its last call finished here
     switching_to: str | None = None
     quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
@@ -73,7 +74,7 @@ class Scheduler:
         self.state: dict[str, _InstanceState] = {}
         self.gaps = ToolGaps(policy.reserve_horizon_s)
         self.finished_at: dict[str, float] = {}  # session -> when its last call finished
-        self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds from admission to finish
+        self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds, admission to finish
         self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
         # instances other than the routed one whose state the last on_arrival changed (a released
         # reservation can end a slot hold there): an event loop re-plans them if they are idle
