@@ -247,10 +247,9 @@ def _main(argv: Sequence[str]) -> None:
     if FLAGS.timeline:
         from talaria_jax.launch import sweep
 
-        calls = read_jsonl(FLAGS.trace)
-        calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * FLAGS.tool_gap_scale) for c in calls]
-        hw = load_hardware(FLAGS.hardware)
-        shapes = trace_shapes(read_jsonl(FLAGS.trace), hw, FLAGS.models_table)
+        trace, hw = read_jsonl(FLAGS.trace), load_hardware(FLAGS.hardware)
+        shapes = trace_shapes(trace, hw, FLAGS.models_table)
+        calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * FLAGS.tool_gap_scale) for c in trace]
         runs = {n: replay(calls, get_policy(n), hw, shapes, servers=FLAGS.servers, seed=seeds[0]) for n in FLAGS.policies}
         sweep.plot_timeline(runs, FLAGS.timeline)
         print(f"wrote {FLAGS.timeline}", file=sys.stderr)
