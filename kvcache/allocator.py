@@ -75,6 +75,12 @@ class SequencePages:
         if need:
             self.pages.extend(allocator.allocate(need))
 
+    def truncate(self, allocator: PageAllocator, num_tokens: int) -> None:
+        """Frees the pages past those num_tokens tokens need (a speculative step's rejected drafts)."""
+        keep = -(-num_tokens // self.page_size)
+        allocator.free(self.pages[keep:])
+        del self.pages[keep:]
+
     def release(self, allocator: PageAllocator) -> None:
         allocator.free(self.pages)
         self.pages = []

@@ -3,6 +3,7 @@ streamed), token-id prompts and logprobs, OpenAI error bodies for bad input whil
 API keys and tenant salts, stop strings, client disconnects, draining, metrics."""
 import contextlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -245,7 +246,8 @@ def test_talaria_serve_drains_on_sigterm(tmp_path):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", "--model=tiny-dense", f"--port={port}",
-                             f"--api_key={KEY}", "--nowarmup", "--max_model_len=1024", "--drain_timeout_s=60"],
+                             f"--api_key={KEY}", "--nowarmup", "--max_model_len=1024", "--drain_timeout_s=60",
+                             "--speculate=4"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
@@ -270,6 +272,8 @@ def test_talaria_serve_drains_on_sigterm(tmp_path):
         final = json.loads(rest[-2][len("data: "):])
         assert final["choices"][0]["finish_reason"] == "length"
         proc.wait(timeout=60)
+        steps = re.search(r"(\d+) speculative steps verified (\d+) draft tokens, accepted (\d+)", proc.stdout.read())
+        assert steps and int(steps[1]) > 0 and int(steps[3]) > 0  # --speculate: drafts verified and accepted
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -26,13 +26,15 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from talaria_jax.engine.errors import RequestError
-from talaria_jax.engine.runner import Runner
+from talaria_jax.engine.runner import NO_TREE, DraftBatch, Runner
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.allocator import OutOfPages, SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.kvcache.prefix import PrefixCache, evict
 from talaria_jax.models.model import ShardedModel
+from talaria_jax.rollout.policy import SpecPolicy
+from talaria_jax.rollout.suffix import Draft, SpecConfig, SuffixDrafter
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestError", "RequestOutput", "StepError"]
@@ -64,6 +66,10 @@ class EngineConfig:
     # tests expect; serving turns it on where sessions return (talaria_jax.instance does). A request's
     # `restore` then tops up a hit: only the host copy's pages past the cached ones are copied in.
     prefix_cache: bool = False
+    # Speculative decoding with suffix-tree drafts (talaria_jax.rollout): drafts from the request's own
+    # text and from earlier and in-flight responses of the same cache_salt, verified losslessly in
+    # the step; how many per step is chosen from the measured step-cost curve (rollout/policy.py).
+    speculation: SpecConfig | None = None
 
     def validate(self) -> None:
         for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block", "query_tile"):
@@ -74,6 +80,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig: set num_pages or kv_memory_bytes_per_device, not both")
+        if self.speculation is not None:
+            if not isinstance(self.speculation, SpecConfig):
+                raise ValueError(f"EngineConfig.speculation must be a SpecConfig or None, got "
+                                 f"{type(self.speculation).__name__}")
+            self.speculation.validate()
         if self.max_tokens_per_step < self.max_seqs:
             raise ValueError(f"EngineConfig.max_tokens_per_step ({self.max_tokens_per_step}) must be >= "
                              f"max_seqs ({self.max_seqs}) so every running sequence can decode each step")
@@ -155,6 +166,9 @@ class EngineStats:
     prefix_query_tokens: int = 0  # tokens admitted requests looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages instead of a prefill
     prefix_evicted_pages: int = 0  # cached pages freed because pages ran out
+    spec_steps: int = 0  # steps that verified drafts
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted (each saves a step of its sequence)
 
 
 class Engine:
@@ -168,6 +182,9 @@ class Engine:
         then sizes the pool and its pages (EngineConfig.num_pages and kv_memory_bytes_per_device must be
         unset); None: the engine's own, of config.page_size tokens per page."""
         config.validate()
+        if config.speculation is not None and config.speculation.tree and model.cfg.sliding_windows:
+            raise ValueError(f"EngineConfig.speculation: tree drafts need full attention; {model.cfg.name} has "
+                             f"sliding windows (use chain drafts: SpecConfig(tree=False))")
         if config.max_model_len > model.cfg.max_position:
             raise ValueError(f"EngineConfig.max_model_len ({config.max_model_len}) exceeds {model.cfg.name}'s "
                              f"max_position ({model.cfg.max_position})")
@@ -201,8 +218,12 @@ class Engine:
         self._arrivals = itertools.count()
         # add_request requests with progress step() has not handed out yet, in the order they made it
         self._unreported: dict[_Request, None] = {}
+        spec = config.speculation
+        self.drafter = SuffixDrafter(spec) if spec is not None else None
+        self.draft_nodes = spec.max_spec_tokens + 1 if spec is not None else 0  # K1 of the verifying step
         if config.warmup:
             self.warmup(progress=None)
+        self.spec_policy = SpecPolicy.measure(self.runner, spec) if spec is not None else None
         arena.attach(self)  # last: a constructor that failed leaves nothing on the arena
 
     def warmup(self, progress: bool | None = None) -> None:
@@ -212,7 +233,7 @@ class Engine:
         compiles nothing more. Nothing in the pool changes. progress: a bar, none, or (None) one
         only on a terminal."""
         t0, steps, copies = time.perf_counter(), self.runner.compilations, self.host_tier.compilations
-        self.runner.warmup(progress)
+        self.runner.warmup(progress, self.draft_nodes)
         self.runner.kv = self.host_tier.warmup(self.runner.kv, self.max_pages_per_seq)
         logging.info("engine warm-up: %d step programs and %d host-tier programs built in %.1f s",
                      self.runner.compilations - steps, self.host_tier.compilations - copies, time.perf_counter() - t0)
@@ -270,6 +291,8 @@ class Engine:
         req.seed = req.params.seed if req.params.seed is not None else _stable_seed(self.config.seed, req.arrival)
         self.requests[req.id] = req
         self.waiting.append(req)
+        if self.drafter is not None:
+            self.drafter.start(req.id, req.prompt, tenant=req.cache_salt)
         return req.id
 
     def _prompt_ids(self, prompt) -> list:
@@ -355,30 +378,40 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _schedule(self, restores: list[_Request]) -> list[tuple[_Request, int]]:
-        """The step's (request, tokens) pairs; admitted requests whose prefix comes from host memory
-        are appended to `restores` (their pages are allocated and num_computed counts the prefix)."""
+    def _schedule(self, restores: list[_Request], drafts: dict[_Request, Draft]) -> list[tuple[_Request, int, Draft | None]]:
+        """The step's (request, tokens, draft) triples (tokens count the draft's); admitted requests
+        whose prefix comes from host memory are appended to `restores` (their pages are allocated and
+        num_computed counts the prefix). A draft takes only budget that every later running request's
+        token leaves, and pages that are free: it is dropped rather than preempt anyone."""
         budget = self.config.max_tokens_per_step
-        batch: list[tuple[_Request, int]] = []
-        for req in list(self.running):
+        batch: list[tuple[_Request, int, Draft | None]] = []
+        running = list(self.running)
+        for i, req in enumerate(running):
             if req not in self.running or budget == 0:
                 continue  # preempted below as a victim, or no budget left
             n = min(req.num_tokens - req.num_computed, budget)
+            draft = drafts.get(req)
+            if draft is not None:
+                draft = draft.first(budget - n - (len(running) - i - 1)) or None
             while True:
+                extra = len(draft) if draft is not None else 0
                 try:
-                    req.seq.grow(self.allocator, req.num_computed + n)
+                    req.seq.grow(self.allocator, req.num_computed + n + extra)
                     break
                 except OutOfPages:
+                    if draft is not None:
+                        draft = None
+                        continue
                     if self._evict_cached(req.seq.pages_needed(req.num_computed + n)):
                         continue  # cached pages made room: nothing needs preempting
-                    scheduled = {id(r) for r, _ in batch}
+                    scheduled = {id(r) for r, _, _ in batch}
                     victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
                     self._preempt(victim)
                     if victim is req:
                         break
             if req in self.running:
-                batch.append((req, n))
-                budget -= n
+                batch.append((req, n + extra, draft))
+                budget -= n + extra
         while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
             req = self.waiting[0]
             if req.restore is not None and not self.host_tier.usable(req.restore):
@@ -413,7 +446,7 @@ class Engine:
             if self.prefix_cache is not None:
                 self.stats.prefix_query_tokens += req.num_tokens - 1
                 self.stats.prefix_hit_tokens += hit
-            batch.append((req, n))
+            batch.append((req, n, None))
             budget -= n
         return batch
 
@@ -457,33 +490,66 @@ class Engine:
         self._unreported.clear()
         return outs
 
+    def _drafts(self) -> dict[_Request, Draft]:
+        """Drafts for the running requests that decode this step, as many tokens each as the policy
+        finds worth verifying at this batch size (none, often), within max_tokens and max_model_len."""
+        if self.drafter is None:
+            return {}
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        k = self.spec_policy.draft_len(len(self.running)) if decoding else 0
+        if k == 0:
+            return {}
+        caps = [min(k, r.params.max_tokens - len(r.output) - 1, self.config.max_model_len - r.num_tokens)
+                for r in decoding]
+        return {r: d for r, d in zip(decoding, self.drafter.draft([r.id for r in decoding], caps)) if len(d)}
+
     def _advance(self) -> list[_Request]:
         """Runs one batched step; returns the requests that gained a token (finished ones included)."""
         restores: list[_Request] = []
-        batch = self._schedule(restores)
+        batch = self._schedule(restores, self._drafts())
         if not batch:
             return []
-        total = sum(n for _, n in batch)
-        b = self.runner.empty_batch(total)
-        rows: list[_Request] = []
+        spec = any(d is not None for _, _, d in batch)
+        b = self.runner.empty_batch(sum(n for _, n, _ in batch))
+        d = DraftBatch.empty(len(b.tokens), self.config.max_seqs, self.draft_nodes) if spec else None
+        rows: list[tuple[int, _Request]] = []  # (sampling row, request)
         t = 0
         max_pages = 0
-        for i, (req, n) in enumerate(batch):
+        for i, (req, n, draft) in enumerate(batch):
             first = req.seq.pages[req.num_computed // self.page_size]
             if self.prefix_cache is not None and self.allocator.refcount(first) != 1:
                 # the pages written from here on must be this sequence's own: cached pages are shared
                 raise AssertionError(f"request {req.id} would write into shared page {first}")
-            pos = np.arange(req.num_computed, req.num_computed + n)
-            b.tokens[t:t + n] = [req.token(p) for p in pos]
+            m = len(draft) if draft is not None else 0
+            q = n - m  # tokens of the request's own (1 beside a draft)
+            pos = np.arange(req.num_computed, req.num_computed + n)  # a draft's nodes in depth-first order
+            b.tokens[t:t + q] = [req.token(p) for p in pos[:q]]
             b.positions[t:t + n] = pos
             b.seq[t:t + n] = i
             b.slots[t:t + n] = [req.seq.slot(p) for p in pos]
             b.page_tables[i, :len(req.seq.pages)] = req.seq.pages
             max_pages = max(max_pages, len(req.seq.pages))
-            if req.num_computed + n == req.num_tokens:  # this chunk ends the known tokens: sample the next one
-                b.logits_idx[len(rows)] = t + n - 1
-                b.sampling.set_row(len(rows), req.params, req.seed, len(req.output))
-                rows.append(req)
+            if d is not None:
+                d.mask_pos[t:t + n] = pos
+            if m:
+                depth, anc = _tree_layout(draft.parents)
+                b.tokens[t + 1:t + n] = draft.tokens
+                b.positions[t + 1:t + n] = req.num_computed + depth
+                d.base[t + 1:t + n] = req.num_computed + 1
+                d.anc[t + 1:t + n] = anc
+            if req.num_computed + q == req.num_tokens:  # this chunk ends the known tokens: sample the next one
+                row = i if spec else len(rows)
+                if spec:
+                    d.node_idx[i, :m + 1] = t + q - 1 + np.arange(m + 1)
+                    d.parent[i, 0] = -1
+                    d.active[i] = True
+                    if m:
+                        d.parent[i, 1:m + 1] = draft.parents + 1
+                        d.depth[i, 1:m + 1] = depth
+                else:
+                    b.logits_idx[row] = t + n - 1
+                b.sampling.set_row(row, req.params, req.seed, len(req.output))
+                rows.append((row, req))
             t += n
         b.num_blocks = -(-max_pages // self.runner.pages_per_block)
         try:
@@ -491,7 +557,7 @@ class Engine:
                 r = req.restore
                 self.runner.kv = self.host_tier.restore(self.runner.kv, r, req.seq.pages[:r.num_pages],
                                                         skip=req.restore_skip)
-            out = self.runner.step(b)
+            out = self.runner.verify_step(b, d) if spec else self.runner.step(b)
         except Exception as e:  # the donated pool may be gone: start it afresh and recompute every sequence
             self.stats.step_failures += 1
             for req in restores:
@@ -500,27 +566,58 @@ class Engine:
             raise StepError(f"engine step failed ({type(e).__name__}: {e}); {len(self.waiting)} requests "
                             f"requeued for recompute") from e
         self.stats.steps += 1
+        self.stats.spec_steps += spec
         self.stats.restored_tokens += sum(req.restore.num_tokens - req.restore_skip * self.page_size
                                           for req in restores)
-        for req, n in batch:
-            if req.num_computed + n > len(req.prompt):
-                self.stats.decode_tokens += min(n, req.num_computed + n - len(req.prompt))
-            self.stats.prefill_tokens += max(0, min(req.num_computed + n, len(req.prompt)) - req.num_computed)
-            req.num_computed += n
-        for r, req in enumerate(rows):
-            tok = int(out.tokens[r])
-            req.output.append(tok)
-            req.logprobs.append(float(out.logprobs[r]))
-            if req.params.logprobs:
-                k = req.params.logprobs
-                req.top_logprobs.append({int(i): float(l) for i, l in zip(out.top_ids[r, :k], out.top_logprobs[r, :k])})
-            reason = self._stop_reason(req, tok)
-            if reason:
-                self._finish(req, reason)
-                del self.requests[req.id]
+        drafted = {}
+        for req, n, draft in batch:
+            q = n - (len(draft) if draft is not None else 0)
+            if req.num_computed + q > len(req.prompt):
+                self.stats.decode_tokens += min(q, req.num_computed + q - len(req.prompt))
+            self.stats.prefill_tokens += max(0, min(req.num_computed + q, len(req.prompt)) - req.num_computed)
+            req.num_computed += q
+            if draft is not None:
+                drafted[req] = draft
+        for r, req in rows:
+            if spec:
+                count = int(out.count[r])
+                toks, lps, path = out.tokens[r, :count], out.logprobs[r, :count], out.path[r, :count]
+                top_ids, top_lps = out.top_ids[r, :count], out.top_logprobs[r, :count]
+                # accepted nodes 1, 2, ... in place hold their KV; after a jump (a tree's side branch)
+                # the accepted tokens are known but recomputed next step
+                kept = int(np.argmin(np.r_[path[1:] == np.arange(1, count), False]))
+                req.num_computed += kept
+                if req in drafted:
+                    self.stats.draft_tokens += len(drafted[req])
+                    self.stats.accepted_tokens += count - 1
+                    self.spec_policy.observe(len(drafted[req]), count - 1)
+            else:
+                toks, lps = out.tokens[r:r + 1], out.logprobs[r:r + 1]
+                top_ids, top_lps = out.top_ids[r:r + 1], out.top_logprobs[r:r + 1]
+            for j, tok in enumerate(toks.tolist()):
+                if self._append(req, tok, float(lps[j]), top_ids[j], top_lps[j]):
+                    break
+            if req in drafted and not req.finish_reason:  # the rejected drafts' pages go back
+                req.seq.truncate(self.allocator, req.num_computed)
             if req.owner == "step":
                 self._unreported.setdefault(req, None)  # kept until step() hands it out
-        return rows
+        return [req for _, req in rows]
+
+    def _append(self, req: _Request, tok: int, logprob: float, top_ids, top_lps) -> bool:
+        """Appends one sampled token; finishes the request at a stop token or a length limit (True)."""
+        req.output.append(tok)
+        req.logprobs.append(logprob)
+        if req.params.logprobs:
+            k = req.params.logprobs
+            req.top_logprobs.append({int(i): float(l) for i, l in zip(top_ids[:k], top_lps[:k])})
+        req.num_computed = min(req.num_computed, req.num_tokens - 1)  # the KV of the tokens it keeps
+        if self.drafter is not None:
+            self.drafter.extend(req.id, (tok,))
+        reason = self._stop_reason(req, tok)
+        if reason:
+            self._finish(req, reason)
+            del self.requests[req.id]
+        return bool(reason)
 
     def _stop_reason(self, req: _Request, tok: int) -> str | None:
         p = req.params
@@ -544,6 +641,8 @@ class Engine:
         req.seq.release(self.allocator)
         if req in self.running:
             self.running.remove(req)
+        if self.drafter is not None:
+            self.drafter.finish(req.id)
         if reason == "abort":
             self.stats.aborted += 1
         else:
@@ -640,6 +739,17 @@ class _Stream:
 
     def __del__(self):
         self.close()
+
+
+def _tree_layout(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depth (1 for the root's children) and ancestor bits (bit j: node j; each node has its own) of
+    draft nodes in depth-first order (parents[j] < j, -1 for the root)."""
+    depth = np.zeros(len(parents), np.int32)
+    anc = np.zeros(len(parents), np.int32)
+    for j, p in enumerate(parents.tolist()):
+        depth[j] = 1 if p < 0 else depth[p] + 1
+        anc[j] = (1 << j) | (0 if p < 0 else anc[p])
+    return depth, anc
 
 
 def _stable_seed(engine_seed: int, arrival: int) -> int:

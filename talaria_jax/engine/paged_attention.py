@@ -20,12 +20,18 @@ _NEG = -1e30  # finite "minus infinity": a fully masked block then contributes e
 
 def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_size: int, page_tables: jax.Array,
                            pos: jax.Array, tile_tok: jax.Array, tile_seq: jax.Array, tok_slot: jax.Array,
-                           num_blocks: jax.Array, pages_per_block: int, window: int = 0) -> jax.Array:
+                           num_blocks: jax.Array, pages_per_block: int, window: int = 0,
+                           tree: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """q: [T, H, D]; read(pages [NT, n]) -> K, V [NT, n, page_size, kv_heads, D] of those pages (one layer's,
     e.g. `talaria_jax.kvcache.pool.read_kv`); page_tables: [B, MP] (MP a multiple of pages_per_block);
     pos: [T]; tile_tok: [NT, Q], the token in each tile slot (T for an empty slot); tile_seq: [NT];
     tok_slot: [T], each token's flat tile slot (NT x Q for a padding token, whose output is zero);
-    num_blocks: scalar, blocks of pages to visit. Returns [T, H, D]."""
+    num_blocks: scalar, blocks of pages to visit. tree: draft trees (speculative decoding), (base [T],
+    anc [T]): a token sees the keys below position base[t] as usual, and of the keys from base[t] on
+    only those whose bit (key - base) is set in anc[t] (its ancestors and itself in its draft tree;
+    a tree's nodes sit at positions base, base + 1, ... in depth-first order); base past every
+    position for tokens outside a tree. Not with a sliding window (pos is then the slot order, not
+    the depth). Returns [T, H, D]."""
     t, h, d = q.shape
     nt, qt = tile_tok.shape
     ps, kvh = page_size, kv_heads
@@ -37,6 +43,8 @@ def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_siz
     qg = q_pad[tile_tok].reshape(nt, qt, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(nt, kvh, qt * g, d)
     qg = qg.astype(jnp.float32) * (d ** -0.5)
     qpos = pos_pad[tile_tok]  # [NT, Q]
+    if tree is not None:
+        base, anc = (jnp.concatenate([a, jnp.zeros((1,), a.dtype)])[tile_tok] for a in tree)
     tile_pages = page_tables[tile_seq]  # [NT, MP]
 
     def body(i, carry):
@@ -49,6 +57,10 @@ def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_siz
         mask = key_pos[None, None, :] <= qpos[:, :, None]  # [NT, Q, blk]
         if window:
             mask &= qpos[:, :, None] - key_pos[None, None, :] < window
+        if tree is not None:
+            off = key_pos[None, None, :] - base[:, :, None]
+            bit = jnp.right_shift(anc[:, :, None], jnp.clip(off, 0, 31)) & 1
+            mask &= (off < 0) | (bit == 1)
         s = jnp.einsum("nkmd,nskd->nkms", qg, kb).reshape(nt, kvh, qt, g, blk)
         s = jnp.where(mask[:, None, :, None, :], s, _NEG).reshape(nt, kvh, qt * g, blk)
         m_new = jnp.maximum(m, s.max(-1))

@@ -24,6 +24,7 @@ from talaria_jax.engine.paged_attention import ragged_paged_attention
 from talaria_jax.engine.sampling import SamplingBatch, sample
 from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
 from talaria_jax.models.model import ShardedModel
+from talaria_jax.rollout.verify import verify
 from talaria_jax.sharding import replicated
 
 
@@ -39,6 +40,40 @@ class StepBatch:
     num_tokens: int          # real tokens (the rest is padding); each sequence's tokens are consecutive
     logits_idx: np.ndarray   # i32 [R], token index whose logits each sampling row uses
     sampling: SamplingBatch
+
+
+@dataclasses.dataclass
+class DraftBatch:
+    """The draft trees of a speculative step (rollout/verify.py), beside a StepBatch whose `positions`
+    are the RoPE positions (a node's: its root's plus its depth) and whose sampling rows are the
+    step's sequences. K1 = 1 + the most draft tokens a sequence may bring."""
+    mask_pos: np.ndarray  # i32 [T], position in the sequence's pages (a node's: its root's plus its index)
+    base: np.ndarray      # i32 [T], position of the token's first tree node (past every position outside a tree)
+    anc: np.ndarray       # i32 [T], bit j set: the token sees tree node j + 1 (its ancestors and itself)
+    node_idx: np.ndarray  # i32 [B, K1], token index of each sequence's root (node 0) and draft nodes
+    parent: np.ndarray    # i32 [B, K1], parent node; -1 for the root, -2 for padding
+    depth: np.ndarray     # i32 [B, K1]
+    active: np.ndarray    # bool [B], sequences whose chunk ends their known tokens (they sample)
+
+    @classmethod
+    def empty(cls, num_tokens: int, rows: int, k1: int) -> "DraftBatch":
+        return cls(np.zeros(num_tokens, np.int32), np.full(num_tokens, NO_TREE, np.int32),
+                   np.zeros(num_tokens, np.int32), np.zeros((rows, k1), np.int32), np.full((rows, k1), -2, np.int32),
+                   np.zeros((rows, k1), np.int32), np.zeros(rows, bool))
+
+
+NO_TREE = 2**30  # DraftBatch.base of a token outside any draft tree
+
+
+@dataclasses.dataclass
+class VerifyOutput:
+    """Per sequence row: the tokens emitted (accepted drafts, then the correction or bonus token)."""
+    tokens: np.ndarray        # i32 [B, K1]
+    logprobs: np.ndarray      # f32 [B, K1]
+    top_ids: np.ndarray       # i32 [B, K1, N]
+    top_logprobs: np.ndarray  # f32 [B, K1, N]
+    path: np.ndarray          # i32 [B, K1], the node whose logits gave each token (path[d] = d along a chain)
+    count: np.ndarray         # i32 [B], tokens emitted (0 for rows that do not sample)
 
 
 @dataclasses.dataclass
@@ -113,6 +148,8 @@ class Runner:
         rep = replicated(model.mesh)
         self._step = jax.jit(self._step_fn, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
                              out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep))
+        self._verify = jax.jit(self._verify_fn, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
+                               out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep, rep))
 
     def use_slot(self, slot, layout=None) -> None:
         """Reads the parameters from `slot` (a WeightSlot shared by several models' runners), carved by
@@ -171,18 +208,26 @@ class Runner:
                 return query_tiles(runs, t, q, next(n for n in counts if n >= need))
         return single_token_tiles(b.seq, b.num_tokens)
 
-    def warmup(self, progress: bool | None = True) -> None:
-        """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none.
+    def warmup(self, progress: bool | None = True, draft_nodes: int = 0) -> None:
+        """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none;
+        with draft_nodes (K1 of speculative steps), the verifying step of every shape too.
         progress: a bar (True), none (False), or a bar only on a terminal (None)."""
         from tqdm.auto import tqdm
 
-        for t, q, n in tqdm(self.step_shapes(), desc="compiling step shapes", leave=False,
-                            disable=None if progress is None else not progress):
+        programs = [(s, False) for s in self.step_shapes()] + [(s, True) for s in self.step_shapes() if draft_nodes]
+        for (t, q, n), spec in tqdm(programs, desc="compiling step shapes", leave=False,
+                                    disable=None if progress is None else not progress):
             b = self.empty_batch(t)
-            self._run(b, *query_tiles([], t, q, n))
+            tiles = query_tiles([], t, q, n)
+            if spec:
+                self._run_verify(b, DraftBatch.empty(t, self.max_seqs, draft_nodes), *tiles)
+            else:
+                self._run(b, *tiles)
 
-    def _step_fn(self, graphdef, params, kv, tokens, positions, tile_tok, tile_seq, tok_slot, slots, page_tables,
-                 num_blocks, logits_idx, temperature, top_k, top_p, seed, step, layout=None):
+    def _forward(self, graphdef, params, kv, tokens, positions, mask_pos, tree, tile_tok, tile_seq, tok_slot, slots,
+                 page_tables, num_blocks, layout):
+        """The model over the step's tokens: (model, hidden states [T, hidden], kv). RoPE uses
+        `positions`, the attention mask `mask_pos` and `tree` (see ragged_paged_attention)."""
         self.compilations += 1  # runs at trace time only
         if layout is not None:  # params is a weight slot's flat buffer
             from talaria_jax.weights.slot import carve
@@ -197,18 +242,49 @@ class Runner:
         def attn(layer, q, k, v, arena):
             arena = write_kv(arena, spec, mesh, layer, k, v, slots)
             read = functools.partial(read_kv, arena, spec, mesh, layer)
-            out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, positions, tile_tok,
-                                         tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer))
+            out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, mask_pos, tile_tok,
+                                         tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer), tree)
             return out, arena
 
         h, kv = model.hidden(tokens, positions, attn, kv)
+        return model, h, kv
+
+    def _step_fn(self, graphdef, params, kv, tokens, positions, tile_tok, tile_seq, tok_slot, slots, page_tables,
+                 num_blocks, logits_idx, temperature, top_k, top_p, seed, step, layout=None):
+        model, h, kv = self._forward(graphdef, params, kv, tokens, positions, positions, None, tile_tok, tile_seq,
+                                     tok_slot, slots, page_tables, num_blocks, layout)
         logits = model.logits(h[logits_idx])
         return (kv, *sample(logits, temperature, top_k, top_p, seed, step), logits)
+
+    def _verify_fn(self, graphdef, params, kv, tokens, positions, mask_pos, base, anc, tile_tok, tile_seq, tok_slot,
+                   slots, page_tables, num_blocks, node_idx, parent, depth, active, temperature, top_k, top_p, seed,
+                   step, layout=None):
+        model, h, kv = self._forward(graphdef, params, kv, tokens, positions, mask_pos, (base, anc), tile_tok,
+                                     tile_seq, tok_slot, slots, page_tables, num_blocks, layout)
+        logits = model.logits(h)  # every token's: each draft node is verified
+        return (kv, *verify(logits, tokens, node_idx, parent, depth, active, temperature, top_k, top_p, seed, step))
 
     def step(self, b: StepBatch) -> StepOutput:
         if self.slot is not None:
             self.slot.require_active(self.layout, self.model.fingerprint)
         return self._run(b, *self.tiling(b))
+
+    def verify_step(self, b: StepBatch, d: DraftBatch) -> VerifyOutput:
+        """A step whose sequences bring draft trees: every node's logits are computed and the drafts
+        verified (rollout/verify.py). b.sampling's rows are the sequences of node_idx's rows."""
+        if self.slot is not None:
+            self.slot.require_active(self.layout, self.model.fingerprint)
+        return self._run_verify(b, d, *self.tiling(b))
+
+    def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
+        s = b.sampling
+        params = self.model.state if self.slot is None else self.slot.array
+        with jax.set_mesh(self.model.mesh):
+            self.kv, *out = self._verify(
+                self.model.graphdef, params, self.kv, b.tokens, b.positions, d.mask_pos, d.base, d.anc, tile_tok,
+                tile_seq, tok_slot, b.slots, b.page_tables, np.int32(b.num_blocks), d.node_idx, d.parent, d.depth,
+                d.active, s.temperature, s.top_k, s.top_p, s.seed, s.step, layout=self.layout)
+        return VerifyOutput(*jax.device_get(out))
 
     def _run(self, b: StepBatch, tile_tok, tile_seq, tok_slot) -> StepOutput:
         s = b.sampling

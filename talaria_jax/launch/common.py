@@ -25,6 +25,13 @@ def load_on_devices(model: str, tp: int, *, dtype: str | None, compilation_cache
         raise app.UsageError(str(e)) from None
 
 
+def spec_config(max_spec_tokens: int):
+    """The engines' speculation for a launcher's --speculate (0: none)."""
+    from talaria_jax.rollout.suffix import SpecConfig
+
+    return SpecConfig(max_spec_tokens=max_spec_tokens) if max_spec_tokens else None
+
+
 def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: str, dtype: str | None, engine_config,
                   kv_bytes_per_device: int | None, hardware: str | None, api_keys: list[str], limits,
                   tenant_secret: bytes | None, compilation_cache: str | None) -> list:

@@ -39,6 +39,10 @@ _FAIL_AFTER = flags.DEFINE_integer("fail_after", 2, "Health checks missed in a r
 _MAX_LEN = flags.DEFINE_integer("max_model_len", 2048, "Local instances: context limit (tokens).", lower_bound=16)
 _MAX_SEQS = flags.DEFINE_integer("max_seqs", 16, "Local instances: requests decoding at once.", lower_bound=1)
 _KV_MB = flags.DEFINE_integer("kv_mib_per_device", None, "Local instances: KV arena per device in MiB.", lower_bound=1)
+_SPECULATE = flags.DEFINE_integer("speculate", 0, "Local instances: suffix-tree speculative decoding: draft tokens per request "
+                                  "and step at most (0: off). Drafts come from the request's own text and its tenant's "
+                                  "earlier and in-flight responses; how many a step verifies follows the step cost "
+                                  "measured at start.", lower_bound=0, upper_bound=31)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Local instances: compile every step shape before serving.")
 
 
@@ -78,14 +82,15 @@ def start_local_instances(keys: list[str]):
     import jax
 
     from talaria_jax.engine import EngineConfig
-    from talaria_jax.launch.common import instance_apps
+    from talaria_jax.launch.common import instance_apps, spec_config
     from talaria_jax.serve.local_cluster import LocalCluster
     from talaria_jax.serve.protocol import Limits
 
     n = _LOCAL.value
     tp = _TP.value or (1 if jax.default_backend() == "cpu" else max(1, jax.device_count() // n))
     cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
-                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value)
+                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value,
+                       speculation=spec_config(_SPECULATE.value))
     apps = instance_apps({m: m for m in _MODEL.value}, instances=n, tp=tp, policy=_POLICY.value, dtype=None,
                          engine_config=cfg, kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
                          hardware=None, api_keys=keys, limits=Limits(max_body_bytes=_MAX_BODY.value), tenant_secret=None,

@@ -50,6 +50,10 @@ _DRAIN = flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, how long runni
                             lower_bound=0.0)
 _SECRET = flags.DEFINE_string("tenant_secret", None, "Key of the tenant salts (HMAC of each API key); default "
                               "$TALARIA_TENANT_SECRET, else random for this process.")
+_SPECULATE = flags.DEFINE_integer("speculate", 0, "Suffix-tree speculative decoding: draft tokens per request "
+                                  "and step at most (0: off). Drafts come from the request's own text and its tenant's "
+                                  "earlier and in-flight responses; how many a step verifies follows the step cost "
+                                  "measured at start.", lower_bound=0, upper_bound=31)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving.")
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
                                  "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
@@ -59,7 +63,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from talaria_jax.engine import EngineConfig
-    from talaria_jax.launch.common import instance_apps
+    from talaria_jax.launch.common import instance_apps, spec_config
     from talaria_jax.serve.protocol import Limits
 
     keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
@@ -70,7 +74,8 @@ def main(argv):
     if len(names) != len(_MODEL.value):
         raise app.UsageError(f"--served_model_name has {len(names)} names for {len(_MODEL.value)} models")
     cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
-                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value)
+                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value,
+                       speculation=spec_config(_SPECULATE.value))
     [api] = instance_apps(dict(zip(names, _MODEL.value)), instances=1, tp=_TP.value, policy=_POLICY.value,
                           dtype=_DTYPE.value, engine_config=cfg,
                           kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None, hardware=_HARDWARE.value,
@@ -84,6 +89,12 @@ def main(argv):
     print(f"serving {', '.join(names)} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
     server.run()
     api.state.engine.close()
+    if _SPECULATE.value:
+        engines = getattr(api.state.engine.engine, "engines", [api.state.engine.engine])
+        drafted, accepted = (sum(getattr(e.stats, f) for e in engines) for f in ("draft_tokens", "accepted_tokens"))
+        steps = sum(e.stats.spec_steps for e in engines)
+        print(f"speculative decoding: {steps} speculative steps verified {drafted} draft tokens, accepted {accepted} "
+              f"({accepted / max(drafted, 1):.0%})", file=sys.stderr)
 
 
 class DrainingServer(uvicorn.Server):

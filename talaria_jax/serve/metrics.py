@@ -123,7 +123,9 @@ class ServerMetrics:
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", total("prefix_query_tokens")),
                     ("prefix_cache_hits", "Of those, tokens found cached", total("prefix_hit_tokens")),
                     ("host_restored_tokens", "Prompt tokens restored from host memory", total("restored_tokens")),
-                    ("num_preemptions", "Requests preempted (recomputed later)", total("preemptions"))]
+                    ("num_preemptions", "Requests preempted (recomputed later)", total("preemptions")),
+                    ("spec_decode_num_draft_tokens", "Speculative draft tokens verified", total("draft_tokens")),
+                    ("spec_decode_num_accepted_tokens", "Of those, accepted", total("accepted_tokens"))]
         if state is not None:  # an instance of several models: its switches
             counters += [("model_switches", "Switches of the served model", state["switches"]),
                          ("model_switch_seconds", "Seconds spent switching models", state["switch_seconds"])]

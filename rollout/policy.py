@@ -1,0 +1,85 @@
+"""When to speculate: drafts per sequence from the engine's measured step-cost curve and acceptance.
+
+Verifying k draft tokens per sequence makes a step of B sequences carry B x (1 + k) tokens. While
+the step is bound by reading the weights (small batches on a GPU), those extra tokens are nearly
+free and each accepted one saves a whole step; as the batch saturates the compute, a step of more
+tokens costs proportionally more and speculation stops paying. The policy measures the step cost
+at every token bucket at start (plain steps and verifying steps, which compute logits at every
+token), keeps a running estimate of the per-token acceptance rate a, and picks the k that
+maximises expected tokens per second: B x (1 + a + ... + a^k) / cost_verify(B x (1 + k)) against
+B / cost_plain(B) for no speculation. No threshold is a constant: the switch point moves with the
+hardware, the model and the workload's acceptance.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class SpecPolicy:
+    """Draft tokens per sequence for a step of `batch` sequences (0: a plain step)."""
+
+    def __init__(self, max_spec_tokens: int, buckets: tuple[int, ...], plain_s: dict[int, float] | None,
+                 verify_s: dict[int, float] | None, always: bool = False, prior: tuple[float, float] = (1.0, 1.0)):
+        """plain_s, verify_s: seconds per step at each token bucket (None with always=True). prior:
+        pseudo-counts (accepted, rejected) of the acceptance estimate before any step."""
+        self.max_spec_tokens, self.buckets, self.always = max_spec_tokens, buckets, always
+        self.plain_s, self.verify_s = plain_s, verify_s
+        self.accepted, self.rejected = prior
+
+    @classmethod
+    def measure(cls, runner, spec, reps: int = 3) -> "SpecPolicy":
+        """Times the runner's plain and verifying steps at each bucket (best of `reps`, all-padding
+        batches: the weights' read and the logits, what a decode step's cost grows with)."""
+        if spec.policy == "always":
+            return cls(spec.max_spec_tokens, runner.buckets, None, None, always=True)
+        from talaria_jax.engine.runner import DraftBatch  # here: the runner imports this package
+
+        plain, verify = {}, {}
+        for t in runner.buckets:
+            b = runner.empty_batch(t)
+            d = DraftBatch.empty(len(b.tokens), runner.max_seqs, spec.max_spec_tokens + 1)
+            plain[t] = _best_time(lambda: runner.step(b), reps)
+            verify[t] = _best_time(lambda: runner.verify_step(b, d), reps)
+        return cls(spec.max_spec_tokens, runner.buckets, plain, verify)
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that a draft token is accepted given its parent was (the maximum
+        likelihood of a geometric run: accepted / (accepted + runs that ended in a rejection))."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.accepted += accepted
+        self.rejected += accepted < drafted
+
+    def _bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if n <= b), None)
+
+    def gain(self, batch: int, k: int) -> float:
+        """Expected tokens per second with k drafts per sequence over that of plain steps."""
+        t = self._bucket(batch * (1 + k))
+        if t is None:
+            return 0.0
+        a = self.acceptance
+        expected = sum(a ** i for i in range(k + 1))
+        return expected * self.plain_s[self._bucket(batch)] / self.verify_s[t]
+
+    def draft_len(self, batch: int) -> int:
+        if batch < 1:
+            return 0
+        if self.always:
+            return self.max_spec_tokens
+        gains = [1.0] + [self.gain(batch, k) for k in range(1, self.max_spec_tokens + 1)]
+        return int(np.argmax(gains))
+
+
+def _best_time(fn, reps: int) -> float:
+    fn()  # compiled already after a warm-up; this one pays any lazy transfer
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
