@@ -51,7 +51,7 @@ def build(model, tokenizer, max_seqs: int, spec):
     from talaria_jax.engine import Engine, EngineConfig
 
     k1 = spec.max_spec_tokens + 1 if spec is not None else 1
-    return Engine(model, EngineConfig(max_seqs=max_seqs, max_tokens_per_step=max(512, max_seqs * k1),
+    return Engine(model, EngineConfig(max_seqs=max_seqs, max_tokens_per_step=max(256, max_seqs * k1),
                                       max_model_len=agent_env.MAX_MODEL_LEN, kv_memory_bytes_per_device=agent_env.KV_BYTES,
                                       prefix_cache=True, speculation=spec), tokenizer=tokenizer)
 
@@ -59,13 +59,16 @@ def build(model, tokenizer, max_seqs: int, spec):
 def main(argv):
     del argv
     import jax
+    from absl import logging
 
-    from talaria_jax.engine import SamplingParams
+    logging.set_verbosity(logging.WARNING)
+
+    from talaria_jax.engine import SamplingParams, enable_compilation_cache
     from talaria_jax.local import load_local_model
-    from talaria_jax.rollout.policy import SpecPolicy
     from talaria_jax.rollout.suffix import SpecConfig, SuffixDrafter
     from talaria_jax.sharding import make_mesh
 
+    enable_compilation_cache()  # the three engines share their plain programs; a rerun compiles nothing
     data = agent_env.load_trajectories(_DATA.value)
     temperature = _TEMPERATURE.value
     reqs = requests(data)
@@ -81,8 +84,7 @@ def main(argv):
     for b in batches:
         for name, c in cfg.items():  # empty trees and no acceptance history at each batch size
             engines[name].drafter = SuffixDrafter(c)
-            p = engines[name].spec_policy
-            engines[name].spec_policy = SpecPolicy(p.max_spec_tokens, p.buckets, p.plain_s, p.verify_s, p.always)
+            engines[name].spec_policy().reset()
         n = max(b, _REQUESTS.value)
         secs, tokens, outs = dict.fromkeys(engines, 0.0), 0, {k: [] for k in engines}
         before = {k: (e.stats.spec_steps, e.stats.draft_tokens, e.stats.accepted_tokens) for k, e in engines.items()}
@@ -108,12 +110,17 @@ def main(argv):
             row[f"{name}_accepted_per_step"] = accepted / steps if steps else None
         row["always_ratio"] = row["always_tok_s"] / row["plain_tok_s"]
         row["auto_ratio"] = row["auto_tok_s"] / row["plain_tok_s"]
-        row["policy_drafts"] = engines["auto"].spec_policy.draft_len(b)
-        row["acceptance"] = engines["auto"].spec_policy.acceptance
+        row["policy_drafts"] = engines["auto"].spec_policy().draft_len(b)
+        row["acceptance"] = engines["auto"].spec_policy().acceptance
         rows.append(row)
         print(f"batch {b}: plain {row['plain_tok_s']:.1f} tok/s, always x{row['always_ratio']:.2f}, "
               f"auto x{row['auto_ratio']:.2f} (policy drafts {row['policy_drafts']}), same output: {same}", flush=True)
     load = os.getloadavg()[0]
+    pol = engines["auto"].spec_policy()
+    print("\nstep cost curve measured by the policy (ms; all-padding steps):")
+    common.print_markdown_table([("tokens", "t", "d"), ("plain step", "plain", ".1f"), ("verifying step", "verify", ".1f")],
+                                [{"t": t, "plain": 1e3 * pol.plain_s[t], "verify": 1e3 * pol.verify_s[t]}
+                                 for t in pol.buckets])
     common.print_markdown_table(
         [("batch", "batch", "d"), ("requests", "requests", "d"), ("plain tok/s", "plain_tok_s", ".1f"),
          ("always tok/s", "always_tok_s", ".1f"), ("auto tok/s", "auto_tok_s", ".1f"),
@@ -124,7 +131,7 @@ def main(argv):
     print("paper (WAR, low load): 1.4x rollout throughput from speculation")
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "plain_s": pol.plain_s, "verify_s": pol.verify_s}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,12 @@ class SpecPolicy:
         pseudo-counts (accepted, rejected) of the acceptance estimate before any step."""
         self.max_spec_tokens, self.buckets, self.always = max_spec_tokens, buckets, always
         self.plain_s, self.verify_s = plain_s, verify_s
-        self.accepted, self.rejected = prior
+        self.prior = prior
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the acceptance seen (a new workload); the step-cost curve stays."""
+        self.accepted, self.rejected = self.prior
 
     @classmethod
     def measure(cls, runner, spec, reps: int = 3) -> "SpecPolicy":

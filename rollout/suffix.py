@@ -113,6 +113,7 @@ class SuffixTree:
         self.root.link = self.root
         self._tokens: dict[object, list[int]] = {}
         self._live: dict[object, list[_Node]] = {}  # per sequence: nodes of its suffixes shorter than max_depth
+        self._last: dict[object, _Node] = {}  # per sequence: the node of its longest indexed suffix
         self.num_nodes = 1
         self.num_tokens = 0
 
@@ -139,12 +140,14 @@ class SuffixTree:
                 if child.depth < self.max_depth:
                     nxt.append(child)
             self._live[seq_id] = live = nxt
+            self._last[seq_id] = below
         self.num_tokens += len(tokens)
 
     def remove(self, seq_id) -> None:
         """Forgets a sequence: its suffixes' counts go down, and nodes no sequence reaches are freed."""
         toks = self._tokens.pop(seq_id, None)
         self._live.pop(seq_id, None)
+        self._last.pop(seq_id, None)
         if toks is None:
             return
         self.root.count -= len(toks)
@@ -164,21 +167,62 @@ class SuffixTree:
         """Nodes of the pattern's suffixes that occur, longest first (node.depth is the match length)."""
         pattern = pattern[-self.max_depth:]
         # The longest suffix that occurs: any substring of an indexed substring is indexed, so if
-        # pattern[i:] occurs then so does pattern[j:] for j > i. Walk from the left, restarting via
-        # suffix links on a miss (Aho-Corasick style over a trie that contains every substring).
+        # pattern[i:] occurs then so does pattern[j:] for j > i. It is mostly short: try the suffixes
+        # of up to 8 tokens, each from the root, shortest first.
+        p, node, short = len(pattern), self.root, min(len(pattern), 8, self.max_depth - 1)
+        for k in range(1, short + 1):
+            x = self.root
+            for t in pattern[p - k:]:
+                x = x.children.get(t)
+                if x is None:
+                    return self._links(node)
+            node = x
+        if short == p:
+            return self._links(node)
+        # Else walk from the left, restarting via suffix links on a miss (Aho-Corasick style over a
+        # trie that contains every substring).
         node = self.root
         for t in pattern:
             while node is not self.root and (t not in node.children or node.depth >= self.max_depth):
                 node = node.link
             node = node.children.get(t, self.root) if node.depth < self.max_depth else self.root
+        return self._links(node)
+
+    def _links(self, node: _Node) -> list[_Node]:
+        """node and the nodes of its suffixes, longest first (the root left out)."""
         out = []
         while node is not self.root:
             out.append(node)
             node = node.link
         return out
 
-    def draft(self, pattern: Sequence[int], max_tokens: int, cfg: SpecConfig) -> Draft:
-        return _best_draft([(n.depth, n) for n in self.match(pattern)], _TRIE, max_tokens, cfg)
+    def match_own(self, seq_id, pattern: Sequence[int]) -> list[_Node]:
+        """match(pattern), mostly without walking the pattern when it ends with sequence seq_id's last
+        r = min(len, max_depth) tokens (a request's context and its response in the global tree): that
+        suffix is indexed, so the answer is its node and links, unless the pattern's suffix of r + 1
+        tokens (one token from before the sequence) occurs too; then (rarely) the full walk, as for a
+        pattern that does not end with the sequence."""
+        node = self._last.get(seq_id)
+        pattern = list(pattern[-self.max_depth:])
+        r = 0 if node is None else node.depth
+        if not 0 < r <= len(pattern) or pattern[len(pattern) - r:] != self._tokens[seq_id][-r:]:  # not its end
+            return self.match(pattern)
+        if r < len(pattern):
+            x = self.root
+            for t in pattern[len(pattern) - r - 1:]:
+                x = x.children.get(t)
+                if x is None:
+                    break
+            else:
+                return self.match(pattern)
+        return self._links(node)
+
+    def draft(self, pattern: Sequence[int], max_tokens: int, cfg: SpecConfig, seq_id=None,
+              floor: float = 0.0) -> Draft:
+        """The best draft after pattern scoring above floor, else an empty one (seq_id: a sequence the
+        pattern likely ends with, see match_own)."""
+        nodes = self.match(pattern) if seq_id is None else self.match_own(seq_id, pattern)
+        return _best_draft([(n.depth, n.count, n) for n in nodes], _TRIE, max_tokens, cfg, self.max_depth, floor)
 
 
 def _size(node: _Node) -> int:
@@ -197,27 +241,87 @@ class _TrieOps:
         return node.count
 
     @staticmethod
-    def children(node: _Node) -> list[tuple[int, int, _Node]]:
-        return [(t, c.count, c) for t, c in node.children.items()]
+    def children(node: _Node, min_count: float = 0) -> list[tuple[int, int, _Node]]:
+        """(token, count, child) of the children occurring at least min_count times."""
+        return [(t, c.count, c) for t, c in node.children.items() if c.count >= min_count]
+
+    @staticmethod
+    def going_on(node: _Node) -> int:
+        """How many of the node's occurrences have a next token (an upper bound where that is slow)."""
+        kids = node.children
+        return sum(c.count for c in kids.values()) if len(kids) <= 8 else node.count
+
+    @staticmethod
+    def best_child(node: _Node) -> tuple[int, int, _Node] | None:
+        """The most frequent child (ties: the smaller token), or None."""
+        if not node.children:
+            return None
+        t, c = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
+        return t, c.count, c
+
+    @staticmethod
+    def run(node: _Node, n: int, p: float, min_prob: float, above: float = -1.0):
+        """The steps below node (at most n) while each has one child only, so its path probability is
+        p x child count / node's count: tokens, path probabilities (each >= min_prob and > above) and
+        the last node. A chain of such steps (one in a trie, a run of equal tokens after every
+        occurrence in a scan) is taken at once."""
+        toks, probs, c0 = [], [], node.count
+        while len(toks) < n and len(node.children) == 1:
+            (t, child), = node.children.items()
+            q = p * child.count / c0
+            if q < min_prob or q <= above:
+                break
+            toks.append(t)
+            probs.append(q)
+            node = child
+        return toks, probs, node
 
 
 class _ScanOps:
-    """The same view of a `TokenScan` match: a node is the array of positions where the matched
-    substring ends; a child narrows it to the occurrences followed by one token."""
-    def __init__(self, text: np.ndarray):
-        self.text = text
+    """The same view of a `TokenScan` match: a node is the sorted list of positions where the matched
+    substring ends; a child narrows it to the occurrences followed by one token. (Drafting walks few
+    occurrences a few steps: plain lists beat numpy's per-call cost there.)"""
+    def __init__(self, text: list[int]):
+        self.text, self.n = text, len(text)
 
     @staticmethod
-    def count(ends: np.ndarray) -> int:
+    def count(ends: list[int]) -> int:
         return len(ends)
 
-    def children(self, ends: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
-        nxt = ends[ends + 1 < len(self.text)] + 1
-        if not len(nxt):
-            return []
-        toks = self.text[nxt]
-        uniq, counts = np.unique(toks, return_counts=True)
-        return [(int(t), int(c), nxt[toks == t]) for t, c in zip(uniq, counts)]
+    def going_on(self, ends: list[int]) -> int:
+        return len(ends) - (ends[-1] == self.n - 1)  # only the last can be the text's end
+
+    def children(self, ends: list[int], min_count: float = 0) -> list[tuple[int, int, list[int]]]:
+        text, groups = self.text, {}
+        for e in ends[:-1] if ends[-1] == self.n - 1 else ends:
+            groups.setdefault(text[e + 1], []).append(e + 1)
+        return [(t, len(g), g) for t, g in groups.items() if len(g) >= min_count]
+
+    def best_child(self, ends: list[int]) -> tuple[int, int, list[int]] | None:
+        kids = self.children(ends)
+        return max(kids, key=lambda k: (k[1], -k[0])) if kids else None  # ties: the smaller token
+
+    def run(self, ends: list[int], n: int, p: float, min_prob: float, above: float = -1.0):
+        """As _TrieOps.run: the steps where every occurrence still in the text goes on with the same
+        token (one at the text's end drops out: the count shrinks)."""
+        text, k0, toks, probs = self.text, len(ends), [], []
+        if k0 == 1:
+            if p < min_prob or p <= above:
+                return toks, probs, ends
+            toks = text[ends[0] + 1:ends[0] + 1 + n]
+            return toks, [p] * len(toks), [ends[0] + len(toks)]
+        while len(toks) < n:
+            nxt = [e + 1 for e in (ends[:-1] if ends[-1] == self.n - 1 else ends)]
+            if not nxt:
+                break
+            t = text[nxt[0]]
+            q = p * len(nxt) / k0
+            if q < min_prob or q <= above or any(text[e] != t for e in nxt):
+                break
+            toks.append(t)
+            probs.append(q)
+            ends = nxt
+        return toks, probs, ends
 
 
 _TRIE = _TrieOps()
@@ -230,69 +334,109 @@ class TokenScan:
 
     def __init__(self, tokens: Sequence[int], max_depth: int = 64):
         self.max_depth = max_depth
-        self._buf = np.zeros(max(16, 2 * len(tokens)), np.int32)
+        # The text starts after max_depth -1s (no token), so looking back from any position stays in
+        # the buffer and finds no match there.
+        self._buf = np.full(max_depth + max(16, 2 * len(tokens)), -1, np.int32)
         self._n = 0
+        self._list: list[int] = []  # the text again, for drafting
+        self._back = np.arange(max_depth)
         self.extend(tokens)
 
     @property
     def text(self) -> np.ndarray:
-        return self._buf[:self._n]
+        return self._buf[self.max_depth:self.max_depth + self._n]
 
     def extend(self, tokens: Sequence[int]) -> None:
-        k = len(tokens)
-        if self._n + k > len(self._buf):
-            self._buf = np.concatenate([self._buf, np.zeros(max(self._n + k, 2 * len(self._buf)), np.int32)])
-        self._buf[self._n:self._n + k] = tokens
+        k, start = len(tokens), self.max_depth + self._n
+        if start + k > len(self._buf):
+            self._buf = np.concatenate([self._buf, np.zeros(max(start + k, len(self._buf)), np.int32)])
+        self._buf[start:start + k] = tokens
+        self._list.extend(self._buf[start:start + k].tolist())
         self._n += k
 
     def match(self, pattern: Sequence[int]) -> list[tuple[int, np.ndarray]]:
-        """(match length, end positions of its occurrences) for each suffix of the pattern that occurs,
-        longest first; as in a trie, an occurrence at the text's end counts (with no continuation)."""
-        text, pattern = self.text, np.asarray(pattern[-self.max_depth:], np.int32)
-        if not len(pattern) or not len(text):
-            return []
-        ends = np.flatnonzero(text == pattern[-1])
-        out = []
-        for m in range(1, len(pattern) + 1):
-            if m > 1:
-                ends = ends[ends >= m - 1]
-                ends = ends[text[ends - m + 1] == pattern[-m]]
-            if not len(ends) or (len(ends) == 1 and ends[0] == len(text) - 1):
-                break  # only the text's own end is left: no continuation here, nor in longer matches
-            out.append((m, ends))
-        return out[::-1]
+        """(match length m, end positions of the occurrences of the pattern's last m tokens, sorted),
+        longest first, for each m where the occurrences change (for the m between, they are those of
+        the next longer m, which drafts the same but may draft more tokens); as in a trie, an
+        occurrence at the text's end counts (with no continuation), and a match that occurs only there
+        is left out."""
+        return [(m, np.asarray(ends)) for m, _, ends in self._levels(pattern)]
 
-    def draft(self, pattern: Sequence[int], max_tokens: int, cfg: SpecConfig) -> Draft:
-        return _best_draft(self.match(pattern), _ScanOps(self.text), max_tokens, cfg)
+    def _levels(self, pattern: Sequence[int]):
+        """match(), lazily: the shorter levels are only built if the drafting gets to them."""
+        text, rev = self.text, np.asarray(pattern[-self.max_depth:][::-1], np.int32)  # rev[j]: j tokens back
+        n, p, buf, pad = self._n, len(rev), self._buf, self.max_depth
+        if not p or not n:
+            return
+        ends, m = np.flatnonzero(text == rev[0]), 1  # the occurrences of the last m tokens
+        shorter = []  # shorter[v - 1]: the occurrences of the last v tokens, for v < m
+        while len(ends) > 16 and m < p:  # many occurrences: narrow them one token at a time
+            shorter.append(ends)
+            ends, m = ends[buf[ends + (pad - m)] == rev[m]], m + 1
+        last = -1
+        if len(ends):  # a few left: the match length of each at once
+            eq = buf[(ends + pad)[:, None] - self._back[m:p]] == rev[m:p]
+            lens = (m + np.cumprod(eq, axis=1).sum(1)).tolist()
+            if ends[-1] == n - 1:  # the text's own end (ends are sorted): no longer than any other match
+                lens[-1] = min(lens[-1], max(lens[:-1], default=0))
+            ends = ends.tolist()
+            for v in sorted(set(lens), reverse=True):
+                if v:
+                    level = [e for e, l in zip(ends, lens) if l >= v]
+                    last = len(level)
+                    yield v, last, level
+        for v in range(m - 1, 0, -1):
+            if len(shorter[v - 1]) != last:
+                last = len(shorter[v - 1])
+                yield v, last, shorter[v - 1].tolist()
+
+    def draft(self, pattern: Sequence[int], max_tokens: int, cfg: SpecConfig, floor: float = 0.0) -> Draft:
+        """The best draft after pattern scoring above floor, else an empty one."""
+        return _best_draft(self._levels(pattern), _ScanOps(self._list), max_tokens, cfg, None, floor)
 
 
-def _best_draft(matches, ops, max_tokens: int, cfg: SpecConfig) -> Draft:
-    """The best-scoring draft over the matched suffixes (longest first). A shorter match that occurs
-    no more often continues exactly like the longer one but may draft fewer tokens, so only matches
-    where the count grows are tried."""
-    best, last_count = Draft.empty(), -1
-    for depth, node in matches:
-        count = ops.count(node)
-        if count == last_count:
+def _best_draft(matches, ops, max_tokens: int, cfg: SpecConfig, max_depth: int | None = None,
+                floor: float = 0.0) -> Draft:
+    """The best-scoring draft over the matched suffixes (longest first; on equal scores the longer match,
+    as arctic-inference). A shorter match that occurs no more often continues exactly like the longer
+    one but may draft fewer tokens, so it is skipped, unless the longer one's draft may have been cut
+    by the trie's depth (a node at depth d has descendants down to max_depth only: the shorter match
+    has more room). No draft of a match scores more than its token limit x the share of its
+    occurrences that go on (each token's path probability is at most that): a match whose bound is
+    not above the best score so far is skipped, and once the limit alone is not, the search stops
+    (every shorter match has a lower limit). Only drafts scoring above floor count (else: empty)."""
+    best, score, last_count, last_room = Draft.empty(), floor, -1, True
+    factor, offset = cfg.max_spec_factor, cfg.max_spec_offset + 1e-6
+    draft = _tree_draft if cfg.tree else _chain_draft
+    for depth, count, node in matches:  # count: ops.count(node)
+        if count == last_count and last_room:
             continue
-        last_count = count
-        limit = min(max_tokens, int(depth * cfg.max_spec_factor + cfg.max_spec_offset + 1e-6))
-        if limit < 1:
+        limit = min(max_tokens, int(depth * factor + offset))
+        if limit <= score:
+            break
+        last_count, last_room = count, max_depth is None or depth + limit <= max_depth
+        if limit * ops.going_on(node) <= score * count:
             continue
-        d = (_tree_draft if cfg.tree else _chain_draft)(ops, node, limit, cfg.min_token_prob)
+        d = draft(ops, node, limit, cfg.min_token_prob)
         d.match_len = depth
-        if d.score > best.score:
-            best = d
+        if d.score > score:
+            best, score = d, d.score
     return best
 
 
 def _chain_draft(ops, node, limit: int, min_prob: float) -> Draft:
     toks, probs, p = [], [], 1.0
     while len(toks) < limit:
-        kids = ops.children(node)
-        if not kids:
+        run_toks, run_probs, node = ops.run(node, limit - len(toks), p, min_prob)  # one-child steps at once
+        toks += run_toks
+        probs += run_probs
+        p = probs[-1] if run_probs else p
+        if len(toks) >= limit:
             break
-        tok, count, child = max(kids, key=lambda k: (k[1], -k[0]))  # ties: the smaller token
+        kid = ops.best_child(node)
+        if kid is None:
+            break
+        tok, count, child = kid
         p *= count / ops.count(node)
         if p < min_prob:
             break
@@ -313,13 +457,30 @@ def _tree_draft(ops, node, limit: int, min_prob: float) -> Draft:
     while heap and len(chosen) < limit + 1:
         negp, key, parent, tok, n = heapq.heappop(heap)
         chosen.append((-negp, parent, tok, key))
+        # n's one-child steps more likely than anything in the heap would be popped next, one by one:
+        # take them at once.
+        run_toks, run_probs, n = ops.run(n, limit + 1 - len(chosen), -negp, min_prob, -heap[0][0] if heap else -1.0)
+        for t, q in zip(run_toks, run_probs):
+            k = next(tie)
+            chosen.append((q, key, t, k))
+            key = k
+        if len(chosen) >= limit + 1:
+            break
+        negp = -run_probs[-1] if run_probs else negp
         total = ops.count(n)
-        for t, c, child in sorted(ops.children(n), key=lambda k: (-k[1], k[0])):  # ties: smaller token first
+        min_count = min_prob * total / -negp * (1 - 1e-9)  # (a margin for rounding: p is checked below)
+        for t, c, child in sorted(ops.children(n, min_count), key=lambda k: (-k[1], k[0])):  # ties: smaller token
             p = -negp * c / total
             if p >= min_prob:
                 heapq.heappush(heap, (-p, next(tie), key, t, child))
+    above = [parent for _, parent, _, _ in chosen[1:]]  # chosen[0] is the matched node itself
+    if len(set(above)) == len(above):  # no node with two children: one path, in the order chosen
+        n = len(above)
+        probs = [p for p, _, _, _ in chosen[1:]]
+        return Draft(np.asarray([tok for _, _, tok, _ in chosen[1:]], np.int32), np.arange(-1, n - 1, dtype=np.int32),
+                     np.asarray(probs, np.float32), float(sum(probs)))
     kids = collections.defaultdict(list)
-    for p, parent, tok, key in chosen[1:]:  # chosen[0] is the matched node itself
+    for p, parent, tok, key in chosen[1:]:
         kids[parent].append((p, tok, key))
     toks, parents, probs = [], [], []
     stack = [(-1, k) for k in sorted(kids[chosen[0][3]])]  # ascending: pop() takes the most likely first
@@ -329,7 +490,9 @@ def _tree_draft(ops, node, limit: int, min_prob: float) -> Draft:
         toks.append(tok)
         parents.append(parent_idx)
         probs.append(p)
-        stack.extend((idx, k) for k in sorted(kids[key]))
+        below = kids.get(key)
+        if below:
+            stack.extend((idx, k) for k in (sorted(below) if len(below) > 1 else below))
     return Draft(np.asarray(toks, np.int32), np.asarray(parents, np.int32), np.asarray(probs, np.float32),
                  float(sum(probs)))
 
@@ -392,7 +555,8 @@ class SuffixDrafter:
                 out.append(Draft.empty())
                 continue
             tenant, tree, tail = self._requests[rid]
-            own = tree.draft(tail, limit, self.cfg)
-            glob = self.global_trees[tenant].draft(tail, limit, self.cfg)
+            glob = self.global_trees[tenant].draft(tail, limit, self.cfg, rid)
+            # The own text's draft is taken unless the global one scores more: it only has to tie.
+            own = tree.draft(tail, limit, self.cfg, floor=glob.score - 1e-9 if glob.score else 0.0)
             out.append(glob if glob.score > own.score else own)
         return out

@@ -20,32 +20,26 @@ context. The logprobs returned are the target's, of the model's distribution (as
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from talaria_jax.engine.sampling import sample
 
 
-def verify(logits, tokens, node_idx, parent, depth, active, temperature, top_k, top_p, seed, step):
+def verify(logits, tokens, row, draw_step, node_idx, parent, active, temperature, top_k, top_p, seed):
     """logits: [T, V] fp32, the target's logits at each of the step's tokens; tokens: [T], the step's
-    tokens (a draft node's token is its draft); node_idx: [B, K1] token index of each sequence's node
-    (node 0 the root); parent: [B, K1] each node's parent node (-1 for the root, -2 for padding: neither
-    is anyone's child); depth: [B, K1]; active: [B]
-    bool, rows that sample; temperature, top_k, top_p: [B]; seed: [B, 2]; step: [B], the output index
-    the root's token gets.
+    tokens (a draft node's token is its draft); row: [T], each token's sequence row; draw_step: [T],
+    the output index a draw at that token gets (its root's plus its depth); node_idx: [B, K1] token
+    index of each sequence's nodes (node 0 the root); parent: [B, K1] each node's parent node (-1 for
+    the root, -2 for padding: neither is anyone's child); active: [B] bool, rows that sample;
+    temperature, top_k, top_p: [B]; seed: [B, 2].
 
     Returns (tokens [B, K1], logprobs [B, K1], top ids [B, K1, N], top logprobs [B, K1, N], path
     [B, K1] the node whose logits gave each token, count [B] tokens emitted: accepted drafts + 1, 0
     for inactive rows). Entries past count are meaningless."""
     b, k1 = node_idx.shape
-    rows = logits[node_idx.reshape(-1)]
-
-    def per_node(x):
-        return jnp.repeat(x, k1, axis=0)
-
-    drawn, chosen, top_ids, top_lp = sample(rows, per_node(temperature), per_node(top_k), per_node(top_p),
-                                            per_node(seed), (step[:, None] + depth).reshape(-1))
-    drawn, chosen = drawn.reshape(b, k1), chosen.reshape(b, k1)
+    # one draw per token (T rows: B x K1 node slots are mostly padding at small batches)
+    drawn, chosen, top_ids, top_lp = sample(logits, temperature[row], top_k[row], top_p[row], seed[row], draw_step)
+    drawn, chosen = drawn[node_idx], chosen[node_idx]
     draft = tokens[node_idx]
     cur = jnp.zeros(b, jnp.int32)
     alive = active
@@ -61,7 +55,5 @@ def verify(logits, tokens, node_idx, parent, depth, active, temperature, top_k, 
         cur = jnp.where(alive, jnp.argmax(hit, -1).astype(jnp.int32), cur)
     path = jnp.stack(out_node, 1)
     lp = jnp.take_along_axis(chosen, path, axis=1)
-    n = top_ids.shape[-1]
-    flat_path = (jnp.arange(b)[:, None] * k1 + path).reshape(-1)
-    return (jnp.stack(out_tok, 1), lp, top_ids[flat_path].reshape(b, k1, n), top_lp[flat_path].reshape(b, k1, n),
-            path, count)
+    tok = jnp.take_along_axis(node_idx, path, axis=1)  # the token whose logits gave each emitted token
+    return jnp.stack(out_tok, 1), lp, top_ids[tok], top_lp[tok], path, count

@@ -53,6 +53,14 @@ def test_trie_counts_matches_and_removal():
     assert nodes > 1
 
 
+def test_a_shorter_match_drafts_past_the_depth_limit():
+    """Near the trie's depth a longer match cannot draft its full limit; a shorter one as frequent can."""
+    t = SuffixTree(max_depth=8)
+    t.extend("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    d = t.draft([1, 2, 3, 4, 5, 6], 8, SpecConfig(max_spec_factor=4.0, min_token_prob=0.0))
+    assert d.tokens.tolist() == [7, 8, 9] and d.match_len <= 5  # the depth-6 match reaches only 7, 8
+
+
 def test_chain_and_tree_drafts():
     t = SuffixTree(8)
     for i, tail in enumerate(([5, 6], [5, 6], [5, 7], [8, 9])):
@@ -99,11 +107,12 @@ def _verify_many(probs, tokens, parent, depth, n, temperature=1.0, seed=0):
     step_tokens = jnp.asarray(np.tile(tokens, n), jnp.int32)
     rows = jnp.arange(n, dtype=jnp.uint32)
     seeds = jnp.stack([jnp.full(n, seed, jnp.uint32), rows], 1)
-    fn = jax.jit(verify)
-    toks, _, _, _, path, count = fn(logits, step_tokens, node_idx, jnp.tile(jnp.asarray(parent, jnp.int32), (n, 1)),
-                                    jnp.tile(jnp.asarray(depth, jnp.int32), (n, 1)), jnp.ones(n, bool),
-                                    jnp.full(n, temperature, jnp.float32), jnp.zeros(n, jnp.int32),
-                                    jnp.ones(n, jnp.float32), seeds, jnp.zeros(n, jnp.int32))
+    row = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k1)
+    draw_step = jnp.tile(jnp.asarray(depth, jnp.int32), n)
+    toks, _, _, _, path, count = jax.jit(verify)(
+        logits, step_tokens, row, draw_step, node_idx, jnp.tile(jnp.asarray(parent, jnp.int32), (n, 1)),
+        jnp.ones(n, bool), jnp.full(n, temperature, jnp.float32), jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.float32),
+        seeds)
     return np.asarray(toks), np.asarray(count), np.asarray(path)
 
 
@@ -162,20 +171,24 @@ def _prompts():
 
 
 def _engine(model, spec=None, **kw):
-    return Engine(model, EngineConfig(**{"warmup": False, "page_size": 4, "max_seqs": 6, "max_tokens_per_step": 64,
+    return Engine(model, EngineConfig(**{"warmup": False, "page_size": 4, "max_seqs": 6, "max_tokens_per_step": 32,
                                          "max_model_len": 128, "speculation": spec, **kw}))
 
 
 def test_engine_output_is_the_same_with_drafts(dense1):
     """Greedy and seeded sampling give the same tokens and logprobs with speculation as without (the verifier
     draws each token with the key a plain step would use), and rejected drafts leave no page behind."""
-    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * 4 + \
-             [SamplingParams(max_tokens=32, temperature=1.0, seed=s, ignore_eos=True) for s in (7, 8)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)] * 4 + \
+             [SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in (7, 8)]
     ref = _engine(dense1).generate(_prompts(), params, progress=False)
     eng = _engine(dense1, SpecConfig(policy="always", max_spec_tokens=6, min_token_prob=0.0))
     out = eng.generate(_prompts(), params, progress=False)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert np.allclose(np.concatenate([o.logprobs for o in out]), np.concatenate([r.logprobs for r in ref]), atol=1e-5)
+    for o, r in zip(out[:4], ref[:4]):  # the top logprobs too: of the target, at each emitted token
+        assert [sorted(t) for t in o.top_logprobs] == [sorted(t) for t in r.top_logprobs]
+        assert np.allclose([v for t in o.top_logprobs for v in t.values()],
+                           [v for t in r.top_logprobs for v in t.values()], atol=1e-5)
     st = eng.stats
     assert st.spec_steps and 0 < st.accepted_tokens < st.draft_tokens  # drafts both accepted and rejected
     assert eng.allocator.num_free == eng.allocator.num_pages
@@ -188,7 +201,7 @@ def test_tree_drafts_with_a_decoy_branch(dense1):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     prompts = _prompts()[:4]
     truth = {tuple(p): r.token_ids for p, r in zip(prompts, _engine(dense1).generate(prompts, params, progress=False))}
-    eng = _engine(dense1, SpecConfig(policy="always", tree=True, max_spec_tokens=4))
+    eng = _engine(dense1, SpecConfig(policy="always", tree=True, max_spec_tokens=6))
 
     def oracle(ids, caps):  # [decoy] and [t0 -> t1 -> t2] below the last token
         out = []
@@ -210,9 +223,9 @@ def test_tree_drafts_with_a_decoy_branch(dense1):
 
 def test_rejected_drafts_give_their_pages_back(dense1):
     """After each speculative step a running sequence holds exactly the pages its computed tokens need."""
-    eng = _engine(dense1, SpecConfig(policy="always", max_spec_tokens=12, min_token_prob=0.0), page_size=2)
+    eng = _engine(dense1, SpecConfig(policy="always", max_spec_tokens=6, min_token_prob=0.0))
     for p in _prompts():
-        eng.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        eng.add_request(p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
         for req in eng.running:
@@ -222,14 +235,14 @@ def test_rejected_drafts_give_their_pages_back(dense1):
 
 
 def test_greedy_with_drafts_on_tp_mesh():
-    cfg = load_model_config("tiny-moe")
+    cfg = load_model_config("tiny-dense")
     one = init_model(cfg, make_mesh(jax.devices()[:1]), seed=2)
-    eight = init_model(cfg, make_mesh(jax.devices(), tp=8), seed=2)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    ref = _engine(one).generate(_prompts()[:4], params, progress=False)
-    eng = _engine(eight, SpecConfig(policy="always", tree=True, max_spec_tokens=4, min_token_prob=0.0), max_seqs=4,
-                  max_tokens_per_step=32)
-    out = eng.generate(_prompts()[:4], params, progress=False)
+    two = init_model(cfg, make_mesh(jax.devices()[:2], tp=2), seed=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = _engine(one).generate(_prompts()[:3], params, progress=False)
+    eng = _engine(two, SpecConfig(policy="always", tree=True, max_spec_tokens=4, min_token_prob=0.0), max_seqs=4,
+                  max_tokens_per_step=16)
+    out = eng.generate(_prompts()[:3], params, progress=False)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert eng.stats.accepted_tokens > 0
 
@@ -251,8 +264,8 @@ def test_policy_speculates_while_steps_are_flat_and_stops_as_they_saturate():
 
 
 def test_engine_measures_its_step_cost_curve(dense1):
-    eng = _engine(dense1, SpecConfig(max_spec_tokens=4), max_tokens_per_step=16)
-    pol = eng.spec_policy
+    eng = _engine(dense1, SpecConfig(max_spec_tokens=6), max_seqs=2, max_tokens_per_step=4)
+    pol = eng.spec_policy()
     assert set(pol.plain_s) == set(eng.runner.buckets) == set(pol.verify_s)
     assert all(v > 0 for v in pol.plain_s.values())
     with pytest.raises(ValueError, match="max_spec_tokens"):

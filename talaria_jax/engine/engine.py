@@ -26,7 +26,7 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from talaria_jax.engine.errors import RequestError
-from talaria_jax.engine.runner import NO_TREE, DraftBatch, Runner
+from talaria_jax.engine.runner import DraftBatch, Runner
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.allocator import OutOfPages, SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
@@ -221,9 +221,9 @@ class Engine:
         spec = config.speculation
         self.drafter = SuffixDrafter(spec) if spec is not None else None
         self.draft_nodes = spec.max_spec_tokens + 1 if spec is not None else 0  # K1 of the verifying step
+        self._spec_policy: SpecPolicy | None = None  # measured at the first step that could draft
         if config.warmup:
             self.warmup(progress=None)
-        self.spec_policy = SpecPolicy.measure(self.runner, spec) if spec is not None else None
         arena.attach(self)  # last: a constructor that failed leaves nothing on the arena
 
     def warmup(self, progress: bool | None = None) -> None:
@@ -490,13 +490,20 @@ class Engine:
         self._unreported.clear()
         return outs
 
+    def spec_policy(self) -> SpecPolicy:
+        """The speculation policy; its step-cost curve is measured on first use (when the engine first
+        has requests to draft for: an instance's engine reads its weights from the slot only then)."""
+        if self._spec_policy is None:
+            self._spec_policy = SpecPolicy.measure(self.runner, self.config.speculation)
+        return self._spec_policy
+
     def _drafts(self) -> dict[_Request, Draft]:
         """Drafts for the running requests that decode this step, as many tokens each as the policy
         finds worth verifying at this batch size (none, often), within max_tokens and max_model_len."""
         if self.drafter is None:
             return {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        k = self.spec_policy.draft_len(len(self.running)) if decoding else 0
+        k = self.spec_policy().draft_len(len(self.running)) if decoding else 0
         if k == 0:
             return {}
         caps = [min(k, r.params.max_tokens - len(r.output) - 1, self.config.max_model_len - r.num_tokens)
@@ -543,9 +550,10 @@ class Engine:
                     d.node_idx[i, :m + 1] = t + q - 1 + np.arange(m + 1)
                     d.parent[i, 0] = -1
                     d.active[i] = True
+                    d.draw_step[t + q - 1] = len(req.output)
                     if m:
                         d.parent[i, 1:m + 1] = draft.parents + 1
-                        d.depth[i, 1:m + 1] = depth
+                        d.draw_step[t + 1:t + n] = len(req.output) + depth
                 else:
                     b.logits_idx[row] = t + n - 1
                 b.sampling.set_row(row, req.params, req.seed, len(req.output))
@@ -590,7 +598,7 @@ class Engine:
                 if req in drafted:
                     self.stats.draft_tokens += len(drafted[req])
                     self.stats.accepted_tokens += count - 1
-                    self.spec_policy.observe(len(drafted[req]), count - 1)
+                    self.spec_policy().observe(len(drafted[req]), count - 1)
             else:
                 toks, lps = out.tokens[r:r + 1], out.logprobs[r:r + 1]
                 top_ids, top_lps = out.top_ids[r:r + 1], out.top_logprobs[r:r + 1]

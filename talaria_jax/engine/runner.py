@@ -52,14 +52,14 @@ class DraftBatch:
     anc: np.ndarray       # i32 [T], bit j set: the token sees tree node j + 1 (its ancestors and itself)
     node_idx: np.ndarray  # i32 [B, K1], token index of each sequence's root (node 0) and draft nodes
     parent: np.ndarray    # i32 [B, K1], parent node; -1 for the root, -2 for padding
-    depth: np.ndarray     # i32 [B, K1]
+    draw_step: np.ndarray  # i32 [T], output index of a draw at the token (its root's plus its depth)
     active: np.ndarray    # bool [B], sequences whose chunk ends their known tokens (they sample)
 
     @classmethod
     def empty(cls, num_tokens: int, rows: int, k1: int) -> "DraftBatch":
         return cls(np.zeros(num_tokens, np.int32), np.full(num_tokens, NO_TREE, np.int32),
                    np.zeros(num_tokens, np.int32), np.zeros((rows, k1), np.int32), np.full((rows, k1), -2, np.int32),
-                   np.zeros((rows, k1), np.int32), np.zeros(rows, bool))
+                   np.zeros(num_tokens, np.int32), np.zeros(rows, bool))
 
 
 NO_TREE = 2**30  # DraftBatch.base of a token outside any draft tree
@@ -257,12 +257,12 @@ class Runner:
         return (kv, *sample(logits, temperature, top_k, top_p, seed, step), logits)
 
     def _verify_fn(self, graphdef, params, kv, tokens, positions, mask_pos, base, anc, tile_tok, tile_seq, tok_slot,
-                   slots, page_tables, num_blocks, node_idx, parent, depth, active, temperature, top_k, top_p, seed,
-                   step, layout=None):
+                   slots, page_tables, num_blocks, seq, draw_step, node_idx, parent, active, temperature, top_k, top_p,
+                   seed, layout=None):
         model, h, kv = self._forward(graphdef, params, kv, tokens, positions, mask_pos, (base, anc), tile_tok,
                                      tile_seq, tok_slot, slots, page_tables, num_blocks, layout)
         logits = model.logits(h)  # every token's: each draft node is verified
-        return (kv, *verify(logits, tokens, node_idx, parent, depth, active, temperature, top_k, top_p, seed, step))
+        return (kv, *verify(logits, tokens, seq, draw_step, node_idx, parent, active, temperature, top_k, top_p, seed))
 
     def step(self, b: StepBatch) -> StepOutput:
         if self.slot is not None:
@@ -282,8 +282,8 @@ class Runner:
         with jax.set_mesh(self.model.mesh):
             self.kv, *out = self._verify(
                 self.model.graphdef, params, self.kv, b.tokens, b.positions, d.mask_pos, d.base, d.anc, tile_tok,
-                tile_seq, tok_slot, b.slots, b.page_tables, np.int32(b.num_blocks), d.node_idx, d.parent, d.depth,
-                d.active, s.temperature, s.top_k, s.top_p, s.seed, s.step, layout=self.layout)
+                tile_seq, tok_slot, b.slots, b.page_tables, np.int32(b.num_blocks), b.seq, d.draw_step, d.node_idx,
+                d.parent, d.active, s.temperature, s.top_k, s.top_p, s.seed, layout=self.layout)
         return VerifyOutput(*jax.device_get(out))
 
     def _run(self, b: StepBatch, tile_tok, tile_seq, tok_slot) -> StepOutput:

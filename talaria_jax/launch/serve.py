@@ -89,12 +89,6 @@ def main(argv):
     print(f"serving {', '.join(names)} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
     server.run()
     api.state.engine.close()
-    if _SPECULATE.value:
-        engines = getattr(api.state.engine.engine, "engines", [api.state.engine.engine])
-        drafted, accepted = (sum(getattr(e.stats, f) for e in engines) for f in ("draft_tokens", "accepted_tokens"))
-        steps = sum(e.stats.spec_steps for e in engines)
-        print(f"speculative decoding: {steps} speculative steps verified {drafted} draft tokens, accepted {accepted} "
-              f"({accepted / max(drafted, 1):.0%})", file=sys.stderr)
 
 
 class DrainingServer(uvicorn.Server):
