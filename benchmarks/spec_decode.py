@@ -36,6 +36,7 @@ _TREE = flags.DEFINE_bool("tree", False, "Tree drafts instead of chains.")
 _REPS = flags.DEFINE_integer("reps", 1, "Timed runs of each wave per engine (best of).")
 _DATA = flags.DEFINE_string("data", str(agent_env.DEFAULT_PATH), "Recorded trajectories.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (the recording's: 0.8).")
+_KV_MIB = flags.DEFINE_integer("kv_mib", agent_env.KV_BYTES >> 20, "KV pool of each engine (MiB).")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
 
@@ -52,7 +53,7 @@ def build(model, tokenizer, max_seqs: int, spec):
 
     k1 = spec.max_spec_tokens + 1 if spec is not None else 1
     return Engine(model, EngineConfig(max_seqs=max_seqs, max_tokens_per_step=max(256, max_seqs * k1),
-                                      max_model_len=agent_env.MAX_MODEL_LEN, kv_memory_bytes_per_device=agent_env.KV_BYTES,
+                                      max_model_len=agent_env.MAX_MODEL_LEN, kv_memory_bytes_per_device=_KV_MIB.value << 20,
                                       prefix_cache=True, speculation=spec), tokenizer=tokenizer)
 
 
@@ -87,7 +88,8 @@ def main(argv):
             engines[name].spec_policy().reset()
         n = max(b, _REQUESTS.value)
         secs, tokens, outs = dict.fromkeys(engines, 0.0), 0, {k: [] for k in engines}
-        before = {k: (e.stats.spec_steps, e.stats.draft_tokens, e.stats.accepted_tokens) for k, e in engines.items()}
+        before = {k: (e.stats.spec_steps, e.stats.draft_tokens, e.stats.accepted_tokens, e.stats.steps)
+                  for k, e in engines.items()}
         for w in range(0, n, b):
             wave = [reqs[i % len(reqs)] for i in range(w, min(w + b, n))]
             prompts = [p for p, _, _ in wave]
@@ -105,9 +107,10 @@ def main(argv):
         row = {"batch": b, "requests": n, "tokens": tokens, "same_output": same}
         for name, eng in engines.items():
             row[f"{name}_tok_s"] = tokens / secs[name]
-            steps, drafted, accepted = (x - y for x, y in zip(
-                (eng.stats.spec_steps, eng.stats.draft_tokens, eng.stats.accepted_tokens), before[name]))
+            steps, drafted, accepted, all_steps = (x - y for x, y in zip(
+                (eng.stats.spec_steps, eng.stats.draft_tokens, eng.stats.accepted_tokens, eng.stats.steps), before[name]))
             row[f"{name}_accepted_per_step"] = accepted / steps if steps else None
+            row[f"{name}_spec_share"] = steps / all_steps if all_steps else None
         row["always_ratio"] = row["always_tok_s"] / row["plain_tok_s"]
         row["auto_ratio"] = row["auto_tok_s"] / row["plain_tok_s"]
         row["policy_drafts"] = engines["auto"].spec_policy().draft_len(b)
@@ -125,7 +128,7 @@ def main(argv):
         [("batch", "batch", "d"), ("requests", "requests", "d"), ("plain tok/s", "plain_tok_s", ".1f"),
          ("always tok/s", "always_tok_s", ".1f"), ("auto tok/s", "auto_tok_s", ".1f"),
          ("always / plain", "always_ratio", ".2f"), ("auto / plain", "auto_ratio", ".2f"),
-         ("accepted / spec step", "always_accepted_per_step", ".2f"), ("policy drafts", "policy_drafts", "d"),
+         ("accepted / spec step", "always_accepted_per_step", ".2f"), ("auto: steps speculated", "auto_spec_share", ".0%"), ("policy drafts", "policy_drafts", "d"),
          ("same output", "same_output", "")], rows)
     print(f"\nload average after: {load:.2f} (2 cores: above ~1 the timings are noisy)")
     print("paper (WAR, low load): 1.4x rollout throughput from speculation")

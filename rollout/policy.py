@@ -30,8 +30,21 @@ class SpecPolicy:
         self.reset()
 
     def reset(self) -> None:
-        """Forgets the acceptance seen (a new workload); the step-cost curve stays."""
+        """Forgets the acceptance and the step times seen (a new workload); the step-cost curve stays."""
         self.accepted, self.rejected = self.prior
+        self.scored, self.scored_accepted = 1.0, 1.0  # drafts' scores (expected accepted) and what was accepted
+        self.scale: dict[tuple[bool, int], float] = {}  # (verifying, bucket): real step time over the curve's
+
+    def observe_step(self, verifying: bool, tokens: int, seconds: float) -> None:
+        """A real step's time: the curve (all-padding steps) leaves out the attention over the real
+        contexts and the query tiles of the drafts, so each kind of step at each bucket keeps a running
+        ratio of its real time to the curve's, and gain() scales the curve by it (1 until seen)."""
+        curve = (self.verify_s if verifying else self.plain_s)
+        t = self._bucket(tokens)
+        if curve is None or t is None:
+            return
+        s = self.scale.get((verifying, t), 1.0)
+        self.scale[(verifying, t)] = s + 0.2 * (seconds / curve[t] - s)
 
     @classmethod
     def measure(cls, runner, spec, reps: int = 3) -> "SpecPolicy":
@@ -55,9 +68,30 @@ class SpecPolicy:
         likelihood of a geometric run: accepted / (accepted + runs that ended in a rejection))."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, score: float = 0.0) -> None:
+        """One verified draft: its length, the tokens accepted, and its score (the drafter's expectation)."""
         self.accepted += accepted
         self.rejected += accepted < drafted
+        self.scored += score
+        self.scored_accepted += accepted
+
+    @property
+    def calibration(self) -> float:
+        """Tokens accepted per unit of draft score so far (the drafter's frequencies are estimates)."""
+        return self.scored_accepted / self.scored
+
+    def worth(self, batch: int, draft_tokens: int, score: float) -> bool:
+        """Whether a step of `batch` sequences should verify these drafts (draft_tokens in all, summed
+        score): expected tokens per second of the verifying step, (batch + calibrated score) over its
+        cost at its real token count, against batch over a plain step's."""
+        if self.always:
+            return True
+        t, b = self._bucket(batch + draft_tokens), self._bucket(batch)
+        if t is None:
+            return False
+        plain = self.plain_s[b] * self.scale.get((False, b), 1.0)
+        verify = self.verify_s[t] * self.scale.get((True, t), 1.0)
+        return (batch + self.calibration * score) / verify > batch / plain
 
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if n <= b), None)
@@ -69,7 +103,9 @@ class SpecPolicy:
             return 0.0
         a = self.acceptance
         expected = sum(a ** i for i in range(k + 1))
-        return expected * self.plain_s[self._bucket(batch)] / self.verify_s[t]
+        b = self._bucket(batch)
+        plain = self.plain_s[b] * self.scale.get((False, b), 1.0)
+        return expected * plain / (self.verify_s[t] * self.scale.get((True, t), 1.0))
 
     def draft_len(self, batch: int) -> int:
         if batch < 1:

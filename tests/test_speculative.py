@@ -261,6 +261,16 @@ def test_policy_speculates_while_steps_are_flat_and_stops_as_they_saturate():
     pol.accepted, pol.rejected = 0.0, 50.0
     assert pol.draft_len(1) == 0
     assert SpecPolicy(8, buckets, None, None, always=True).draft_len(64) == 8
+    pol = SpecPolicy(8, buckets, plain_s=cost, verify_s=cost, prior=(9.0, 1.0))
+    assert pol.draft_len(2) > 0
+    for t in (4, 8, 16, 32):  # real verifying steps turn out 10x the curve (attention over long contexts)
+        for _ in range(20):
+            pol.observe_step(True, t, 10 * cost[t])
+    assert pol.draft_len(2) == 0
+    pol = SpecPolicy(8, buckets, plain_s=cost, verify_s={t: 1.2 * c for t, c in cost.items()})
+    assert pol.worth(2, 14, score=3.0)
+    pol.observe(drafted=100, accepted=0, score=50.0)  # the drafter's scores turn out empty promises
+    assert not pol.worth(2, 14, score=3.0) and pol.calibration < 0.05
 
 
 def test_engine_measures_its_step_cost_curve(dense1):

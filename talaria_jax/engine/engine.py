@@ -508,7 +508,11 @@ class Engine:
             return {}
         caps = [min(k, r.params.max_tokens - len(r.output) - 1, self.config.max_model_len - r.num_tokens)
                 for r in decoding]
-        return {r: d for r, d in zip(decoding, self.drafter.draft([r.id for r in decoding], caps)) if len(d)}
+        drafts = {r: d for r, d in zip(decoding, self.drafter.draft([r.id for r in decoding], caps)) if len(d)}
+        if drafts and not self.spec_policy().worth(len(self.running), sum(len(d) for d in drafts.values()),
+                                                   sum(d.score for d in drafts.values())):
+            return {}  # these drafts are not worth their step's cost: a plain step
+        return drafts
 
     def _advance(self) -> list[_Request]:
         """Runs one batched step; returns the requests that gained a token (finished ones included)."""
@@ -565,7 +569,10 @@ class Engine:
                 r = req.restore
                 self.runner.kv = self.host_tier.restore(self.runner.kv, r, req.seq.pages[:r.num_pages],
                                                         skip=req.restore_skip)
+            t0 = time.perf_counter()
             out = self.runner.verify_step(b, d) if spec else self.runner.step(b)
+            if self._spec_policy is not None:
+                self._spec_policy.observe_step(spec, len(b.tokens), time.perf_counter() - t0)
         except Exception as e:  # the donated pool may be gone: start it afresh and recompute every sequence
             self.stats.step_failures += 1
             for req in restores:
@@ -598,7 +605,7 @@ class Engine:
                 if req in drafted:
                     self.stats.draft_tokens += len(drafted[req])
                     self.stats.accepted_tokens += count - 1
-                    self.spec_policy().observe(len(drafted[req]), count - 1)
+                    self.spec_policy().observe(len(drafted[req]), count - 1, drafted[req].score)
             else:
                 toks, lps = out.tokens[r:r + 1], out.logprobs[r:r + 1]
                 top_ids, top_lps = out.top_ids[r:r + 1], out.top_logprobs[r:r + 1]
