@@ -182,7 +182,7 @@ class Engine:
         then sizes the pool and its pages (EngineConfig.num_pages and kv_memory_bytes_per_device must be
         unset); None: the engine's own, of config.page_size tokens per page."""
         config.validate()
-        if config.speculation is not None and config.speculation.tree and model.cfg.sliding_windows:
+        if config.speculation is not None and config.speculation.tree and any(model.cfg.sliding_windows):
             raise ValueError(f"EngineConfig.speculation: tree drafts need full attention; {model.cfg.name} has "
                              f"sliding windows (use chain drafts: SpecConfig(tree=False))")
         if config.max_model_len > model.cfg.max_position:
