@@ -32,7 +32,7 @@ from talaria_jax.kvcache.allocator import OutOfPages, SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.kvcache.prefix import PrefixCache, evict
-from talaria_jax.models.model import ShardedModel
+from talaria_jax.models.model import ShardedModel, with_params
 from talaria_jax.rollout.policy import SpecPolicy
 from talaria_jax.rollout.suffix import Draft, SpecConfig, SuffixDrafter
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
@@ -222,6 +222,7 @@ class Engine:
         self.drafter = SuffixDrafter(spec) if spec is not None else None
         self.draft_nodes = spec.max_spec_tokens + 1 if spec is not None else 0  # K1 of the verifying step
         self._spec_policy: SpecPolicy | None = None  # measured at the first step that could draft
+        self._weight_updates = 0
         if config.warmup:
             self.warmup(progress=None)
         arena.attach(self)  # last: a constructor that failed leaves nothing on the arena
@@ -353,6 +354,28 @@ class Engine:
             return self._output(req)
         self._unreported.pop(req, None)
         return self._report(req)
+
+    def update_weights(self, params) -> None:
+        """Serves new weights from now on (an RL trainer's, after an optimizer step): `params` as
+        `models.with_params` takes them, on any devices; they are resharded onto this engine's mesh
+        and need no recompile. Nothing computed by the old weights is reused: the prefix cache is
+        emptied, host KV copies of the old weights are refused by `restore`, and suffix drafts start
+        from empty trees. Refused (RequestError) while requests are in flight, which would mix two
+        policies in one output; abort or finish them first."""
+        if self.requests:
+            raise RequestError(f"update_weights: {len(self.requests)} requests are in flight; finish or abort them "
+                               f"first")
+        if self.runner.slot is not None:
+            raise RequestError("update_weights: this engine reads its weights from a shared slot (an instance's); "
+                               "load them through the instance")
+        self._weight_updates += 1
+        self.model = with_params(self.model, params, tag=str(self._weight_updates))
+        self.runner.model = self.model
+        self.host_tier.source = dataclasses.replace(self.host_tier.source, weights=self.model.fingerprint)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        if self.drafter is not None:
+            self.drafter = SuffixDrafter(self.config.speculation)
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has anything left to do: requests to run, or progress still to hand out

@@ -8,7 +8,7 @@ from talaria_jax.models.config import (ModelConfig, MoEConfig, RopeScaling, avai
 
 _LAZY = {"Decoder": "talaria_jax.models.decoder", "ShardedModel": "talaria_jax.models.model",
          "forward": "talaria_jax.models.model", "greedy_generate": "talaria_jax.models.model",
-         "init_model": "talaria_jax.models.model"}
+         "init_model": "talaria_jax.models.model", "with_params": "talaria_jax.models.model"}
 
 
 def __getattr__(name):
@@ -20,4 +20,5 @@ def __getattr__(name):
 
 
 __all__ = ["Decoder", "ModelConfig", "MoEConfig", "RopeScaling", "ShardedModel", "available_models",
-           "bytes_per_weight", "forward", "greedy_generate", "init_model", "load_model_config"]
+           "bytes_per_weight", "forward", "greedy_generate", "init_model", "load_model_config",
+           "with_params"]

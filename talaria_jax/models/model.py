@@ -61,6 +61,37 @@ def init_model(cfg: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -> Sha
     return ShardedModel(cfg, mesh, graphdef, state, weights_fingerprint("random", cfg.name, seed, repr(cfg)))
 
 
+def param_name(path) -> str:
+    """'blocks.0.attn.q_proj' for a pytree path into a model's state, its pure dict or a flat dict."""
+    name = jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+    return name.removesuffix(".value")
+
+
+def with_params(model: ShardedModel, params: Any, tag: str = "") -> ShardedModel:
+    """`model` with new parameter values: `params` is an nnx.State of the same module, its
+    `to_pure_dict()`, or a flat {'blocks.0.attn.q_proj': array} dict (`param_arrays()`), on any
+    devices (a trainer's). Each array is cast to the model's dtype and placed with the model's
+    sharding, so the result runs on the model's mesh and its compiled programs. A missing, unknown or
+    misshapen parameter is a ValueError naming it. The fingerprint changes (KV and prefix caches of
+    the old weights are then never reused): it digests the old one and `tag`."""
+    given = {param_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    want = model.param_arrays()
+    missing, unknown = sorted(want.keys() - given.keys()), sorted(given.keys() - want.keys())
+    if missing or unknown:
+        raise ValueError(f"params do not match {model.cfg.name}: missing {missing[:5]}, unknown {unknown[:5]}"
+                         f" ({len(missing)} missing, {len(unknown)} unknown)")
+    for name, old in want.items():
+        if tuple(np.shape(given[name])) != old.shape:
+            raise ValueError(f"params[{name!r}] has shape {tuple(np.shape(given[name]))}; {model.cfg.name} "
+                             f"needs {old.shape}")
+
+    def put(path, old):
+        return jax.device_put(jnp.asarray(given[param_name(path)], old.dtype), old.sharding)
+
+    state = jax.tree_util.tree_map_with_path(put, model.state)
+    return dataclasses.replace(model, state=state, fingerprint=weights_fingerprint(model.fingerprint, "update", tag))
+
+
 def weights_fingerprint(*parts: Any) -> str:
     """A short stable digest of what identifies a set of weights (source, config, content digests)."""
     return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()

@@ -1,0 +1,185 @@
+"""Placement of rollout requests on replicas: which replica runs a request, and in what order each
+replica admits the requests placed on it.
+
+A synchronous RL step ends when its last trajectory does, and every turn of a multi-turn trajectory
+re-sends the whole context so far. WAR's cache-aware placement (`CacheAware`) therefore weighs:
+
+- **cache locality**: the share of the prompt already cached on the replica (a group's shared
+  prompt, a trajectory's earlier turns), from a `PrefixIndex` of what each replica computed;
+- **load**: requests placed on the replica and not finished, over its batch capacity;
+- **trajectory progress**: each replica admits its requests most-progressed first (later turns,
+  then longer contexts), so the tail trajectories that decide the step's end get room first.
+
+    score(replica) = locality * cached_prompt_share - load * outstanding / capacity
+
+the same form as the Talaria router's locality and pressure terms (scheduler/router.py), with no
+residency term: every replica serves the one policy. Ties go to the less loaded replica, then the
+lower index. `RoundRobin` and `LeastLoaded` are the baselines; they admit in arrival order.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+from collections.abc import Sequence
+
+__all__ = ["CacheAware", "LeastLoaded", "Placement", "PlacementRequest", "PrefixIndex", "ReplicaLoad", "RoundRobin",
+           "make_placement", "PLACEMENTS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementRequest:
+    """What placement sees of a request: its prompt, the trajectory (or group) it belongs to, and its
+    progress (`turn`: model turns of its trajectory before this one)."""
+    prompt: tuple[int, ...]
+    trajectory: str | None = None
+    turn: int = 0
+    arrival: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLoad:
+    outstanding: int  # placed on the replica and not finished (queued or running)
+    capacity: int  # sequences it runs at once (EngineConfig.max_seqs)
+
+    @property
+    def share(self) -> float:
+        return self.outstanding / max(1, self.capacity)
+
+
+class PrefixIndex:
+    """Which token prefixes a replica has computed, in blocks of `block` tokens (the engine's page
+    size): block i is keyed by a digest of the prompt's first (i+1) * block tokens, so a lookup
+    counts the leading blocks present. Bounded to `capacity_blocks` (about the replica's KV pages),
+    least recently used out first, like the prefix cache it approximates. Approximate by design (the
+    replica may have evicted a block the index still holds): it steers placement, never correctness."""
+
+    def __init__(self, block: int, capacity_blocks: int):
+        if block < 1 or capacity_blocks < 1:
+            raise ValueError(f"PrefixIndex: block ({block}) and capacity_blocks ({capacity_blocks}) must be >= 1")
+        self.block, self.capacity = block, capacity_blocks
+        self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def _keys(self, tokens: Sequence[int]) -> list[bytes]:
+        keys, h = [], hashlib.blake2b(digest_size=16)
+        for i in range(len(tokens) // self.block):
+            h.update(repr(tuple(tokens[i * self.block:(i + 1) * self.block])).encode())
+            keys.append(h.copy().digest())
+        return keys
+
+    def match(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of `tokens` held, in whole blocks."""
+        n = 0
+        for key in self._keys(tokens):
+            if key not in self._blocks:
+                break
+            self._blocks.move_to_end(key)
+            n += self.block
+        return n
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        for key in self._keys(tokens):
+            self._blocks[key] = None
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class Placement:
+    """Chooses a replica per request (`choose`) and each replica's admission order (`priority`, lowest
+    first). `computed(replica, tokens)` tells it what a replica now holds; `reset()` forgets it (new
+    weights make every cached prefix stale)."""
+
+    name = "placement"
+
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
+        raise NotImplementedError
+
+    def priority(self, req: PlacementRequest) -> tuple:
+        return (req.arrival,)
+
+    def computed(self, replica: int, tokens: Sequence[int]) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class RoundRobin(Placement):
+    """Replica i, i+1, ... in turn, blind to load and cache: data-parallel rollouts' default."""
+
+    name = "round_robin"
+
+    def __init__(self):
+        self._next = itertools.count()
+
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
+        return next(self._next) % len(loads)
+
+
+def _least_loaded(loads: Sequence[ReplicaLoad], among: Sequence[int] | None = None) -> int:
+    among = range(len(loads)) if among is None else among
+    return min(among, key=lambda r: (loads[r].share, r))
+
+
+class LeastLoaded(Placement):
+    """The replica with the smallest outstanding share of its capacity."""
+
+    name = "least_loaded"
+
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
+        return _least_loaded(loads)
+
+
+class CacheAware(Placement):
+    """WAR's placement (module docstring). `block` and `capacity_blocks` size each replica's
+    `PrefixIndex` (the engine's page size and page count)."""
+
+    name = "cache_aware"
+
+    def __init__(self, num_replicas: int, block: int, capacity_blocks: int, locality: float = 1.0,
+                 load: float = 1.0):
+        if locality < 0 or load < 0:
+            raise ValueError(f"CacheAware: weights must be >= 0, got locality={locality}, load={load}")
+        self.locality, self.load = locality, load
+        self.index = [PrefixIndex(block, capacity_blocks) for _ in range(num_replicas)]
+
+    def score(self, req: PlacementRequest, replica: int, load: ReplicaLoad) -> float:
+        hit = self.index[replica].match(req.prompt) / max(1, len(req.prompt))
+        return self.locality * hit - self.load * load.share
+
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
+        scores = [self.score(req, r, load) for r, load in enumerate(loads)]
+        best = max(scores)
+        return _least_loaded(loads, [r for r, s in enumerate(scores) if s >= best - 1e-9])
+
+    def priority(self, req: PlacementRequest) -> tuple:
+        return (-req.turn, -len(req.prompt), req.arrival)
+
+    def computed(self, replica: int, tokens: Sequence[int]) -> None:
+        self.index[replica].insert(tokens)
+
+    def reset(self) -> None:
+        for index in self.index:
+            index.clear()
+
+
+PLACEMENTS = ("cache_aware", "round_robin", "least_loaded")
+
+
+def make_placement(name: str, num_replicas: int, block: int = 16, capacity_blocks: int = 1 << 16) -> Placement:
+    """A placement by name (PLACEMENTS); ValueError naming the choices otherwise."""
+    if name == "cache_aware":
+        return CacheAware(num_replicas, block, capacity_blocks)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {name!r}")

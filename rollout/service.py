@@ -1,0 +1,384 @@
+"""The rollout service: generation for RL loops over several replicas, single- and multi-turn.
+
+    service = RolloutService([spec.build() for spec in specs])      # or ray_replicas(...) for Ray actors
+    groups = service.generate(prompts, SamplingParams(max_tokens=64), n=8)   # [prompt][sample] Completions
+    trajs = service.rollout(prompts, make_env, params, n=4, max_turns=6)      # multi-turn, env between turns
+    service.update_weights(trainer_params)                                     # after each optimizer step
+
+Each replica has a worker thread that feeds it the requests placed on it (at most its batch
+capacity at once, in the placement's priority order), steps it, and hands each finished request to
+its future; the replicas step concurrently (Ray actors in their own processes). Placement
+(rollout/placement.py) is WAR's cache-aware one by default. The other half of WAR's workload-aware
+choice is made inside each replica's engine at every step: with `EngineConfig.speculation` set, the
+engine verifies suffix drafts only when the measured step-cost curve says they pay at that step's
+batch (rollout/policy.py), that is at low load.
+
+Sampling seeds are the service's, not the replicas': sample j of prompt i in the c-th call draws
+with a seed derived from (the params' seed or the service's, c, i, j) and, in a trajectory, the turn.
+So outputs do not depend on placement, timing, speculation or replica count, and two services with
+the same seed and calls return the same tokens (the benchmarks rely on it).
+
+A replica that fails (its engine dead, its Ray actor gone) is dropped and its requests are placed
+again on the others, recomputed from their prompts with the same seeds; nothing is lost.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import heapq
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+
+from absl import logging
+
+from talaria_jax.engine.errors import RequestError
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.rollout.placement import Placement, PlacementRequest, ReplicaLoad, make_placement
+from talaria_jax.rollout.replica import Completion, ReplicaInfo
+
+__all__ = ["RolloutService", "Trajectory"]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A multi-turn rollout: `prompt` (the first), then `token_ids`, every model and environment
+    token after it in order, with `mask` 1 on the model's (what a policy gradient trains on) and
+    `logprobs` the model's logprob of each (0.0 on environment tokens). `end`: "done" (the
+    environment ended it), "max_turns", "context" (the next turn would not fit the replica's
+    context), "abort" or "error"."""
+    prompt: list[int]
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    turns: list[Completion] = dataclasses.field(default_factory=list)
+    end: str | None = None
+
+    def context(self) -> list[int]:
+        return self.prompt + self.token_ids
+
+
+# What an environment is to `rollout`: make_env(prompt_index, sample_index) returns a callable that
+# takes each turn's Completion and returns the tokens to append before the next turn (the tool's
+# message), or None to end the trajectory.
+EnvFactory = Callable[[int, int], Callable[[Completion], Sequence[int] | None]]
+
+
+@dataclasses.dataclass(eq=False)
+class _Req:
+    id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    salt: str | None
+    place: PlacementRequest
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    index: int
+    replica: object
+    info: ReplicaInfo
+    queue: list = dataclasses.field(default_factory=list)  # heap of (priority, seq, _Req)
+    running: dict[str, _Req] = dataclasses.field(default_factory=dict)  # sent to the replica
+    aborts: list[str] = dataclasses.field(default_factory=list)
+    wake: threading.Event = dataclasses.field(default_factory=threading.Event)
+    dead: str | None = None
+    thread: threading.Thread | None = None
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(len(self.queue) + len(self.running), self.info.capacity)
+
+
+def _seed(*parts) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # room for + turn below 2**63
+
+
+class RolloutService:
+    """See the module docstring. `replicas`: objects with the `Replica` interface (in process, or
+    `RayReplica`), all of one model. `placement`: a name of `placement.PLACEMENTS` or a `Placement`.
+    `steps_per_call`: engine steps a worker asks of its replica per call (more saves round trips to a
+    Ray actor; a call returns early when a request finishes)."""
+
+    def __init__(self, replicas: Sequence, placement: str | Placement = "cache_aware", *, seed: int = 0,
+                 steps_per_call: int = 1):
+        if not replicas:
+            raise ValueError("RolloutService needs at least one replica")
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        infos = [r.info() for r in replicas]
+        models = {(i.model, i.vocab_size) for i in infos}
+        if len(models) > 1:
+            raise ValueError(f"replicas serve different models: {sorted(models)}")
+        self.info = min(infos, key=lambda i: i.max_model_len)
+        if isinstance(placement, str):
+            placement = make_placement(placement, len(replicas), block=infos[0].page_size,
+                                       capacity_blocks=min(i.num_pages for i in infos))
+        self.placement, self.seed, self.steps_per_call = placement, seed, steps_per_call
+        self._lock = threading.RLock()
+        self._calls = itertools.count()
+        self._order = itertools.count()
+        self._closed = False
+        self._ids: set[str] = set()  # in flight
+        self.counts = dict(requests=0, completed=0, aborted=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
+                           replaced=0)
+        self.workers = [_Worker(i, r, info) for i, (r, info) in enumerate(zip(replicas, infos))]
+        for w in self.workers:
+            w.thread = threading.Thread(target=self._run, args=(w,), name=f"rollout-replica-{w.index}", daemon=True)
+            w.thread.start()
+
+    # ---- API -----------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), n: int = 1, *,
+                 trajectory_ids: Sequence[str] | None = None, turns: Sequence[int] | None = None,
+                 request_ids: Sequence[str] | None = None, cache_salt: str | None = None) -> list[list[Completion]]:
+        """`n` samples of each prompt (token ids), as [prompt][sample] Completions, once all finished.
+        `trajectory_ids` / `turns` (per prompt) tell placement which requests continue which
+        trajectory and how far along it is (an HTTP client's multi-turn loop passes them);
+        `request_ids` (per prompt; "-j" is appended for n > 1) name requests for `abort`. Bad input
+        raises RequestError naming the prompt and field before anything is queued."""
+        call = next(self._calls)
+        prompts = self._check_prompts(prompts, params, n)
+        for name, v in (("trajectory_ids", trajectory_ids), ("turns", turns), ("request_ids", request_ids)):
+            if v is not None and len(v) != len(prompts):
+                raise RequestError(f"{name} has {len(v)} entries for {len(prompts)} prompts")
+        reqs = []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                rid = f"g{call}-{i}-{j}" if request_ids is None else (
+                    str(request_ids[i]) if n == 1 else f"{request_ids[i]}-{j}")
+                traj = trajectory_ids[i] if trajectory_ids is not None else f"g{call}-{i}"
+                turn = int(turns[i]) if turns is not None else 0
+                reqs.append(self._request(rid, p, params, cache_salt, traj, turn, (call, i, j, turn)))
+        self._submit(reqs)
+        done = [r.future.result() for r in reqs]
+        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def rollout(self, prompts: Sequence[Sequence[int]], make_env: EnvFactory, params: SamplingParams = SamplingParams(),
+                n: int = 1, *, max_turns: int = 8, cache_salt: str | None = None) -> list[list[Trajectory]]:
+        """`n` multi-turn trajectories per prompt, as [prompt][sample]: each turn generates from the
+        context so far, then the trajectory's environment (`make_env(i, j)`) returns the tokens to
+        append or None to end. Environments run in the calling thread, as turns finish; each next
+        turn is placed at once (its earlier turns' KV is where placement looks first)."""
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise RequestError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        call = next(self._calls)
+        prompts = self._check_prompts(prompts, params, n)
+        trajs = [[Trajectory(list(p)) for _ in range(n)] for p in prompts]
+        envs = {(i, j): make_env(i, j) for i in range(len(prompts)) for j in range(n)}
+        pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
+
+        def submit(i: int, j: int) -> None:
+            t = trajs[i][j]
+            turn = len(t.turns)
+            req = self._request(f"r{call}-{i}-{j}-t{turn}", tuple(t.context()), params, cache_salt,
+                                f"r{call}-{i}-{j}", turn, (call, i, j, 0), turn_offset=turn)
+            pending[req.future] = (i, j)
+            self._submit([req])
+
+        for i in range(len(prompts)):
+            for j in range(n):
+                submit(i, j)
+        while pending:
+            ready, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
+            for fut in ready:
+                i, j = pending.pop(fut)
+                t, c = trajs[i][j], fut.result()
+                t.turns.append(c)
+                t.token_ids += c.token_ids
+                t.mask += [1] * len(c.token_ids)
+                t.logprobs += c.logprobs
+                if c.finish_reason in ("abort", "error"):
+                    t.end = c.finish_reason
+                    continue
+                more = envs[i, j](c)
+                if more is None:
+                    t.end = "done"
+                    continue
+                more = [int(x) for x in more]
+                t.token_ids += more
+                t.mask += [0] * len(more)
+                t.logprobs += [0.0] * len(more)
+                if len(t.turns) >= max_turns:
+                    t.end = "max_turns"
+                elif len(t.context()) + params.max_tokens > self.info.max_model_len:
+                    t.end = "context"
+                else:
+                    submit(i, j)
+        return trajs
+
+    def abort(self, request_id: str, timeout_s: float = 60.0) -> Completion | None:
+        """Stops a request; its Completion with the tokens generated so far (finish_reason "abort"),
+        or its final one if it finished first; None for an unknown id."""
+        with self._lock:
+            for w in self.workers:
+                for k, (_, _, req) in enumerate(w.queue):
+                    if req.id == request_id:  # not sent to its replica yet
+                        w.queue.pop(k)
+                        heapq.heapify(w.queue)
+                        self._complete(w, req, Completion(req.id, [], [], "abort"))
+                        return req.future.result()
+                req = w.running.get(request_id)
+                if req is not None:
+                    w.aborts.append(request_id)
+                    w.wake.set()
+                    break
+            else:
+                return None
+        return req.future.result(timeout=timeout_s)
+
+    def update_weights(self, params) -> None:
+        """Every replica serves `params` from now on (see Engine.update_weights: resharded onto each
+        replica's mesh; no KV, prefix or draft of the old weights reused). RequestError while requests
+        are in flight. The replicas update concurrently."""
+        with self._lock:
+            if self._ids:
+                raise RequestError(f"update_weights: {len(self._ids)} requests are in flight; finish or abort them first")
+            live = [w for w in self.workers if w.dead is None]
+            with concurrent.futures.ThreadPoolExecutor(len(live)) as pool:
+                list(pool.map(lambda w: w.replica.update_weights(params), live))
+            self.placement.reset()
+
+    def stats(self) -> dict:
+        """The service's counters and each live replica's engine stats (steps, speculative steps,
+        accepted draft tokens, prefix-cache hits, ...)."""
+        with self._lock:
+            out = dict(self.counts, in_flight=len(self._ids), placement=self.placement.name)
+            workers = list(self.workers)
+        out["replicas"] = [dict(w.replica.stats(), queued=len(w.queue)) if w.dead is None else {"dead": w.dead}
+                           for w in workers]
+        return out
+
+    def close(self) -> None:
+        """Stops the workers; requests still in flight fail with RuntimeError."""
+        with self._lock:
+            self._closed = True
+            for w in self.workers:
+                w.wake.set()
+        for w in self.workers:
+            w.thread.join(timeout=60)
+        self._fail([r for w in self.workers for r in list(w.running.values()) + [q[2] for q in w.queue]],
+                   "the rollout service closed")
+
+    def __enter__(self) -> RolloutService:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def _check_prompts(self, prompts, params: SamplingParams, n: int) -> list[tuple[int, ...]]:
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RequestError(f"n must be an integer >= 1, got {n!r}")
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.info.vocab_size)
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) or not hasattr(p, "__len__"):
+                raise RequestError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+            if len(p) == 0:
+                raise RequestError(f"prompts[{i}] is empty")
+            for k, t in enumerate(p):
+                if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
+                    raise RequestError(f"prompts[{i}][{k}] is {t!r}, not an integer token id")
+                if not 0 <= int(t) < self.info.vocab_size:
+                    raise RequestError(f"prompts[{i}][{k}] is {int(t)}, outside the vocabulary "
+                                       f"[0, {self.info.vocab_size})")
+            if len(p) + params.max_tokens > self.info.max_model_len:
+                raise RequestError(f"prompts[{i}] ({len(p)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                   f"replicas' context limit of {self.info.max_model_len} tokens")
+            out.append(tuple(int(t) for t in p))
+        return out
+
+    def _request(self, rid: str, prompt: tuple[int, ...], params: SamplingParams, salt: str | None, traj: str,
+                 turn: int, key: tuple, turn_offset: int = 0) -> _Req:
+        base = params.seed if params.seed is not None else self.seed
+        seeded = dataclasses.replace(params, seed=_seed(base, *key) + turn_offset)
+        return _Req(rid, prompt, seeded, salt, PlacementRequest(prompt, traj, turn, next(self._order)))
+
+    def _submit(self, reqs: list[_Req]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the rollout service is closed")
+            dup = [r.id for r in reqs if r.id in self._ids]
+            if dup or len({r.id for r in reqs}) < len(reqs):
+                raise RequestError(f"request ids already in flight or repeated: {dup or [r.id for r in reqs][:3]}")
+            for r in reqs:
+                self._ids.add(r.id)
+                self.counts["requests"] += 1
+                self._place(r)
+
+    def _place(self, req: _Req) -> None:
+        live = [w for w in self.workers if w.dead is None]
+        if not live:
+            self._fail([req], "every replica has failed")
+            return
+        w = live[self.placement.choose(req.place, [w.load() for w in live])]
+        heapq.heappush(w.queue, (self.placement.priority(req.place), req.place.arrival, req))
+        self.placement.computed(w.index, req.prompt)  # its prompt's KV will be there
+        w.wake.set()
+
+    def _complete(self, w: _Worker, req: _Req, c: Completion) -> None:
+        c.replica = w.index
+        self._ids.discard(req.id)
+        self.counts["completed"] += 1
+        self.counts["aborted"] += c.finish_reason == "abort"
+        self.counts["generated_tokens"] += len(c.token_ids)
+        self.counts["prompt_tokens"] += len(req.prompt)
+        self.counts["cached_tokens"] += c.cached_tokens
+        if c.token_ids:
+            self.placement.computed(w.index, req.prompt + tuple(c.token_ids))
+        req.future.set_result(c)
+
+    def _fail(self, reqs: list[_Req], why: str) -> None:
+        for r in reqs:
+            self._ids.discard(r.id)
+            if not r.future.done():
+                r.future.set_exception(RuntimeError(why))
+
+    # ---- the worker threads --------------------------------------------------------------------------
+    def _run(self, w: _Worker) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                aborts, w.aborts = w.aborts, []
+                adds = []
+                while w.queue and len(w.running) < w.info.capacity:
+                    req = heapq.heappop(w.queue)[2]
+                    w.running[req.id] = req
+                    adds.append(req)
+                busy = bool(w.running)
+                w.wake.clear()
+            try:
+                done = w.replica.abort(aborts) if aborts else []
+                if adds:
+                    done += w.replica.add([(r.id, r.prompt, r.params, r.salt) for r in adds])
+                if busy:
+                    done += w.replica.step(self.steps_per_call)
+            except Exception as e:  # noqa: BLE001 - the replica is gone: place its requests elsewhere
+                logging.exception("rollout replica %d failed", w.index)
+                self._drop(w, f"{type(e).__name__}: {e}")
+                return
+            with self._lock:
+                for c in done:
+                    req = w.running.pop(c.request_id, None)
+                    if req is not None:
+                        self._complete(w, req, c)
+            if not busy:
+                w.wake.wait(1.0)
+
+    def _drop(self, w: _Worker, why: str) -> None:
+        with self._lock:
+            w.dead = why
+            orphans = list(w.running.values()) + [q[2] for q in w.queue]
+            w.running.clear()
+            w.queue.clear()
+            self.counts["replaced"] += len(orphans)
+            for req in orphans:
+                self._place(req)
+

@@ -1,0 +1,303 @@
+"""The rollout service (WAR part 2): placement, generate and multi-turn rollouts over two replicas
+(two 4-device meshes), logprobs against the trainer's, update_weights, abort, HTTP, Ray actors."""
+import contextlib
+import socket
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+import uvicorn
+
+from talaria_jax.engine import EngineConfig, RequestError, SamplingParams
+from talaria_jax.models.model import forward, greedy_generate
+from talaria_jax.rollout.placement import CacheAware, LeastLoaded, PlacementRequest, PrefixIndex, ReplicaLoad, RoundRobin
+from talaria_jax.rollout.replica import ReplicaSpec
+from talaria_jax.rollout.server import RolloutClient, make_app
+from talaria_jax.rollout.service import RolloutService
+from talaria_jax.rollout.suffix import SpecConfig
+from talaria_jax.weights import load_model
+
+HALVES = ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def engine_config(spec=None, max_seqs=4):
+    return EngineConfig(max_seqs=max_seqs, max_tokens_per_step=64, max_model_len=256, prefix_cache=True, warmup=False,
+                        speculation=spec)
+
+
+def replicas(spec=None, seed=0, max_seqs=4):
+    return [ReplicaSpec("tiny-dense", devices=d, seed=seed, engine=engine_config(spec, max_seqs)).build()
+            for d in HALVES]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """The trainer's copy of the weights, on one device (the replicas' are on two other meshes)."""
+    return load_model("tiny-dense").model
+
+
+def prompts(k=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, 20 + 7 * i).tolist() for i in range(k)]
+
+
+def trainer_logprobs(model, prompt, tokens):
+    logits = np.asarray(forward(model, [list(prompt) + list(tokens)]))[0]
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return np.array([lp[len(prompt) - 1 + k, t] for k, t in enumerate(tokens)])
+
+
+# ---- placement ------------------------------------------------------------------------------------
+
+def test_prefix_index_counts_leading_blocks_and_evicts_lru():
+    idx = PrefixIndex(block=4, capacity_blocks=3)
+    idx.insert(list(range(10)))  # two whole blocks
+    assert idx.match(list(range(12))) == 8 and idx.match([0, 1, 2, 3, 9, 9, 9, 9]) == 4 and idx.match([5] * 8) == 0
+    idx.insert([7] * 8)  # two more blocks: the least recently used goes
+    assert len(idx) == 3 and idx.match(list(range(8))) == 4 and idx.match([7] * 8) == 8
+
+
+def test_cache_aware_keeps_trajectories_home_spreads_groups_and_admits_the_tail_first():
+    p = CacheAware(2, block=4, capacity_blocks=100)
+    a, b = list(range(40)), list(range(100, 140))
+    loads = [ReplicaLoad(0, 4), ReplicaLoad(0, 4)]
+    assert p.choose(PlacementRequest(tuple(a)), loads) == 0  # tie: the lower index
+    p.computed(0, a)
+    # the group's next sample and the trajectory's next turn go where its prefix is, while load allows
+    assert p.choose(PlacementRequest(tuple(a)), [ReplicaLoad(2, 4), ReplicaLoad(0, 4)]) == 0
+    assert p.choose(PlacementRequest(tuple(a + [1, 2, 3, 4])), [ReplicaLoad(3, 4), ReplicaLoad(0, 4)]) == 0
+    assert p.choose(PlacementRequest(tuple(a)), [ReplicaLoad(9, 4), ReplicaLoad(0, 4)]) == 1  # too loaded
+    assert p.choose(PlacementRequest(tuple(b)), [ReplicaLoad(1, 4), ReplicaLoad(0, 4)]) == 1  # a new prompt: load
+    late, early = PlacementRequest((1,) * 50, "t", turn=3, arrival=9), PlacementRequest((1,) * 10, "u", turn=0, arrival=1)
+    assert sorted([early, late], key=p.priority) == [late, early]
+    p.reset()
+    assert p.choose(PlacementRequest(tuple(a)), [ReplicaLoad(1, 4), ReplicaLoad(0, 4)]) == 1
+
+
+def test_baselines():
+    rr, ll = RoundRobin(), LeastLoaded()
+    loads = [ReplicaLoad(5, 4), ReplicaLoad(1, 4), ReplicaLoad(3, 4)]
+    assert [rr.choose(PlacementRequest((1,)), loads) for _ in range(4)] == [0, 1, 2, 0]
+    assert ll.choose(PlacementRequest((1,)), loads) == 1
+    assert rr.priority(PlacementRequest((1,), arrival=3)) < rr.priority(PlacementRequest((1,) * 9, turn=5, arrival=4))
+
+
+# ---- the service ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def service():
+    with RolloutService(replicas()) as s:
+        yield s
+
+
+def test_generate_over_two_replicas_matches_the_reference(service, trainer):
+    ps = prompts()
+    out = service.generate(ps, SamplingParams(max_tokens=8, temperature=0), n=2)
+    ref = greedy_generate(trainer, ps, 8)
+    assert [[c.token_ids for c in g] for g in out] == [[r, r] for r in ref]
+    assert {c.replica for g in out for c in g} == {0, 1}  # both replicas ran some
+    assert all(c.finish_reason == "length" for g in out for c in g)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_logprobs_match_the_trainer(trainer, speculate):
+    spec = SpecConfig(max_spec_tokens=4, policy="always") if speculate else None
+    with RolloutService(replicas(spec)) as s:
+        ps = prompts() + [[5, 6, 7, 8] * 6]
+        sampled = s.generate(ps, SamplingParams(max_tokens=24, temperature=1.0, seed=3), n=2)
+        greedy = s.generate(ps, SamplingParams(max_tokens=24, temperature=0))
+        accepted = sum(r["accepted_tokens"] for r in s.stats()["replicas"])
+    for p, group in zip(ps + ps, sampled + greedy):
+        for c in group:
+            np.testing.assert_allclose(c.logprobs, trainer_logprobs(trainer, p, c.token_ids), atol=1e-4)
+    assert (accepted > 0) == speculate
+    assert sampled[0][0].token_ids != sampled[0][1].token_ids  # the samples of a prompt differ
+
+
+def test_multi_turn_rollout_is_placement_independent_and_reuses_the_trajectory_kv():
+    def make_env(i, j):
+        def env(c):
+            return [300 + i, 301 + j, 302]
+        return env
+
+    params = SamplingParams(max_tokens=6, temperature=1.0)
+    runs = {}
+    for placement in ("cache_aware", "round_robin"):
+        with RolloutService(replicas(), placement, seed=7) as s:
+            runs[placement] = (s.rollout(prompts(2), make_env, params, n=2, max_turns=3), s.stats())
+    (war, war_stats), (rr, rr_stats) = runs["cache_aware"], runs["round_robin"]
+    for g_war, g_rr, p in zip(war, rr, prompts(2)):
+        for t, u in zip(g_war, g_rr):
+            assert t.token_ids == u.token_ids and t.end == "max_turns" and len(t.turns) == 3
+            assert t.prompt == p and len(t.mask) == len(t.logprobs) == len(t.token_ids)
+            assert sum(t.mask) == 18 and t.mask[6:9] == [0, 0, 0]
+            assert len({c.replica for c in t.turns}) == 1  # cache-aware: the trajectory stays home
+            assert all(c.cached_tokens > 0 for c in t.turns[1:])
+    assert war_stats["cached_tokens"] > rr_stats["cached_tokens"]
+
+
+def test_rollout_ends_when_the_env_says_so_or_the_context_is_full(service):
+    trajs = service.rollout([[1, 2, 3]], lambda i, j: (lambda c: None), SamplingParams(max_tokens=4), n=1)
+    assert trajs[0][0].end == "done" and len(trajs[0][0].turns) == 1
+    long = service.rollout([[1, 2, 3]], lambda i, j: (lambda c: [9] * 100), SamplingParams(max_tokens=40), max_turns=9)
+    assert long[0][0].end == "context" and len(long[0][0].context()) + 40 > 256
+
+
+def test_update_weights_takes_effect_and_reuses_nothing_stale(trainer):
+    new = load_model("tiny-dense", seed=1).model  # "the trainer's next weights": other values, same shapes
+    spec = SpecConfig(max_spec_tokens=4, policy="always")
+    p = [[5, 6, 7, 8] * 6]
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    with RolloutService(replicas(spec)) as s:
+        before = s.generate(p, greedy)[0][0]
+        assert before.token_ids == greedy_generate(trainer, p, 12)[0]
+        with pytest.raises(ValueError, match="missing"):
+            s.update_weights({"embed": np.zeros(3)})  # refused, nothing changed
+        assert s.generate(p, greedy)[0][0].token_ids == before.token_ids
+        s.update_weights(new.state)
+        assert all(not w.replica.engine.drafter.global_trees for w in s.workers)  # drafts of the old policy gone
+        after = s.generate(p, greedy, n=2)[0]
+    assert after[0].token_ids == greedy_generate(new, p, 12)[0] != before.token_ids
+    assert all(c.cached_tokens == 0 for c in after)  # the old weights' prefix KV is not reused
+
+
+def test_engine_update_weights_refuses_requests_in_flight_and_old_host_kv(trainer):
+    from talaria_jax.engine import Engine
+
+    engine = Engine(load_model("tiny-dense").model, EngineConfig(max_seqs=2, max_model_len=128, warmup=False))
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), keep_kv=True)
+    with pytest.raises(RequestError, match="1 requests are in flight"):
+        engine.update_weights(trainer.state)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.update_weights(load_model("tiny-dense", seed=2).model.state)
+    with pytest.raises(RequestError, match="another model"):  # KV computed by the old weights
+        engine.add_request([1, 2, 3] + done[rid].token_ids + [4], SamplingParams(max_tokens=2), restore=done[rid].kv)
+
+
+def test_abort_returns_the_partial_tokens(service, trainer):
+    result = {}
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    thread = threading.Thread(target=lambda: result.update(out=service.generate([[3, 1, 4]], params,
+                                                                               request_ids=["long"])))
+    thread.start()
+    deadline = time.time() + 60
+    while not any("long" in w.running for w in service.workers):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    partial = service.abort("long")
+    thread.join(timeout=60)
+    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 200
+    assert result["out"][0][0].token_ids == partial.token_ids
+    assert partial.token_ids == greedy_generate(trainer, [[3, 1, 4]], len(partial.token_ids))[0]
+    assert service.abort("long") is None and service.abort("nobody") is None
+
+
+def test_bad_input_is_refused_before_anything_runs(service):
+    ok = SamplingParams(max_tokens=4)
+    for bad, match in [("hello", "prompts must be"), ([[]], r"prompts\[0\] is empty"), ([[1, 512]], r"prompts\[0\]\[1\]"),
+                       ([[1.5]], "not an integer"), ([[1] * 253], "context limit")]:
+        with pytest.raises(RequestError, match=match):
+            service.generate(bad, ok)
+    with pytest.raises(RequestError, match="n must be"):
+        service.generate([[1]], ok, n=0)
+    with pytest.raises(RequestError, match="temperature"):
+        service.generate([[1]], SamplingParams(temperature=-1.0))
+    with pytest.raises(RequestError, match="trajectory_ids has 1 entries for 2 prompts"):
+        service.generate([[1], [2]], ok, trajectory_ids=["a"])
+    assert service.stats()["in_flight"] == 0 and service.generate([[1, 2]], ok)[0][0].finish_reason == "length"
+
+
+class _Failing:
+    """A replica that dies at its second step (an engine gone, a Ray actor lost)."""
+
+    def __init__(self, replica):
+        self.replica, self.steps = replica, 0
+
+    def __getattr__(self, name):
+        return getattr(self.replica, name)
+
+    def step(self, max_steps=1):
+        self.steps += 1
+        if self.steps > 1:
+            raise RuntimeError("device lost")
+        return self.replica.step(max_steps)
+
+
+def test_a_failed_replica_loses_no_request(trainer):
+    first, second = replicas()
+    ps = prompts(4)
+    with RolloutService([_Failing(first), second], "round_robin") as s:
+        out = s.generate(ps, SamplingParams(max_tokens=6, temperature=0))
+        stats = s.stats()
+    assert [g[0].token_ids for g in out] == greedy_generate(trainer, ps, 6)
+    assert {g[0].replica for g in out} == {1} and stats["replaced"] == 2 and "device lost" in stats["replicas"][0]["dead"]
+
+
+# ---- HTTP -----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def serving(app):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_http_api_matches_the_in_process_service(tmp_path, trainer):
+    from talaria_jax.weights import checkpoint
+
+    with RolloutService(replicas()) as s, serving(make_app(s, api_keys=["sk-r"])) as url:
+        client = RolloutClient(url, api_key="sk-r")
+        ps, params = prompts(2), SamplingParams(max_tokens=5, temperature=0)
+        assert [[c.token_ids for c in g] for g in client.generate(ps, params, n=2, trajectory_ids=["a", "b"])] == \
+            [[c.token_ids for c in g] for g in s.generate(ps, params, n=2)]
+        with pytest.raises(RequestError, match="unknown fields"):
+            client._post("/v1/generate", {"prompts": [[1]], "sampling": {"max_tokns": 3}})
+        with pytest.raises(RequestError, match=r"prompts\[0\]\[0\] is 999"):
+            client.generate([[999]], params)
+        assert client.abort("nobody") is None
+        assert RolloutClient(url, api_key="wrong").http.get("/v1/stats").status_code == 401
+        new = load_model("tiny-dense", seed=1)
+        checkpoint.save(new.model, tmp_path / "ckpt")
+        client.update_weights(str(tmp_path / "ckpt"))
+        assert client.generate(ps[:1], params)[0][0].token_ids == greedy_generate(new.model, ps[:1], 5)[0]
+        with pytest.raises(RequestError, match="checkpoint"):
+            client.update_weights(str(tmp_path / "missing"))
+        assert client.stats()["completed"] >= 5
+
+
+# ---- Ray ------------------------------------------------------------------------------------------
+
+def test_ray_actor_replicas_return_the_in_process_tokens(service):
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'talaria_jax[ray]')")
+    from talaria_jax.rollout.ray_replicas import ray_replicas
+
+    ps, params = prompts(3), SamplingParams(max_tokens=8, temperature=0)
+    local = service.generate(ps, params, n=2)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        spec = ReplicaSpec("tiny-dense", engine=engine_config())
+        env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+        with RolloutService(ray_replicas(spec, 2, num_cpus=1, env_vars=env)) as s:
+            remote = s.generate(ps, params, n=2)
+            s.update_weights(load_model("tiny-dense", seed=1).model.state)  # through the object store
+            changed = s.generate(ps[:1], params)
+    finally:
+        ray.shutdown()
+    assert [[c.token_ids for c in g] for g in remote] == [[c.token_ids for c in g] for g in local]
+    assert {c.replica for g in remote for c in g} == {0, 1}
+    assert changed[0][0].token_ids == greedy_generate(load_model("tiny-dense", seed=1).model, ps[:1], 8)[0]
