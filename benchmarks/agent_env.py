@@ -541,13 +541,51 @@ def stable_seed(seed: int, task: str, sibling: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # room for + turn below 2**63
 
 
+def first_prompt(tokenizer, task: Task) -> list[int]:
+    """The token ids of a task's first turn: `first_messages` under the chat template."""
+    return tokenizer.encode(tokenizer.apply_chat_template(first_messages(task), add_generation_prompt=True))
+
+
+def continuation(tokenizer, response: list[int], message: str) -> list[int]:
+    """The tokens after a response: the chat template's end of the assistant message and the next
+    user message (the tool's `message`) with the generation prompt, without the end token the
+    response already has."""
+    mark = "\x00REPLY\x00"
+    text = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "assistant", "content": mark},
+                                          {"role": "user", "content": message}], add_generation_prompt=True)
+    ids = tokenizer.encode(text[text.index(mark) + len(mark):])
+    return ids[1:] if response and ids and response[-1] == ids[0] else ids
+
+
+def env_factory(tasks: list[Task], tokenizer):
+    """`make_env` for `RolloutService.rollout` (prompt i is `first_prompt(tasks[i])`): each
+    trajectory's own AgentEnv runs the command of each reply and returns the tool's message as the
+    next turn's tokens, or None once the tests pass. `rewards[(i, j)]` is each trajectory's last reward."""
+    rewards: dict[tuple[int, int], float] = {}
+
+    def make_env(i: int, j: int):
+        env = AgentEnv(tasks[i])
+        rewards[i, j] = 0.0
+
+        def step(completion) -> list[int] | None:
+            ids = completion.token_ids
+            text = tokenizer.decode(ids[:-1] if completion.finish_reason == "stop" else ids)
+            command = parse_command(text)
+            result = env.step(command)
+            rewards[i, j] = result.reward
+            return None if result.done else continuation(tokenizer, ids, observation(command, result.output))
+        return step
+
+    return make_env, rewards
+
+
 class _Episode:
     """A trajectory being recorded: the environment, the next prompt, the turns so far."""
 
     def __init__(self, task: Task, sibling: int, seed: int, tokenizer):
         self.task, self.sibling, self.seed, self.tok = task, sibling, seed, tokenizer
         self.env = AgentEnv(task)
-        self.prompt = tokenizer.encode(tokenizer.apply_chat_template(first_messages(task), add_generation_prompt=True))
+        self.prompt = first_prompt(tokenizer, task)
         self.turns: list[Turn] = []
         self.end: str | None = None
 
@@ -564,14 +602,7 @@ class _Episode:
             self.prompt = self.prompt + response + self.continuation(response, observation(command, result.output))
 
     def continuation(self, response: list[int], message: str) -> list[int]:
-        """The tokens after a response: the chat template's end of the assistant message and the next
-        user message with the generation prompt, without the end token the response already has."""
-        mark = "\x00REPLY\x00"
-        text = self.tok.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                             {"role": "assistant", "content": mark},
-                                             {"role": "user", "content": message}], add_generation_prompt=True)
-        ids = self.tok.encode(text[text.index(mark) + len(mark):])
-        return ids[1:] if response and ids and response[-1] == ids[0] else ids
+        return continuation(self.tok, response, message)
 
     def trajectory(self) -> Trajectory:
         return Trajectory(self.task.id, self.sibling, self.seed, self.turns, self.end or "max_turns")

@@ -227,6 +227,11 @@ class HostTier:
         """Frees `kv`'s memory now; a later check or restore refuses it. Idempotent."""
         self._drop(kv.copy, _RELEASED) if kv.copy is not None else kv.data.delete()
 
+    def release_all(self) -> None:
+        """Frees every live copy (the weights changed: none of them could be restored again)."""
+        for ref, _, _ in list(self._live.values()):
+            self._drop(ref(), _RELEASED)
+
     def usable(self, kv: HostKV) -> bool:
         """False once `kv` was evicted, released or deleted (its data is gone)."""
         return not kv.data.is_deleted()

@@ -13,7 +13,8 @@ re-sends the whole context so far. WAR's cache-aware placement (`CacheAware`) th
     score(replica) = locality * cached_prompt_share - load * outstanding / capacity
 
 the same form as the Talaria router's locality and pressure terms (scheduler/router.py), with no
-residency term: every replica serves the one policy. Ties go to the less loaded replica, then the
+residency term: every replica serves the one policy. With `steal` (CacheAware), the service lets a
+replica with an idle slot and nothing queued take another replica's waiting request. Ties go to the less loaded replica, then the
 lower index. `RoundRobin` and `LeastLoaded` are the baselines; they admit in arrival order.
 """
 from __future__ import annotations
@@ -93,13 +94,15 @@ class PrefixIndex:
 
 
 class Placement:
-    """Chooses a replica per request (`choose`) and each replica's admission order (`priority`, lowest
+    """Chooses a replica per request (`choose`: `loads` has one entry per replica, None for one that
+    is gone, and at least one is not None) and each replica's admission order (`priority`, lowest
     first). `computed(replica, tokens)` tells it what a replica now holds; `reset()` forgets it (new
     weights make every cached prefix stale)."""
 
     name = "placement"
+    steal = False  # whether a replica with an idle slot and nothing queued takes another's waiting request
 
-    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad | None]) -> int:
         raise NotImplementedError
 
     def priority(self, req: PlacementRequest) -> tuple:
@@ -120,12 +123,15 @@ class RoundRobin(Placement):
     def __init__(self):
         self._next = itertools.count()
 
-    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
-        return next(self._next) % len(loads)
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad | None]) -> int:
+        while True:
+            r = next(self._next) % len(loads)
+            if loads[r] is not None:
+                return r
 
 
-def _least_loaded(loads: Sequence[ReplicaLoad], among: Sequence[int] | None = None) -> int:
-    among = range(len(loads)) if among is None else among
+def _least_loaded(loads: Sequence[ReplicaLoad | None], among: Sequence[int] | None = None) -> int:
+    among = [r for r in (range(len(loads)) if among is None else among) if loads[r] is not None]
     return min(among, key=lambda r: (loads[r].share, r))
 
 
@@ -134,7 +140,7 @@ class LeastLoaded(Placement):
 
     name = "least_loaded"
 
-    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad | None]) -> int:
         return _least_loaded(loads)
 
 
@@ -143,6 +149,7 @@ class CacheAware(Placement):
     `PrefixIndex` (the engine's page size and page count)."""
 
     name = "cache_aware"
+    steal = True
 
     def __init__(self, num_replicas: int, block: int, capacity_blocks: int, locality: float = 1.0,
                  load: float = 1.0):
@@ -155,10 +162,10 @@ class CacheAware(Placement):
         hit = self.index[replica].match(req.prompt) / max(1, len(req.prompt))
         return self.locality * hit - self.load * load.share
 
-    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad]) -> int:
-        scores = [self.score(req, r, load) for r, load in enumerate(loads)]
-        best = max(scores)
-        return _least_loaded(loads, [r for r, s in enumerate(scores) if s >= best - 1e-9])
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad | None]) -> int:
+        scores = {r: self.score(req, r, load) for r, load in enumerate(loads) if load is not None}
+        best = max(scores.values())
+        return _least_loaded(loads, [r for r, s in scores.items() if s >= best - 1e-9])
 
     def priority(self, req: PlacementRequest) -> tuple:
         return (-req.turn, -len(req.prompt), req.arrival)

@@ -63,18 +63,26 @@ class RayReplica:
     def add(self, requests) -> list[Completion]:
         return self._call("add", requests)
 
-    def step(self, max_steps: int = 1) -> list[Completion]:
-        return self._call("step", max_steps)
+    def step(self, max_steps: int = 1, speculate: bool = True) -> list[Completion]:
+        return self._call("step", max_steps, speculate)
 
     def abort(self, request_ids: Sequence[str]) -> list[Completion]:
         return self._call("abort", list(request_ids))
 
     def update_weights(self, params) -> None:
-        ref = params if isinstance(params, self._ray.ObjectRef) else self._ray.put(host_params(params))
-        self._call("update_weights", ref)
+        """params: a pytree, or `share_weights(params)` (what the service passes: one copy for all)."""
+        self._call("update_weights", params if isinstance(params, self._ray.ObjectRef) else self.share_weights(params))
+
+    @staticmethod
+    def share_weights(params):
+        """The parameters in Ray's object store, once, as host arrays: an ObjectRef every actor reads."""
+        return _ray().put(host_params(params))
 
     def stats(self) -> dict:
         return self._call("stats")
+
+    def close(self) -> None:
+        self._ray.kill(self.actor)
 
 
 def ray_replicas(spec: ReplicaSpec | Sequence[ReplicaSpec], count: int | None = None, *, num_gpus: float = 0,
@@ -90,8 +98,12 @@ def ray_replicas(spec: ReplicaSpec | Sequence[ReplicaSpec], count: int | None = 
     if env_vars:
         options["runtime_env"] = {"env_vars": dict(env_vars)}
     cls = ray.remote(_Actor).options(**options)
-    actors = [cls.remote(s) for s in specs]
-    replicas = [RayReplica(a) for a in actors]
-    for r in replicas:
-        r.info()  # raises the actor's construction error here, not at the first request
+    replicas = [RayReplica(cls.remote(s)) for s in specs]
+    try:
+        for r in replicas:
+            r.info()  # raises the actor's construction error here, not at the first request
+    except Exception:
+        for r in replicas:
+            r.close()
+        raise
     return replicas

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
+from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput, StepError
 from talaria_jax.engine.sampling import SamplingParams
 
 __all__ = ["Completion", "Replica", "ReplicaSpec", "ReplicaInfo"]
@@ -80,6 +80,7 @@ class Replica:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self._failures = 0
 
     def info(self) -> ReplicaInfo:
         e = self.engine
@@ -97,13 +98,26 @@ class Replica:
                 refused.append(Completion(rid, [], [], "error", error=str(e)))
         return refused
 
-    def step(self, max_steps: int = 1) -> list[Completion]:
-        """Up to `max_steps` engine steps, fewer once a request finishes; the finished ones."""
+    max_step_failures = 3  # StepErrors in a row before the replica counts as failed
+
+    def step(self, max_steps: int = 1, speculate: bool = True) -> list[Completion]:
+        """Up to `max_steps` engine steps, fewer once a request finishes; the finished ones. A failed
+        step (StepError: the engine requeued its requests) is retried, up to max_step_failures in a row.
+        `speculate` False: no draft is verified in these steps (the service's call under load)."""
+        self.engine.speculate = speculate
         done = []
         for _ in range(max_steps):
             if not self.engine.has_unfinished():
                 break
-            done += [Completion.of(o) for o in self.engine.step() if o.finished]
+            try:
+                outs = self.engine.step()
+            except StepError:
+                self._failures += 1
+                if self._failures >= self.max_step_failures:
+                    raise
+                continue
+            self._failures = 0
+            done += [Completion.of(o) for o in outs if o.finished]
             if done:
                 break
         return done

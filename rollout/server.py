@@ -15,6 +15,7 @@ with `api_keys` every route but /health wants `Authorization: Bearer KEY`.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 from collections.abc import Sequence
@@ -74,16 +75,17 @@ def make_app(service, api_keys: Sequence[str] = ()):
         return {"status": "ok"}
 
     @api.post("/v1/generate")
-    def generate(body: dict):
+    async def generate(body: dict):  # awaits its futures: no thread held while the replicas work
         unknown = sorted(body.keys() - {"prompts", "n", "sampling", "trajectory_ids", "turns", "request_ids",
                                         "cache_salt"})
         if unknown:
             raise RequestError(f"unknown fields {unknown}")
         if "prompts" not in body:
             raise RequestError("prompts is required (a list of token-id lists)")
-        out = service.generate(body["prompts"], sampling_params(body.get("sampling")), body.get("n", 1),
-                               trajectory_ids=body.get("trajectory_ids"), turns=body.get("turns"),
-                               request_ids=body.get("request_ids"), cache_salt=body.get("cache_salt"))
+        futures = service.submit(body["prompts"], sampling_params(body.get("sampling")), body.get("n", 1),
+                                 trajectory_ids=body.get("trajectory_ids"), turns=body.get("turns"),
+                                 request_ids=body.get("request_ids"), cache_salt=body.get("cache_salt"))
+        out = [[await asyncio.wrap_future(f) for f in group] for group in futures]
         return {"outputs": [[dataclasses.asdict(c) for c in group] for group in out]}
 
     @api.post("/v1/abort")
@@ -101,8 +103,12 @@ def make_app(service, api_keys: Sequence[str] = ()):
             raise RequestError("checkpoint (an Orbax checkpoint folder) is required")
         from talaria_jax.weights import checkpoint
 
-        try:
-            model = checkpoint.restore(path)
+        import jax
+
+        from talaria_jax.sharding import make_mesh
+
+        try:  # into host memory (the CPU device), whatever the replicas' devices
+            model = checkpoint.restore(path, make_mesh(jax.devices("cpu")[:1]))
         except (OSError, ValueError) as e:
             raise RequestError(f"checkpoint {path!r}: {e}") from None
         try:

@@ -8,18 +8,23 @@
 Each replica has a worker thread that feeds it the requests placed on it (at most its batch
 capacity at once, in the placement's priority order), steps it, and hands each finished request to
 its future; the replicas step concurrently (Ray actors in their own processes). Placement
-(rollout/placement.py) is WAR's cache-aware one by default. The other half of WAR's workload-aware
-choice is made inside each replica's engine at every step: with `EngineConfig.speculation` set, the
-engine verifies suffix drafts only when the measured step-cost curve says they pay at that step's
-batch (rollout/policy.py), that is at low load.
+(rollout/placement.py) is WAR's cache-aware one by default; with it, a replica with an idle slot
+and an empty queue takes the most urgent waiting request of the most loaded other replica.
 
-Sampling seeds are the service's, not the replicas': sample j of prompt i in the c-th call draws
-with a seed derived from (the params' seed or the service's, c, i, j) and, in a trajectory, the turn.
-So outputs do not depend on placement, timing, speculation or replica count, and two services with
-the same seed and calls return the same tokens (the benchmarks rely on it).
+WAR's workload-aware choice, made before every replica step from the measured load: while any
+request waits for a batch slot the replicas are saturated and steps verify no drafts (throughput is
+bound by the work, and drafts add work); otherwise each engine's policy decides per step whether
+suffix drafts pay at that step's batch, from its measured step-cost curve (rollout/policy.py).
+
+Sampling seeds are the service's, not the replicas': sample j of prompt i draws with a seed derived
+from (the params' seed, i, j) when the params carry one, else from (the service's seed, c, i, j) in
+the service's c-th call; a trajectory's turn t adds t. So outputs do not depend on placement,
+timing, speculation or replica count, and two services with the same seed and calls return the same
+tokens (the benchmarks rely on it).
 
 A replica that fails (its engine dead, its Ray actor gone) is dropped and its requests are placed
-again on the others, recomputed from their prompts with the same seeds; nothing is lost.
+again on the others, recomputed from their prompts with the same seeds; a request that has brought
+down `max_replacements` + 1 replicas finishes with finish_reason "error" instead.
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ class _Req:
     salt: str | None
     place: PlacementRequest
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    replaced: int = 0  # times its replica failed under it
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,6 +108,8 @@ class RolloutService:
     `steps_per_call`: engine steps a worker asks of its replica per call (more saves round trips to a
     Ray actor; a call returns early when a request finishes)."""
 
+    max_replacements = 2
+
     def __init__(self, replicas: Sequence, placement: str | Placement = "cache_aware", *, seed: int = 0,
                  steps_per_call: int = 1):
         if not replicas:
@@ -122,8 +130,9 @@ class RolloutService:
         self._order = itertools.count()
         self._closed = False
         self._ids: set[str] = set()  # in flight
+        self._rollouts = 0  # rollout() calls running (their trajectories have requests between turns)
         self.counts = dict(requests=0, completed=0, aborted=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
-                           replaced=0)
+                           replaced=0, stolen=0)
         self.workers = [_Worker(i, r, info) for i, (r, info) in enumerate(zip(replicas, infos))]
         for w in self.workers:
             w.thread = threading.Thread(target=self._run, args=(w,), name=f"rollout-replica-{w.index}", daemon=True)
@@ -138,22 +147,31 @@ class RolloutService:
         trajectory and how far along it is (an HTTP client's multi-turn loop passes them);
         `request_ids` (per prompt; "-j" is appended for n > 1) name requests for `abort`. Bad input
         raises RequestError naming the prompt and field before anything is queued."""
-        call = next(self._calls)
+        futures = self.submit(prompts, params, n, trajectory_ids=trajectory_ids, turns=turns,
+                              request_ids=request_ids, cache_salt=cache_salt)
+        return [[f.result() for f in group] for group in futures]
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), n: int = 1, *,
+               trajectory_ids: Sequence[str] | None = None, turns: Sequence[int] | None = None,
+               request_ids: Sequence[str] | None = None,
+               cache_salt: str | None = None) -> list[list[concurrent.futures.Future]]:
+        """`generate` without waiting: a future per sample, [prompt][sample], each resolving to its
+        Completion (the HTTP server awaits them)."""
         prompts = self._check_prompts(prompts, params, n)
         for name, v in (("trajectory_ids", trajectory_ids), ("turns", turns), ("request_ids", request_ids)):
             if v is not None and len(v) != len(prompts):
                 raise RequestError(f"{name} has {len(v)} entries for {len(prompts)} prompts")
+        call = next(self._calls)
         reqs = []
         for i, p in enumerate(prompts):
             for j in range(n):
                 rid = f"g{call}-{i}-{j}" if request_ids is None else (
                     str(request_ids[i]) if n == 1 else f"{request_ids[i]}-{j}")
-                traj = trajectory_ids[i] if trajectory_ids is not None else f"g{call}-{i}"
+                traj = str(trajectory_ids[i]) if trajectory_ids is not None else f"g{call}-{i}"
                 turn = int(turns[i]) if turns is not None else 0
-                reqs.append(self._request(rid, p, params, cache_salt, traj, turn, (call, i, j, turn)))
+                reqs.append(self._request(rid, p, params, cache_salt, traj, turn, (call, i, j)))
         self._submit(reqs)
-        done = [r.future.result() for r in reqs]
-        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [[r.future for r in reqs[i * n:(i + 1) * n]] for i in range(len(prompts))]
 
     def rollout(self, prompts: Sequence[Sequence[int]], make_env: EnvFactory, params: SamplingParams = SamplingParams(),
                 n: int = 1, *, max_turns: int = 8, cache_salt: str | None = None) -> list[list[Trajectory]]:
@@ -163,8 +181,8 @@ class RolloutService:
         turn is placed at once (its earlier turns' KV is where placement looks first)."""
         if not isinstance(max_turns, int) or max_turns < 1:
             raise RequestError(f"max_turns must be an integer >= 1, got {max_turns!r}")
-        call = next(self._calls)
         prompts = self._check_prompts(prompts, params, n)
+        call = next(self._calls)
         trajs = [[Trajectory(list(p)) for _ in range(n)] for p in prompts]
         envs = {(i, j): make_env(i, j) for i in range(len(prompts)) for j in range(n)}
         pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
@@ -173,17 +191,29 @@ class RolloutService:
             t = trajs[i][j]
             turn = len(t.turns)
             req = self._request(f"r{call}-{i}-{j}-t{turn}", tuple(t.context()), params, cache_salt,
-                                f"r{call}-{i}-{j}", turn, (call, i, j, 0), turn_offset=turn)
-            pending[req.future] = (i, j)
+                                f"r{call}-{i}-{j}", turn, (call, i, j))
+            pending[req.future] = (req.id, i, j)
             self._submit([req])
 
-        for i in range(len(prompts)):
-            for j in range(n):
-                submit(i, j)
+        with self._lock:
+            self._rollouts += 1
+        try:
+            for i in range(len(prompts)):
+                for j in range(n):
+                    submit(i, j)
+            self._turns(trajs, envs, pending, submit, params, max_turns)
+        finally:
+            with self._lock:
+                self._rollouts -= 1
+            for rid, _, _ in list(pending.values()):  # an environment raised: stop the rest
+                self.abort(rid)
+        return trajs
+
+    def _turns(self, trajs, envs, pending, submit, params: SamplingParams, max_turns: int) -> None:
         while pending:
             ready, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
             for fut in ready:
-                i, j = pending.pop(fut)
+                _, i, j = pending.pop(fut)
                 t, c = trajs[i][j], fut.result()
                 t.turns.append(c)
                 t.token_ids += c.token_ids
@@ -206,7 +236,6 @@ class RolloutService:
                     t.end = "context"
                 else:
                     submit(i, j)
-        return trajs
 
     def abort(self, request_id: str, timeout_s: float = 60.0) -> Completion | None:
         """Stops a request; its Completion with the tokens generated so far (finish_reason "abort"),
@@ -231,14 +260,30 @@ class RolloutService:
     def update_weights(self, params) -> None:
         """Every replica serves `params` from now on (see Engine.update_weights: resharded onto each
         replica's mesh; no KV, prefix or draft of the old weights reused). RequestError while requests
-        are in flight. The replicas update concurrently."""
+        are in flight or a `rollout` runs. The replicas update concurrently; Ray replicas get the
+        parameters through the object store once (`share_weights`). A replica whose update fails is
+        dropped (it would serve the old policy) and the error raised."""
         with self._lock:
-            if self._ids:
-                raise RequestError(f"update_weights: {len(self._ids)} requests are in flight; finish or abort them first")
+            if self._ids or self._rollouts:
+                raise RequestError(f"update_weights: {len(self._ids)} requests are in flight ({self._rollouts} "
+                                   f"rollouts running); finish or abort them first")
             live = [w for w in self.workers if w.dead is None]
+            if not live:
+                raise RuntimeError("update_weights: every replica has failed")
+            shared = {}  # per replica type: what its update_weights takes (a Ray object ref: put once)
+            for w in live:
+                share = getattr(w.replica, "share_weights", None)
+                if share is not None and type(w.replica) not in shared:
+                    shared[type(w.replica)] = share(params)
             with concurrent.futures.ThreadPoolExecutor(len(live)) as pool:
-                list(pool.map(lambda w: w.replica.update_weights(params), live))
+                futures = {w: pool.submit(w.replica.update_weights, shared.get(type(w.replica), params)) for w in live}
+            errors = {w: f.exception() for w, f in futures.items() if f.exception() is not None}
             self.placement.reset()
+            if errors and len(errors) < len(live):
+                for w, e in errors.items():
+                    self._drop(w, f"update_weights failed: {type(e).__name__}: {e}")
+            if errors:
+                raise next(iter(errors.values()))
 
     def stats(self) -> dict:
         """The service's counters and each live replica's engine stats (steps, speculative steps,
@@ -251,15 +296,21 @@ class RolloutService:
         return out
 
     def close(self) -> None:
-        """Stops the workers; requests still in flight fail with RuntimeError."""
+        """Stops the workers and the replicas (Ray actors are killed); requests still in flight fail
+        with RuntimeError."""
         with self._lock:
             self._closed = True
             for w in self.workers:
                 w.wake.set()
         for w in self.workers:
             w.thread.join(timeout=60)
-        self._fail([r for w in self.workers for r in list(w.running.values()) + [q[2] for q in w.queue]],
-                   "the rollout service closed")
+        with self._lock:
+            self._fail([r for w in self.workers for r in list(w.running.values()) + [q[2] for q in w.queue]],
+                       "the rollout service closed")
+        for w in self.workers:
+            close = getattr(w.replica, "close", None)
+            if close is not None:
+                close()
 
     def __enter__(self) -> RolloutService:
         return self
@@ -295,9 +346,11 @@ class RolloutService:
         return out
 
     def _request(self, rid: str, prompt: tuple[int, ...], params: SamplingParams, salt: str | None, traj: str,
-                 turn: int, key: tuple, turn_offset: int = 0) -> _Req:
-        base = params.seed if params.seed is not None else self.seed
-        seeded = dataclasses.replace(params, seed=_seed(base, *key) + turn_offset)
+                 turn: int, key: tuple[int, int, int]) -> _Req:
+        """key: (call, prompt index, sample index); a caller's seed leaves the call out (same seed, same
+        tokens, whatever ran before)."""
+        base = ("params", params.seed, *key[1:]) if params.seed is not None else ("service", self.seed, *key)
+        seeded = dataclasses.replace(params, seed=_seed(*base) + turn)
         return _Req(rid, prompt, seeded, salt, PlacementRequest(prompt, traj, turn, next(self._order)))
 
     def _submit(self, reqs: list[_Req]) -> None:
@@ -313,24 +366,26 @@ class RolloutService:
                 self._place(r)
 
     def _place(self, req: _Req) -> None:
-        live = [w for w in self.workers if w.dead is None]
-        if not live:
-            self._fail([req], "every replica has failed")
+        if all(w.dead is not None for w in self.workers):
+            self._complete(None, req, Completion(req.id, [], [], "error", error="every replica has failed"))
             return
-        w = live[self.placement.choose(req.place, [w.load() for w in live])]
+        w = self.workers[self.placement.choose(req.place, [w.load() if w.dead is None else None
+                                                           for w in self.workers])]
         heapq.heappush(w.queue, (self.placement.priority(req.place), req.place.arrival, req))
         self.placement.computed(w.index, req.prompt)  # its prompt's KV will be there
         w.wake.set()
 
-    def _complete(self, w: _Worker, req: _Req, c: Completion) -> None:
-        c.replica = w.index
+    def _complete(self, w: _Worker | None, req: _Req, c: Completion) -> None:
+        if req.future.done():
+            return
+        c.replica = w.index if w is not None else -1
         self._ids.discard(req.id)
         self.counts["completed"] += 1
         self.counts["aborted"] += c.finish_reason == "abort"
         self.counts["generated_tokens"] += len(c.token_ids)
         self.counts["prompt_tokens"] += len(req.prompt)
         self.counts["cached_tokens"] += c.cached_tokens
-        if c.token_ids:
+        if c.token_ids and w is not None:
             self.placement.computed(w.index, req.prompt + tuple(c.token_ids))
         req.future.set_result(c)
 
@@ -344,41 +399,71 @@ class RolloutService:
     def _run(self, w: _Worker) -> None:
         while True:
             with self._lock:
-                if self._closed:
+                if self._closed or w.dead is not None:
                     return
                 aborts, w.aborts = w.aborts, []
                 adds = []
-                while w.queue and len(w.running) < w.info.capacity:
+                while len(w.running) < w.info.capacity and (w.queue or (self.placement.steal and self._steal(w))):
                     req = heapq.heappop(w.queue)[2]
                     w.running[req.id] = req
                     adds.append(req)
                 busy = bool(w.running)
+                # the workload-aware switch: requests waiting for a slot anywhere mean the replicas are
+                # saturated, and drafts would only add work; otherwise each engine's policy decides per step
+                speculate = not any(x.queue for x in self.workers if x.dead is None)
                 w.wake.clear()
+            done, failure = [], None
             try:
-                done = w.replica.abort(aborts) if aborts else []
+                if aborts:
+                    done += w.replica.abort(aborts)
                 if adds:
                     done += w.replica.add([(r.id, r.prompt, r.params, r.salt) for r in adds])
                 if busy:
-                    done += w.replica.step(self.steps_per_call)
+                    done += w.replica.step(self.steps_per_call, speculate)
             except Exception as e:  # noqa: BLE001 - the replica is gone: place its requests elsewhere
                 logging.exception("rollout replica %d failed", w.index)
-                self._drop(w, f"{type(e).__name__}: {e}")
-                return
+                failure = f"{type(e).__name__}: {e}"
             with self._lock:
                 for c in done:
                     req = w.running.pop(c.request_id, None)
                     if req is not None:
                         self._complete(w, req, c)
+                if failure is not None:
+                    self._drop(w, failure, aborted=aborts)
+                    return
             if not busy:
                 w.wake.wait(1.0)
 
-    def _drop(self, w: _Worker, why: str) -> None:
+    def _steal(self, w: _Worker) -> bool:
+        """An idle slot of `w` takes the most urgent waiting request of the most loaded other replica
+        (its cached prefix there is lost, but a slot left idle while requests wait costs more)."""
+        others = [x for x in self.workers  # only requests that wait because their replica is full
+                  if x is not w and x.dead is None and x.queue and len(x.running) >= x.info.capacity]
+        if not others:
+            return False
+        victim = max(others, key=lambda x: (x.load().share, -x.index))
+        heapq.heappush(w.queue, heapq.heappop(victim.queue))
+        self.counts["stolen"] += 1
+        self.placement.computed(w.index, w.queue[0][2].prompt)
+        return True
+
+    def _drop(self, w: _Worker, why: str, aborted: Sequence[str] = ()) -> None:
+        """Takes a failed replica out: its aborted requests end as aborts, the others go elsewhere
+        (or end with "error" once they have outlived max_replacements replicas)."""
         with self._lock:
             w.dead = why
             orphans = list(w.running.values()) + [q[2] for q in w.queue]
+            gone = set(aborted) | set(w.aborts)
             w.running.clear()
             w.queue.clear()
-            self.counts["replaced"] += len(orphans)
+            w.aborts.clear()
             for req in orphans:
-                self._place(req)
-
+                if req.id in gone:
+                    self._complete(w, req, Completion(req.id, [], [], "abort"))
+                elif req.replaced >= self.max_replacements:
+                    self._complete(w, req, Completion(req.id, [], [], "error", error=f"{req.replaced + 1} replicas "
+                                                      f"failed under this request; the last: {why}"))
+                else:
+                    req.replaced += 1
+                    self.counts["replaced"] += 1
+                    self._place(req)

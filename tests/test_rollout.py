@@ -8,7 +8,6 @@ import time
 import jax
 import numpy as np
 import pytest
-import uvicorn
 
 from talaria_jax.engine import EngineConfig, RequestError, SamplingParams
 from talaria_jax.models.model import forward, greedy_generate
@@ -17,6 +16,7 @@ from talaria_jax.rollout.replica import ReplicaSpec
 from talaria_jax.rollout.server import RolloutClient, make_app
 from talaria_jax.rollout.service import RolloutService
 from talaria_jax.rollout.suffix import SpecConfig
+from talaria_jax.serve.app import serve_in_thread
 from talaria_jax.weights import load_model
 
 HALVES = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -81,6 +81,11 @@ def test_baselines():
     loads = [ReplicaLoad(5, 4), ReplicaLoad(1, 4), ReplicaLoad(3, 4)]
     assert [rr.choose(PlacementRequest((1,)), loads) for _ in range(4)] == [0, 1, 2, 0]
     assert ll.choose(PlacementRequest((1,)), loads) == 1
+    gone = [ReplicaLoad(0, 4), None, ReplicaLoad(3, 4)]  # replica 1 failed
+    assert [rr.choose(PlacementRequest((1,)), gone) for _ in range(3)] == [2, 0, 2] and ll.choose(None, gone) == 0
+    ca = CacheAware(3, block=4, capacity_blocks=10)
+    ca.computed(2, list(range(8)))
+    assert ca.choose(PlacementRequest(tuple(range(8))), gone) == 2  # its cache, not the failed replica's
     assert rr.priority(PlacementRequest((1,), arrival=3)) < rr.priority(PlacementRequest((1,) * 9, turn=5, arrival=4))
 
 
@@ -143,6 +148,17 @@ def test_rollout_ends_when_the_env_says_so_or_the_context_is_full(service):
     assert trajs[0][0].end == "done" and len(trajs[0][0].turns) == 1
     long = service.rollout([[1, 2, 3]], lambda i, j: (lambda c: [9] * 100), SamplingParams(max_tokens=40), max_turns=9)
     assert long[0][0].end == "context" and len(long[0][0].context()) + 40 > 256
+
+    def make_env(i, j):  # the second trajectory's environment breaks while the first still runs
+        def env(c):
+            if j == 1:
+                raise KeyError("tool crashed")
+            time.sleep(0.5)
+            return [7]
+        return env
+    with pytest.raises(KeyError, match="tool crashed"):
+        service.rollout([[1, 2, 3]], make_env, SamplingParams(max_tokens=2), n=2, max_turns=50)
+    assert service.stats()["in_flight"] == 0  # the rest was aborted, nothing left running
 
 
 def test_update_weights_takes_effect_and_reuses_nothing_stale(trainer):
@@ -221,11 +237,11 @@ class _Failing:
     def __getattr__(self, name):
         return getattr(self.replica, name)
 
-    def step(self, max_steps=1):
+    def step(self, max_steps=1, speculate=True):
         self.steps += 1
         if self.steps > 1:
             raise RuntimeError("device lost")
-        return self.replica.step(max_steps)
+        return self.replica.step(max_steps, speculate)
 
 
 def test_a_failed_replica_loses_no_request(trainer):
@@ -238,23 +254,55 @@ def test_a_failed_replica_loses_no_request(trainer):
     assert {g[0].replica for g in out} == {1} and stats["replaced"] == 2 and "device lost" in stats["replicas"][0]["dead"]
 
 
+class _Recording:
+    """A replica that records the speculate flag of each of its steps."""
+
+    def __init__(self, replica):
+        self.replica, self.flags = replica, []
+
+    def __getattr__(self, name):
+        return getattr(self.replica, name)
+
+    def step(self, max_steps=1, speculate=True):
+        self.flags.append(speculate)
+        return self.replica.step(max_steps, speculate)
+
+
+def test_speculation_is_off_while_requests_wait_for_a_slot(trainer):
+    spec = SpecConfig(max_spec_tokens=4, policy="always")
+    reps = [_Recording(r) for r in replicas(spec, max_seqs=1)]
+    p = [[5, 6, 7, 8] * 6]
+    with RolloutService(reps) as s:
+        out = s.generate(p, SamplingParams(max_tokens=16, temperature=0), n=4)  # 4 requests, 2 slots
+        stats = s.stats()
+    assert [c.token_ids for c in out[0]] == greedy_generate(trainer, p, 16) * 4
+    for r in reps:  # saturated at first (two wait): plain steps; at the end nothing waits: drafts pay
+        assert r.flags[0] is False and r.flags[-1] is True
+    assert sum(r["accepted_tokens"] for r in stats["replicas"]) > 0
+
+
+def test_an_idle_replica_takes_waiting_requests_from_a_full_one():
+    from talaria_jax.rollout.placement import CacheAware
+
+    p = [[9, 8, 7, 6] * 8]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    with RolloutService(replicas(max_seqs=2), CacheAware(2, 16, 1000, locality=10.0)) as s:
+        s.generate(p, greedy)  # replica 0 now holds the prompt: locality 10 piles every sample there
+        out = s.generate(p, SamplingParams(max_tokens=24, temperature=0), n=6)
+        stats = s.stats()
+    assert stats["stolen"] > 0 and {c.replica for c in out[0]} == {0, 1}
+
+
 # ---- HTTP -----------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def serving(app):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    url, server = serve_in_thread(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        server.thread.join(timeout=10)
 
 
 def test_http_api_matches_the_in_process_service(tmp_path, trainer):
@@ -301,3 +349,32 @@ def test_ray_actor_replicas_return_the_in_process_tokens(service):
     assert [[c.token_ids for c in g] for g in remote] == [[c.token_ids for c in g] for g in local]
     assert {c.replica for g in remote for c in g} == {0, 1}
     assert changed[0][0].token_ids == greedy_generate(load_model("tiny-dense", seed=1).model, ps[:1], 8)[0]
+
+
+def test_talaria_rollout_launcher_serves_and_exits_on_sigterm():
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "talaria_jax.launch.rollout", "--model=tiny-dense", "--nowarmup", "--speculate=0",
+           "--max_model_len=128", "--compilation_cache=off"]
+    bad = subprocess.run(cmd + ["--replicas=5", "--devices_per_replica=2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "exceeds the 8 devices" in bad.stderr
+    proc = subprocess.Popen(cmd + [f"--port={port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client, deadline = RolloutClient(f"http://127.0.0.1:{port}"), time.time() + 120
+        while True:
+            with contextlib.suppress(Exception):
+                if client.http.get("/health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.time() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        out = client.generate([[1, 2, 3] * 7], SamplingParams(max_tokens=4, temperature=0), n=2)
+        assert [c.token_ids for c in out[0]] == [greedy_generate(load_model("tiny-dense").model, [[1, 2, 3] * 7], 4)[0]] * 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 
@@ -222,7 +223,9 @@ class Engine:
         self.drafter = SuffixDrafter(spec) if spec is not None else None
         self.draft_nodes = spec.max_spec_tokens + 1 if spec is not None else 0  # K1 of the verifying step
         self._spec_policy: SpecPolicy | None = None  # measured at the first step that could draft
-        self._weight_updates = 0
+        # Whether steps may verify drafts at all (with config.speculation): a caller that sees the load
+        # beyond this engine turns it off (the rollout service does while requests wait for a slot).
+        self.speculate = True
         if config.warmup:
             self.warmup(progress=None)
         arena.attach(self)  # last: a constructor that failed leaves nothing on the arena
@@ -359,8 +362,8 @@ class Engine:
         """Serves new weights from now on (an RL trainer's, after an optimizer step): `params` as
         `models.with_params` takes them, on any devices; they are resharded onto this engine's mesh
         and need no recompile. Nothing computed by the old weights is reused: the prefix cache is
-        emptied, host KV copies of the old weights are refused by `restore`, and suffix drafts start
-        from empty trees. Refused (RequestError) while requests are in flight, which would mix two
+        emptied, host KV copies of the old weights are freed (and refused by `restore`), and suffix
+        drafts start from empty trees. The new fingerprint is random: no other engine's KV matches it. Refused (RequestError) while requests are in flight, which would mix two
         policies in one output; abort or finish them first."""
         if self.requests:
             raise RequestError(f"update_weights: {len(self.requests)} requests are in flight; finish or abort them "
@@ -368,9 +371,9 @@ class Engine:
         if self.runner.slot is not None:
             raise RequestError("update_weights: this engine reads its weights from a shared slot (an instance's); "
                                "load them through the instance")
-        self._weight_updates += 1
-        self.model = with_params(self.model, params, tag=str(self._weight_updates))
+        self.model = with_params(self.model, params, tag=secrets.token_hex(8))
         self.runner.model = self.model
+        self.host_tier.release_all()
         self.host_tier.source = dataclasses.replace(self.host_tier.source, weights=self.model.fingerprint)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
@@ -523,7 +526,7 @@ class Engine:
     def _drafts(self) -> dict[_Request, Draft]:
         """Drafts for the running requests that decode this step, as many tokens each as the policy
         finds worth verifying at this batch size (none, often), within max_tokens and max_model_len."""
-        if self.drafter is None:
+        if self.drafter is None or not self.speculate:
             return {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         k = self.spec_policy().draft_len(len(self.running)) if decoding else 0

@@ -50,8 +50,6 @@ def build_replicas(spec_kw: dict, replicas: int, devices: int, use_ray: bool, ra
     from talaria_jax.rollout.replica import ReplicaSpec
 
     if use_ray:
-        import jax
-
         from talaria_jax.rollout.ray_replicas import ray_replicas
 
         try:
@@ -59,7 +57,7 @@ def build_replicas(spec_kw: dict, replicas: int, devices: int, use_ray: bool, ra
         except ImportError:
             raise app.UsageError("--ray needs ray: pip install 'talaria_jax[ray]'") from None
         ray.init(address=ray_address, ignore_reinit_error=True)
-        gpus = devices if jax.default_backend() == "gpu" else 0
+        gpus = devices if ray.cluster_resources().get("GPU", 0) else 0  # JAX stays off the driver's GPUs
         env = {} if gpus else {"JAX_PLATFORMS": "cpu",
                                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
         return ray_replicas(ReplicaSpec(**spec_kw), replicas, num_gpus=gpus, env_vars=env)

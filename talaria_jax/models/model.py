@@ -73,7 +73,7 @@ def with_params(model: ShardedModel, params: Any, tag: str = "") -> ShardedModel
     devices (a trainer's). Each array is cast to the model's dtype and placed with the model's
     sharding, so the result runs on the model's mesh and its compiled programs. A missing, unknown or
     misshapen parameter is a ValueError naming it. The fingerprint changes (KV and prefix caches of
-    the old weights are then never reused): it digests the old one and `tag`."""
+    the old weights are then never reused): it digests the old one and `tag` (pass a unique one)."""
     given = {param_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     want = model.param_arrays()
     missing, unknown = sorted(want.keys() - given.keys()), sorted(given.keys() - want.keys())
@@ -85,8 +85,8 @@ def with_params(model: ShardedModel, params: Any, tag: str = "") -> ShardedModel
             raise ValueError(f"params[{name!r}] has shape {tuple(np.shape(given[name]))}; {model.cfg.name} "
                              f"needs {old.shape}")
 
-    def put(path, old):
-        return jax.device_put(jnp.asarray(given[param_name(path)], old.dtype), old.sharding)
+    def put(path, old):  # straight into the shards (no whole copy on a default device), cast there
+        return jax.device_put(given[param_name(path)], old.sharding).astype(old.dtype)
 
     state = jax.tree_util.tree_map_with_path(put, model.state)
     return dataclasses.replace(model, state=state, fingerprint=weights_fingerprint(model.fingerprint, "update", tag))

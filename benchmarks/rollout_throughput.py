@@ -1,0 +1,150 @@
+"""Rollout tokens/s of WAR against data-parallel rollouts, on live multi-turn agentic trajectories.
+
+Each trajectory is SmolLM2-135M-Instruct working one of `agent_env.py`'s toy repositories through
+its bash-like tool, turn after turn (the tool's output is the next turn's message), with several
+sibling trajectories per task (a GRPO group: same first prompt, other seeds). A synchronous RL step
+is one `RolloutService.rollout` call over all of them; its rollout throughput is the model tokens
+it generated over its wall time. Side by side, on the same replicas' configuration:
+
+  war       suffix-tree speculation (the per-step policy: drafts only where they pay) and
+            cache-aware placement (trajectories stay where their KV is; the tail is admitted first)
+  baseline  the same engines with no speculation and round-robin placement
+  (--ablation adds spec_only and placement_only)
+
+at a low load (a few trajectories per replica) and a high load (more trajectories than the
+replicas' batch slots). The service draws every sample with its own seed, so all configurations
+generate the same tokens (checked), and every engine has prefix caching on.
+
+  .venv/bin/python benchmarks/rollout_throughput.py                      # 2 replicas x 1 device
+  .venv/bin/python benchmarks/rollout_throughput.py --devices_per_replica=4 --loads=low
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+
+from absl import app, flags
+
+import agent_env
+import common
+
+_REPLICAS = flags.DEFINE_integer("replicas", 2, "Rollout replicas.", lower_bound=1)
+_DEVICES = flags.DEFINE_integer("devices_per_replica", 1, "Devices of each replica's mesh (TP degree).", lower_bound=1)
+_LOADS = flags.DEFINE_list("loads", ["low", "high"], "Loads to run: low, high.")
+_LOW = flags.DEFINE_list("low", ["2", "2"], "Low load: tasks, samples per task.")
+_HIGH = flags.DEFINE_list("high", ["8", "4"], "High load: tasks, samples per task.")
+_MAX_SEQS = flags.DEFINE_integer("max_seqs", 8, "Batch slots per replica.", lower_bound=1)
+_MAX_TURNS = flags.DEFINE_integer("max_turns", 4, "Model turns per trajectory at most.", lower_bound=1)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 96, "Tokens per reply at most.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature.", lower_bound=0.0)
+_SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "WAR's draft tokens per request and step at most.", lower_bound=1)
+_KV_MIB = flags.DEFINE_integer("kv_mib", 1024, "KV pool of each replica, MiB per device.", lower_bound=64)
+_ABLATION = flags.DEFINE_bool("ablation", False, "Also run speculation alone and placement alone.")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+
+PAPER = {"low": 1.4, "high": 1.6}  # WAR's rollout-throughput gains (DESIGN.md)
+CONFIGS = {"war": (True, "cache_aware"), "baseline": (False, "round_robin"), "spec_only": (True, "round_robin"),
+           "placement_only": (False, "cache_aware")}
+
+
+def build(speculate: bool, placement: str):
+    from talaria_jax.engine import EngineConfig
+    from talaria_jax.rollout import ReplicaSpec, RolloutService, SpecConfig
+
+    spec = SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None
+    k1 = _SPEC.value + 1 if speculate else 1
+    cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value * k1),
+                       max_model_len=agent_env.MAX_MODEL_LEN, kv_memory_bytes_per_device=_KV_MIB.value << 20,
+                       prefix_cache=True, speculation=spec)
+    d = _DEVICES.value
+    replicas = [ReplicaSpec(agent_env.MODEL, devices=tuple(range(i * d, (i + 1) * d)), dtype="float32", engine=cfg,
+                            compilation_cache=None).build() for i in range(_REPLICAS.value)]
+    if speculate:
+        for r in replicas:
+            r.engine.spec_policy()  # measure the step-cost curve now, not inside the timed rollout
+    return RolloutService(replicas, placement, seed=0)
+
+
+def run(name: str, tasks, tokenizer, samples: int):
+    from talaria_jax.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    service = build(*CONFIGS[name])
+    print(f"  {name}: replicas built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
+    make_env, rewards = agent_env.env_factory(tasks, tokenizer)
+    prompts = [agent_env.first_prompt(tokenizer, t) for t in tasks]
+    params = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value)
+    t0 = time.perf_counter()
+    trajs = service.rollout(prompts, make_env, params, n=samples, max_turns=_MAX_TURNS.value)
+    secs = time.perf_counter() - t0
+    stats = service.stats()
+    service.close()
+    reps = stats["replicas"]
+    spec_steps, steps = sum(r["spec_steps"] for r in reps), sum(r["steps"] for r in reps)
+    out = dict(config=name, seconds=secs, tokens=stats["generated_tokens"], tok_s=stats["generated_tokens"] / secs,
+               prefill_tokens=sum(r["prefill_tokens"] for r in reps), cached_tokens=stats["cached_tokens"],
+               spec_share=spec_steps / steps if steps else 0.0,
+               accepted_per_spec_step=sum(r["accepted_tokens"] for r in reps) / spec_steps if spec_steps else None,
+               turns=sum(len(t.turns) for g in trajs for t in g), solved=sum(v == 1.0 for v in rewards.values()),
+               ids=[t.token_ids for g in trajs for t in g])
+    print(f"  {name}: {out['tokens']} tokens in {secs:.1f} s = {out['tok_s']:.1f} tok/s; prefilled "
+          f"{out['prefill_tokens']}, cached {out['cached_tokens']}; speculated {out['spec_share']:.0%} of steps",
+          flush=True)
+    del service
+    gc.collect()
+    return out
+
+
+def main(argv):
+    del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    from talaria_jax.engine import enable_compilation_cache
+    from talaria_jax.tokenizer import load_tokenizer
+    from talaria_jax.weights.named import resolve
+
+    enable_compilation_cache()
+    tokenizer = load_tokenizer(resolve(agent_env.MODEL)[1])
+    names = ["war", "baseline"] + (["spec_only", "placement_only"] if _ABLATION.value else [])
+    rows = []
+    for load in _LOADS.value:
+        if load not in PAPER:
+            raise app.UsageError(f"--loads: unknown {load!r}; known: low, high")
+        n_tasks, samples = (int(x) for x in (_LOW if load == "low" else _HIGH).value)
+        tasks = list(agent_env.TASKS.values())[:n_tasks]
+        print(f"{load} load: {n_tasks} tasks x {samples} samples = {n_tasks * samples} trajectories on "
+              f"{_REPLICAS.value} replicas x {_MAX_SEQS.value} slots (load average {os.getloadavg()[0]:.2f})", flush=True)
+        results = {name: run(name, tasks, tokenizer, samples) for name in names}
+        same = all(r["ids"] == results["baseline"]["ids"] for r in results.values())
+        for r in results.values():
+            r.pop("ids")
+        base = results["baseline"]["tok_s"]
+        row = dict(load=load, trajectories=n_tasks * samples, turns=results["war"]["turns"],
+                   tokens=results["war"]["tokens"], same_tokens=same, paper=PAPER[load],
+                   **{f"{k}_tok_s": r["tok_s"] for k, r in results.items()},
+                   **{f"{k}_ratio": r["tok_s"] / base for k, r in results.items() if k != "baseline"},
+                   war_cached=results["war"]["cached_tokens"], baseline_cached=results["baseline"]["cached_tokens"],
+                   war_spec_share=results["war"]["spec_share"], results=results)
+        rows.append(row)
+    cols = [("load", "load", ""), ("trajectories", "trajectories", "d"), ("turns", "turns", "d"),
+            ("tokens", "tokens", "d"), ("baseline tok/s", "baseline_tok_s", ".1f"), ("WAR tok/s", "war_tok_s", ".1f"),
+            ("WAR / baseline", "war_ratio", ".2f"), ("paper", "paper", ".1f")]
+    if _ABLATION.value:
+        cols += [("spec only", "spec_only_ratio", ".2f"), ("placement only", "placement_only_ratio", ".2f")]
+    cols += [("WAR steps speculated", "war_spec_share", ".0%"), ("cached tokens WAR / baseline", "cached", ""),
+             ("same tokens", "same_tokens", "")]
+    for r in rows:
+        r["cached"] = f"{r['war_cached']} / {r['baseline_cached']}"
+    print()
+    common.print_markdown_table(cols, rows)
+    print(f"\nload average after: {os.getloadavg()[0]:.2f} (2 cores: above ~1 the timings are noisy)")
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
