@@ -26,22 +26,10 @@ if __name__ == "__main__" and "--xla_force_host_platform_device_count" not in os
 
 import functools
 import time
+import types
 
 import numpy as np
 from absl import app, flags
-
-_STEPS = flags.DEFINE_integer("steps", 30, "GRPO steps (each: one rollout batch, --epochs optimizer steps).",
-                              lower_bound=1)
-_PROMPTS = flags.DEFINE_integer("prompts", 8, "Prompts per step.", lower_bound=1)
-_GROUP = flags.DEFINE_integer("group", 8, "Samples per prompt (the GRPO group).", lower_bound=2)
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 12, "Answer tokens at most.", lower_bound=1)
-_LR = flags.DEFINE_float("lr", 1e-3, "Adam learning rate.", lower_bound=0.0)
-_EPOCHS = flags.DEFINE_integer("epochs", 2, "Optimizer steps per rollout batch.", lower_bound=1)
-_CLIP = flags.DEFINE_float("clip", 0.2, "PPO ratio clip.", lower_bound=0.0)
-_MODEL = flags.DEFINE_string("model", "tiny-dense", "The policy: a config name (random weights) or a checkpoint.")
-_DEVICES = flags.DEFINE_integer("devices_per_replica", 4, "Devices of each of the two replicas.", lower_bound=1)
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the initial weights, the prompts and the sampling.")
-_PLOT = flags.DEFINE_string("plot", None, "Write the reward curve here (PNG).")
 
 DIGITS = np.arange(ord("0"), ord("9") + 1)
 
@@ -95,6 +83,25 @@ def grpo_loss(state, graphdef, tokens, positions, mask, old_lp, adv, clip):
     return -(per_token * mask).sum() / mask.sum()
 
 
+def _define_flags() -> dict:
+    """The script's flags; defined only when run as a script, so importing the module (its test) does
+    not register --plot or --steps beside other modules' own."""
+    return dict(
+        steps=flags.DEFINE_integer("steps", 30, "GRPO steps (each: one rollout batch, --epochs optimizer steps).",
+                                     lower_bound=1),
+        prompts=flags.DEFINE_integer("prompts", 8, "Prompts per step.", lower_bound=1),
+        group=flags.DEFINE_integer("group", 8, "Samples per prompt (the GRPO group).", lower_bound=2),
+        max_tokens=flags.DEFINE_integer("max_tokens", 12, "Answer tokens at most.", lower_bound=1),
+        lr=flags.DEFINE_float("lr", 1e-3, "Adam learning rate.", lower_bound=0.0),
+        epochs=flags.DEFINE_integer("epochs", 2, "Optimizer steps per rollout batch.", lower_bound=1),
+        clip=flags.DEFINE_float("clip", 0.2, "PPO ratio clip.", lower_bound=0.0),
+        model=flags.DEFINE_string("model", "tiny-dense", "The policy: a config name (random weights) or a checkpoint."),
+        devices=flags.DEFINE_integer("devices_per_replica", 4, "Devices of each of the two replicas.", lower_bound=1),
+        seed=flags.DEFINE_integer("seed", 0, "Seed of the initial weights, the prompts and the sampling."),
+        plot=flags.DEFINE_string("plot", None, "Write the reward curve here (PNG)."),
+    )
+
+
 def main(argv):
     del argv
     import jax
@@ -107,40 +114,41 @@ def main(argv):
     from talaria_jax.weights import load_model
 
     logging.set_verbosity(logging.WARNING)
-    d = _DEVICES.value
+    o = types.SimpleNamespace(**{name: flag.value for name, flag in F.items()})
+    d = o.devices
     if 2 * d > jax.device_count():
         raise app.UsageError(f"--devices_per_replica={d}: two replicas need {2 * d} devices, this process has "
                              f"{jax.device_count()}")
-    tok, rng = ByteTokenizer(), np.random.default_rng(_SEED.value)
-    n_seqs = _PROMPTS.value * _GROUP.value
+    tok, rng = ByteTokenizer(), np.random.default_rng(o.seed)
+    n_seqs = o.prompts * o.group
     cfg = EngineConfig(max_seqs=-(-n_seqs // 2), max_tokens_per_step=max(256, n_seqs), max_model_len=64,
                        prefix_cache=True, warmup=False)  # compile the step shapes as they come
-    replicas = [ReplicaSpec(_MODEL.value, devices=tuple(range(i * d, (i + 1) * d)), seed=_SEED.value, engine=cfg,
+    replicas = [ReplicaSpec(o.model, devices=tuple(range(i * d, (i + 1) * d)), seed=o.seed, engine=cfg,
                             compilation_cache=None).build() for i in range(2)]
-    trainer = load_model(_MODEL.value, seed=_SEED.value).model  # the trainer's copy, on device 0
+    trainer = load_model(o.model, seed=o.seed).model  # the trainer's copy, on device 0
     graphdef, state = trainer.graphdef, trainer.state
-    opt = optax.adam(_LR.value)
+    opt = optax.adam(o.lr)
     opt_state = opt.init(state)
 
     @functools.partial(jax.jit, static_argnums=(2,))
     def train_step(state, opt_state, graphdef, *batch_arrays):
-        loss, grads = jax.value_and_grad(grpo_loss)(state, graphdef, *batch_arrays, _CLIP.value)
+        loss, grads = jax.value_and_grad(grpo_loss)(state, graphdef, *batch_arrays, o.clip)
         updates, opt_state = opt.update(grads, opt_state, state)
         return optax.apply_updates(state, updates), opt_state, loss
 
     check = jax.jit(token_logprobs, static_argnums=0)
-    params = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=1.0)  # seeds: the service's, per call
+    params = SamplingParams(max_tokens=o.max_tokens, temperature=1.0)  # seeds: the service's, per call
     curve = []
     t0 = time.perf_counter()
-    with RolloutService(replicas, seed=_SEED.value) as service:
-        for step in range(_STEPS.value):
-            prompts = [tok.encode(q) for q in questions(rng, _PROMPTS.value)]
-            groups = service.generate(prompts, params, n=_GROUP.value)
+    with RolloutService(replicas, seed=o.seed) as service:
+        for step in range(o.steps):
+            prompts = [tok.encode(q) for q in questions(rng, o.prompts)]
+            groups = service.generate(prompts, params, n=o.group)
             rewards = np.array([[reward(c.token_ids, c.finish_reason) for c in g] for g in groups])
             arrays = batch(prompts, groups, group_advantages(rewards))
             tokens, positions, mask, old_lp, _ = arrays
             drift = float(np.abs((np.asarray(check(graphdef, state, tokens, positions)) - old_lp) * mask).max())
-            for _ in range(_EPOCHS.value):
+            for _ in range(o.epochs):
                 state, opt_state, loss = train_step(state, opt_state, graphdef, *arrays)
             service.update_weights(state)
             curve.append(float(rewards.mean()))
@@ -152,7 +160,7 @@ def main(argv):
     first, last = np.mean(curve[:3]), np.mean(curve[-3:])
     print(f"mean reward, first 3 steps {first:.3f} -> last 3 steps {last:.3f}; {stats['generated_tokens']} tokens "
           f"generated over 2 replicas in {time.perf_counter() - t0:.0f} s")
-    if _PLOT.value:
+    if o.plot:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -161,12 +169,15 @@ def main(argv):
         fig, ax = plt.subplots(figsize=(6, 3.2))
         ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=3)
         ax.set(xlabel="GRPO step", ylabel="mean reward (digit share)", ylim=(0, 1.02),
-               title=f"grpo_toy: {_MODEL.value}, {_PROMPTS.value} prompts x {_GROUP.value} samples per step")
+               title=f"grpo_toy: {o.model}, {o.prompts} prompts x {o.group} samples per step")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(_PLOT.value, dpi=120)
-        print(f"wrote {_PLOT.value}")
+        fig.savefig(o.plot, dpi=120)
+        print(f"wrote {o.plot}")
 
+
+F: dict = {}
 
 if __name__ == "__main__":
+    F.update(_define_flags())
     app.run(main)

@@ -13,9 +13,10 @@ re-sends the whole context so far. WAR's cache-aware placement (`CacheAware`) th
     score(replica) = locality * cached_prompt_share - load * outstanding / capacity
 
 the same form as the Talaria router's locality and pressure terms (scheduler/router.py), with no
-residency term: every replica serves the one policy. With `steal` (CacheAware), the service lets a
-replica with an idle slot and nothing queued take another replica's waiting request. Ties go to the less loaded replica, then the
-lower index. `RoundRobin` and `LeastLoaded` are the baselines; they admit in arrival order.
+residency term: every replica serves the one policy. Ties go to the less loaded replica, then the
+lower index. With `steal` (CacheAware), the service lets a replica with an idle slot and nothing
+queued take a waiting request from a full one. `RoundRobin` and `LeastLoaded` are the baselines;
+they admit in arrival order.
 """
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ class RolloutService:
         call = next(self._calls)
         trajs = [[Trajectory(list(p)) for _ in range(n)] for p in prompts]
         envs = {(i, j): make_env(i, j) for i in range(len(prompts)) for j in range(n)}
-        pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
+        pending: dict[concurrent.futures.Future, tuple[str, int, int]] = {}  # -> (request id, i, j)
 
         def submit(i: int, j: int) -> None:
             t = trajs[i][j]

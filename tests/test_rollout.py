@@ -374,7 +374,7 @@ def test_talaria_rollout_launcher_serves_and_exits_on_sigterm():
             time.sleep(0.2)
         out = client.generate([[1, 2, 3] * 7], SamplingParams(max_tokens=4, temperature=0), n=2)
         assert [c.token_ids for c in out[0]] == [greedy_generate(load_model("tiny-dense").model, [[1, 2, 3] * 7], 4)[0]] * 2
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        proc.send_signal(signal.SIGTERM)  # uvicorn shuts down, then re-raises the signal: exit status -15
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM) and "Traceback" not in proc.stdout.read()
     finally:
         proc.kill()
