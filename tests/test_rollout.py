@@ -16,7 +16,7 @@ from talaria_jax.rollout.replica import ReplicaSpec
 from talaria_jax.rollout.server import RolloutClient, make_app
 from talaria_jax.rollout.service import RolloutService
 from talaria_jax.rollout.suffix import SpecConfig
-from talaria_jax.serve.app import serve_in_thread
+from talaria_jax.serve.app import serving
 from talaria_jax.weights import load_model
 
 HALVES = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -294,16 +294,6 @@ def test_an_idle_replica_takes_waiting_requests_from_a_full_one():
 
 
 # ---- HTTP -----------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def serving(app):
-    url, server = serve_in_thread(app)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        server.thread.join(timeout=10)
-
 
 def test_http_api_matches_the_in_process_service(tmp_path, trainer):
     from talaria_jax.weights import checkpoint

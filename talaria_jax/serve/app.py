@@ -402,11 +402,14 @@ def serve_in_thread(api: FastAPI, host: str = "127.0.0.1", port: int = 0) -> tup
 
 @contextlib.contextmanager
 def serving(api: FastAPI):
-    """`serve_in_thread(api)` for a block: yields the base URL, then stops the server and its engine."""
+    """`serve_in_thread(api)` for a block: yields the base URL, then stops the server and its engine
+    (an app without one, the rollout server's, leaves its service to its owner)."""
     url, server = serve_in_thread(api)
     try:
         yield url
     finally:
         server.should_exit = True
         server.thread.join(timeout=10)
-        api.state.engine.close()
+        engine = getattr(api.state, "engine", None)
+        if engine is not None:
+            engine.close()
