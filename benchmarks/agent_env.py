@@ -599,10 +599,7 @@ class _Episode:
         if result.done:
             self.end = "solved"
         else:
-            self.prompt = self.prompt + response + self.continuation(response, observation(command, result.output))
-
-    def continuation(self, response: list[int], message: str) -> list[int]:
-        return continuation(self.tok, response, message)
+            self.prompt = self.prompt + response + continuation(self.tok, response, observation(command, result.output))
 
     def trajectory(self) -> Trajectory:
         return Trajectory(self.task.id, self.sibling, self.seed, self.turns, self.end or "max_turns")

@@ -43,7 +43,6 @@ class ReplicaInfo:
     capacity: int  # sequences at once (EngineConfig.max_seqs)
     page_size: int
     num_pages: int
-    eos_ids: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +84,7 @@ class Replica:
     def info(self) -> ReplicaInfo:
         e = self.engine
         return ReplicaInfo(e.cfg.name, e.cfg.vocab_size, min(e.config.max_model_len, e.pool_spec.num_slots),
-                           e.config.max_seqs, e.page_size, e.allocator.num_pages, tuple(e.cfg.eos_ids))
+                           e.config.max_seqs, e.page_size, e.allocator.num_pages)
 
     def add(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams, str | None]]) -> list[Completion]:
         """Queues (request_id, prompt, params, cache_salt) requests; returns a Completion with `error`

@@ -442,9 +442,10 @@ class RolloutService:
         if not others:
             return False
         victim = max(others, key=lambda x: (x.load().share, -x.index))
-        heapq.heappush(w.queue, heapq.heappop(victim.queue))
+        item = heapq.heappop(victim.queue)
+        heapq.heappush(w.queue, item)
         self.counts["stolen"] += 1
-        self.placement.computed(w.index, w.queue[0][2].prompt)
+        self.placement.computed(w.index, item[2].prompt)
         return True
 
     def _drop(self, w: _Worker, why: str, aborted: Sequence[str] = ()) -> None:

@@ -363,8 +363,9 @@ class Engine:
         `models.with_params` takes them, on any devices; they are resharded onto this engine's mesh
         and need no recompile. Nothing computed by the old weights is reused: the prefix cache is
         emptied, host KV copies of the old weights are freed (and refused by `restore`), and suffix
-        drafts start from empty trees. The new fingerprint is random: no other engine's KV matches it. Refused (RequestError) while requests are in flight, which would mix two
-        policies in one output; abort or finish them first."""
+        drafts start from empty trees. The new fingerprint is random: no other engine's KV matches it.
+        Refused (RequestError) while requests are in flight, which would mix two policies in one
+        output; abort or finish them first."""
         if self.requests:
             raise RequestError(f"update_weights: {len(self.requests)} requests are in flight; finish or abort them "
                                f"first")
