@@ -1,29 +1,145 @@
 """Helpers shared by the benchmark scripts (run as `python benchmarks/NAME.py`, so this imports as `common`),
 among them the measuring functions that both a benchmark script and benchmarks/device_check.py time
 with: `prefill_tok_s` (engine_prefill.py), `ttft` and `copy_times` (host_restore.py), `switch_times`
-(model_switch.py). Nothing here defines flags: a script passes its flag values in."""
+(model_switch.py). Nothing here defines flags: a script passes its flag values in.
+
+Fair comparisons (`interleave`, `Machine`): a benchmark that prints ours against a reference times both
+sides rep by rep in turns (ours, theirs, theirs, ours, ...) and keeps the best of each, runs both on
+the same number of threads, and prints the load average before and after and the CPU time that
+other processes took during the run, with a warning when the machine was busy: a 2-thread torch
+run collapses when anything else uses the cores, and a one-sided best-of-N favours the side that
+gets it."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
+BUSY_CORES = 0.25  # other processes' average CPU use (cores) above which a run is reported as busy
 
-def decode_with_synthetic_prefix(engine, batch: int, context: int, steps: int, warmup: int = 3) -> float:
-    """Tokens/s of `steps` decode steps for `batch` sequences whose first `context` tokens count as
-    already cached: their pages are held, their KV contents are whatever the pool holds, and only the
-    last prompt token is computed. So only decode-shaped steps are timed (prefill is not measured)."""
+
+def interleave(sides: dict[str, Callable[[], float]], reps: int, warmup: int = 1) -> dict[str, float]:
+    """Best (lowest) of `reps` timings of each side; each callable runs one rep and returns its seconds.
+    The sides take turns rep by rep, the order reversed every other rep (A B, B A, ...), so a slow
+    spell of the machine falls on both; `warmup` untimed calls of each first (they compile)."""
+    names = list(sides)
+    for _ in range(warmup):
+        for n in names:
+            sides[n]()
+    best = {n: float("inf") for n in names}
+    for rep in range(reps):
+        for n in (names if rep % 2 == 0 else names[::-1]):
+            best[n] = min(best[n], sides[n]())
+    return best
+
+
+def _cpu_busy_s() -> float:
+    """Seconds of CPU time all processes have used since boot (busy jiffies of /proc/stat's cpu line)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@dataclasses.dataclass
+class Machine:
+    """The machine around a benchmark run: `Machine.start(threads)` before, `.stop()` after, `.report()`
+    for the lines to print. `other_cores` is the average CPU use of other processes during the run
+    (all busy CPU time minus this process's, over the wall time); /proc/stat is Linux-only, elsewhere
+    it stays None."""
+    cpus: int
+    threads: int
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float] | None = None
+    other_cores: float | None = None
+    _t0: tuple[float, float, float] | None = dataclasses.field(default=None, repr=False)
+
+    @classmethod
+    def start(cls, threads: int) -> "Machine":
+        m = cls(os.cpu_count() or 1, threads, os.getloadavg())
+        try:
+            m._t0 = (time.perf_counter(), _cpu_busy_s(), _own_cpu_s())
+        except OSError:
+            pass
+        return m
+
+    def stop(self) -> "Machine":
+        self.load_after = os.getloadavg()
+        if self._t0 is not None:
+            wall, busy, own = time.perf_counter() - self._t0[0], _cpu_busy_s() - self._t0[1], _own_cpu_s() - self._t0[2]
+            self.other_cores = max(0.0, (busy - own) / wall)
+        return self
+
+    @property
+    def busy(self) -> bool:
+        return self.other_cores is not None and self.other_cores > BUSY_CORES
+
+    def report(self) -> str:
+        fmt = lambda la: " ".join(f"{x:.2f}" for x in la)
+        line = f"threads: {self.threads} on each side ({self.cpus} cpus); load average before {fmt(self.load_before)}"
+        if self.load_after is not None:
+            line += f", after {fmt(self.load_after)}"
+        if self.other_cores is not None:
+            line += f"; other processes used {self.other_cores:.2f} cores during the run"
+        if self.busy:
+            line += (f"\nWARNING: the machine was busy (other processes used {self.other_cores:.2f} cores on average, "
+                     f"more than {BUSY_CORES}): the ratios are not trustworthy; rerun on an idle machine")
+        return line
+
+    def as_json(self) -> dict:
+        return dict(cpus=self.cpus, threads=self.threads, load_before=self.load_before, load_after=self.load_after,
+                    other_cores=self.other_cores, busy=self.busy)
+
+
+def set_threads(threads: int | None, torch_side: bool = True) -> int:
+    """Puts both sides on the same `threads` cores (default: all): this process is pinned to the first
+    `threads` CPUs, which sizes XLA:CPU's thread pool (it counts the CPUs it may run on when its client
+    starts: call this before JAX runs anything), and torch gets as many intra-op threads. Returns the count."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    threads = min(threads or len(cpus), len(cpus))
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus[:threads])
+    if torch_side:
+        import torch
+
+        torch.set_num_threads(threads)
+    return threads
+
+
+def synthetic_decode(engine, batch: int, context: int, steps: int, reps: int, warmup: int = 3) -> Callable[[], float]:
+    """A rep for `interleave`: each call times `steps` decode steps of `batch` sequences whose first
+    `context` tokens count as already cached (their pages are held, their KV contents are whatever the
+    pool holds, only the last prompt token is computed), so only decode-shaped steps are timed; it
+    returns their seconds. The sequences have room for `reps` + 1 calls after `warmup` untimed steps
+    (which compile)."""
     from talaria_jax.calibrate import start_synthetic_decode
 
-    start_synthetic_decode(engine, batch, context, max_tokens=steps + warmup + 1)
-    for _ in range(warmup):  # compile + warm-up
+    start_synthetic_decode(engine, batch, context, max_tokens=warmup + steps * (reps + 1) + 1)
+    for _ in range(warmup):
         engine.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = time.perf_counter() - t
-    assert all(len(r.output) == steps + warmup for r in engine.running), "a sequence finished early"
-    return batch * steps / dt
+
+    def rep() -> float:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        dt = time.perf_counter() - t
+        assert len(engine.running) == batch, "a sequence finished early"
+        return dt
+
+    return rep
+
+
+def decode_with_synthetic_prefix(engine, batch: int, context: int, steps: int, warmup: int = 3) -> float:
+    """Tokens/s of one `synthetic_decode` rep (one-sided: the device check, which has no reference)."""
+    return batch * steps / synthetic_decode(engine, batch, context, steps, reps=0, warmup=warmup)()
 
 
 def hf_config(hidden: int, layers: int) -> dict:
@@ -55,21 +171,13 @@ def print_markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) 
 
 def best_time(fn, reps: int) -> float:
     """Best-of-`reps` seconds of `fn()` (blocked until its result is ready), after one untimed call."""
-    import jax
-
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
+    return interleave({"fn": functools.partial(_timed, fn)}, reps)["fn"]
 
 
-def prefill_tok_s(model, ctx: int, chunk: int, tile: int, reps: int, pages_per_block: int = 4) -> float:
-    """Tokens/s of the one engine step that prefills `chunk` tokens over `ctx` cached ones (a synthetic
-    prefix: its pages are held and count as computed), with query tiles of `tile` and
-    `EngineConfig.pages_per_block`; best of `reps` after an untimed first run (it compiles)."""
+def prefill_rep(model, ctx: int, chunk: int, tile: int, pages_per_block: int = 4) -> Callable[[], float]:
+    """A rep for `interleave`: each call times the one engine step that prefills `chunk` tokens over
+    `ctx` cached ones (a synthetic prefix: its pages are held and count as computed), with query tiles
+    of `tile` and `EngineConfig.pages_per_block`, and returns its seconds (the first call compiles)."""
     from talaria_jax.engine import Engine, EngineConfig, SamplingParams
 
     page = 16
@@ -77,8 +185,8 @@ def prefill_tok_s(model, ctx: int, chunk: int, tile: int, reps: int, pages_per_b
                                      pages_per_block=pages_per_block,
                                      max_model_len=-(-(ctx + chunk + 8) // page) * page, warmup=False))
     rng = np.random.RandomState(0)
-    times = []
-    for _ in range(reps + 1):  # the first compiles
+
+    def rep() -> float:
         rid = eng.add_request(rng.randint(0, model.cfg.vocab_size, ctx + chunk).tolist(),
                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         req = eng.requests[rid]
@@ -88,9 +196,16 @@ def prefill_tok_s(model, ctx: int, chunk: int, tile: int, reps: int, pages_per_b
         eng.running.append(req)
         t = time.perf_counter()
         out = eng.step()
-        times.append(time.perf_counter() - t)
+        dt = time.perf_counter() - t
         assert len(out) == 1 and out[0].finished, "the chunk did not fit one step"
-    return chunk / min(times[1:])
+        return dt
+
+    return rep
+
+
+def prefill_tok_s(model, ctx: int, chunk: int, tile: int, reps: int, pages_per_block: int = 4) -> float:
+    """Tokens/s of `prefill_rep`, best of `reps` after an untimed first run (one-sided: the device check)."""
+    return chunk / interleave({"ours": prefill_rep(model, ctx, chunk, tile, pages_per_block)}, reps)["ours"]
 
 
 def ttft(eng, prompt, restore=None) -> float:
@@ -108,7 +223,8 @@ def ttft(eng, prompt, restore=None) -> float:
 
 def copy_times(eng, kv, reps: int) -> dict:
     """Seconds of the tier's restore of `kv` into free pages and of its offload from them, and of a bare
-    device_put of an array of the same shape between the same shardings, each way."""
+    device_put of an array of the same shape between the same shardings, each way: best of `reps`,
+    the four in turns (`interleave`)."""
     import jax
 
     tier = eng.host_tier
@@ -121,12 +237,21 @@ def copy_times(eng, kv, reps: int) -> dict:
     host = jax.device_put(np.ones(kv.data.shape, kv.data.dtype), tier.host_sharding)
     dev = jax.device_put(host, tier.transfer_sharding)
     try:
-        return dict(restore_s=best_time(restore, reps),
-                    h2d_s=best_time(lambda: jax.device_put(host, tier.transfer_sharding), reps),
-                    offload_s=best_time(lambda: tier.offload(eng.runner.kv, pages, kv.token_ids).data, reps),
-                    d2h_s=best_time(lambda: jax.device_put(dev, tier.host_sharding), reps))
+        return interleave({k: functools.partial(_timed, fn) for k, fn in dict(
+            restore_s=restore, h2d_s=lambda: jax.device_put(host, tier.transfer_sharding),
+            offload_s=lambda: tier.offload(eng.runner.kv, pages, kv.token_ids).data,
+            d2h_s=lambda: jax.device_put(dev, tier.host_sharding)).items()}, reps)
     finally:
         eng.allocator.free(pages)
+
+
+def _timed(fn) -> float:
+    """Seconds of `fn()` until its result is ready."""
+    import jax
+
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
 
 
 def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:

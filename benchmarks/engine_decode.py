@@ -8,6 +8,13 @@ paged pool's pages for ours) so that only decode-shaped steps are timed, then ge
 step) over the copy bandwidth measured in the same run (numpy copy, read + write bytes, as STREAM
 counts), i.e. the best a memory-bound decode step can do on this machine.
 
+Fair by construction (benchmarks/common.py): both sides run on the same cores (`--threads`, default
+all: the process is pinned to them and torch uses as many threads), each point times `--reps` reps
+of `--decode_steps` steps per side in turns (ours, HF, HF, ours, ...) and keeps the best of each, and
+the run prints the load average before and after and the CPU other processes took, with a warning
+when that was more than a quarter of a core. HF's rep is clocked inside `generate` (a logits
+processor stamps each step), so its cache setup and first step are not counted, as ours are not.
+
   .venv/bin/python benchmarks/engine_decode.py --out=/tmp/engine_decode.json
   .venv/bin/python benchmarks/engine_decode.py --model=smollm2-135m-instruct   # the embedded real model
 
@@ -24,10 +31,10 @@ A fused paged-attention kernel (Pallas on GPU) removes the first; the second is 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import tempfile
 import time
+import warnings
 
 from absl import app, flags
 
@@ -35,7 +42,10 @@ import common
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (tokens already in the KV cache).")
-_STEPS = flags.DEFINE_integer("decode_steps", 16, "Timed decode steps per point.")
+_STEPS = flags.DEFINE_integer("decode_steps", 16, "Timed decode steps per rep.")
+_REPS = flags.DEFINE_integer("reps", 3, "Reps per side and point, interleaved with the other side's (best is reported).")
+_THREADS = flags.DEFINE_integer("threads", None, "Cores for both sides (default: all): this process is pinned to "
+                                "them (XLA:CPU sizes its pool by them) and torch uses as many threads.")
 _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
@@ -67,56 +77,71 @@ def load_ours(path):
     return load_model(path, make_mesh(jax.devices()[:1]), dtype="float32", use_cache=False).model
 
 
-def bench_ours(model, batch: int, ctx: int, steps: int) -> float:
+def ours_rep(model, batch: int, ctx: int, steps: int, reps: int):
+    """A rep (seconds of `steps` decode steps) of our engine over a synthetic `ctx`-token prefix."""
     from talaria_jax.engine import Engine, EngineConfig
 
-    page = 16  # decode_with_synthetic_prefix warms up the shapes it times: no engine warm-up
+    page = 16  # synthetic_decode warms up the shapes it times: no engine warm-up
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
-                                     max_model_len=-(-(ctx + steps + 8) // page) * page, warmup=False))
-    return common.decode_with_synthetic_prefix(eng, batch, ctx, steps)
+                                     max_model_len=-(-(ctx + steps * (reps + 2) + 8) // page) * page, warmup=False))
+    return common.synthetic_decode(eng, batch, ctx, steps, reps)
 
 
-def bench_hf(path, batch: int, ctx: int, steps: int) -> float:
+def hf_model(path):
     import torch
     import transformers
-    from transformers import DynamicCache
 
-    if getattr(bench_hf, "model", None) is None:
-        kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
-        bench_hf.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent if kw else path), dtype=torch.float32, **kw).eval()
-    model = bench_hf.model
+    kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent if kw else path), dtype=torch.float32,
+                                                             **kw).eval()
+
+
+def hf_rep(model, batch: int, ctx: int, steps: int):
+    """A rep (seconds of `steps` decode steps) of transformers `generate` over a DynamicCache of `ctx`
+    random tokens: a logits processor clocks each step, and the time from the first step's logits to the
+    last's is `steps` decode forwards with their sampling (the cache is built outside the clock)."""
+    import torch
+    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
     cfg = model.config
 
-    def run(n):
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def rep() -> float:
         cache = DynamicCache(config=cfg)
         g = torch.Generator().manual_seed(0)
         for layer in range(cfg.num_hidden_layers):
             shape = (batch, cfg.num_key_value_heads, ctx, cfg.head_dim)
             cache.update(torch.randn(shape, generator=g), torch.randn(shape, generator=g), layer)
         ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), generator=g)
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
-        assert out.shape[1] == ctx + 1 + n
-        return time.perf_counter() - t
+        clock = Clock()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)  # transformers 5
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                 max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([clock]))
+        assert out.shape[1] == ctx + 2 + steps and len(clock.times) == steps + 1
+        return clock.times[-1] - clock.times[0]
 
-    run(2)  # warm-up
-    dt = min(run(steps + 1) - run(1) for _ in range(2))  # decode-only: subtract the first (setup) step
-    return batch * steps / dt
+    return rep
 
 
 def main(argv):
     del argv
     import numpy as np
 
+    threads = common.set_threads(_THREADS.value, torch_side=not _SKIP_HF.value)
+    machine = common.Machine.start(threads)
     points = [(int(b), int(c)) for c in _CONTEXTS.value for b in _BATCHES.value]
     bw = copy_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        import torch
-
         from talaria_jax.weights.named import resolve
 
         if _MODEL.value:
@@ -132,13 +157,20 @@ def main(argv):
             n_params = common.save_random_llama(path, hf)
             ours_model = load_ours(path)
             layers, kv_heads, head_dim = hf["num_hidden_layers"], hf["num_key_value_heads"], hf["head_dim"]
+        theirs_model = None if _SKIP_HF.value else hf_model(path)
         kv_per_token = 2 * layers * kv_heads * head_dim * 4
         print(f"model: {n_params / 1e6:.0f}M params fp32, KV {kv_per_token} B/token; copy bandwidth {bw / 1e9:.1f} GB/s; "
-              f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cpus")
+              f"{_STEPS.value} decode steps per rep, best of {_REPS.value} reps per side, interleaved")
+        print(machine.report(), flush=True)
+        steps = _STEPS.value
         for batch, ctx in points:
-            ours = bench_ours(ours_model, batch, ctx, _STEPS.value)
-            theirs = None if _SKIP_HF.value else bench_hf(path, batch, ctx, _STEPS.value)
-            step_bytes = n_params * 4 + batch * (ctx + _STEPS.value / 2) * kv_per_token
+            sides = {"ours": ours_rep(ours_model, batch, ctx, steps, _REPS.value)}
+            if theirs_model is not None:
+                sides["hf"] = hf_rep(theirs_model, batch, ctx, steps)
+            best = common.interleave(sides, _REPS.value)
+            ours = batch * steps / best["ours"]
+            theirs = batch * steps / best["hf"] if "hf" in best else None
+            step_bytes = n_params * 4 + batch * (ctx + steps * _REPS.value / 2) * kv_per_token
             roof = batch / (step_bytes / bw)
             rows.append(dict(batch=batch, context=ctx, ours_tok_s=ours, hf_tok_s=theirs, roofline_tok_s=roof,
                              ours_over_hf=(ours / theirs) if theirs else None, ours_over_roofline=ours / roof))
@@ -146,16 +178,21 @@ def main(argv):
             print(f"  batch {batch:3d} ctx {ctx:5d}: ours {ours:8.1f} tok/s  hf {theirs or float('nan'):8.1f}  "
                   f"roofline {roof:8.1f}  ours/hf {r['ours_over_hf'] or float('nan'):5.2f}  "
                   f"ours/roofline {r['ours_over_roofline']:5.2f}", flush=True)
+    machine.stop()
     common.print_markdown_table(
         [("batch", "batch", "d"), ("context", "context", "d"), ("ours tok/s", "ours_tok_s", ".1f"),
          ("HF tok/s", "hf_tok_s", ".1f"), ("roofline tok/s", "roofline_tok_s", ".1f"), ("ours/HF", "ours_over_hf", ".2f"),
          ("ours/roofline", "ours_over_roofline", ".2f")], rows)
+    ratios = [r["ours_over_hf"] for r in rows if r["ours_over_hf"]]
+    geomean = float(np.exp(np.mean(np.log(ratios)))) if ratios else None
+    if geomean:
+        print(f"\ngeometric mean ours/HF {geomean:.2f}")
+    print(machine.report())
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(dict(model=_MODEL.value or "random-llama", params=n_params, copy_bandwidth_bytes_s=bw, decode_steps=_STEPS.value, rows=rows,
-                           geomean_ours_over_hf=float(np.exp(np.mean([np.log(r["ours_over_hf"]) for r in rows
-                                                                     if r["ours_over_hf"]]))) if not _SKIP_HF.value
-                           else None), f, indent=1)
+            json.dump(dict(model=_MODEL.value or "random-llama", params=n_params, copy_bandwidth_bytes_s=bw,
+                           decode_steps=steps, reps=_REPS.value, machine=machine.as_json(), rows=rows,
+                           geomean_ours_over_hf=geomean), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ safetensors and loaded through talaria_jax's loader).
   query tiles; what a decode step still uses);
 - HF transformers: one forward of the chunk over a DynamicCache holding `context` random tokens.
 Both of ours start from a synthetic prefix (its pages are held and count as computed) and time the
-one step that prefills the chunk and samples the next token, best of `--reps`.
+one step that prefills the chunk and samples the next token. The three sides take turns rep by rep
+on the same cores (`--threads`), best of `--reps` each, with the machine's load printed before and
+after (benchmarks/common.py: `interleave`, `Machine`).
 
   .venv/bin/python benchmarks/engine_prefill.py --out=/tmp/engine_prefill.json
 """
@@ -27,14 +29,18 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096"], "Cached context leng
 _CHUNK = flags.DEFINE_integer("chunk", 512, "New tokens prefilled on top of the context.")
 _TILE = flags.DEFINE_integer("query_tile", 16, "Query tile of our tiled side.")
 _PPB = flags.DEFINE_integer("pages_per_block", 4, "EngineConfig.pages_per_block (16-token pages) of both our sides.")
-_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions per point (best is reported).")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed reps per side and point, in turns with the other sides' (best is reported).")
+_THREADS = flags.DEFINE_integer("threads", None, "Cores for every side (default: all): this process is pinned to "
+                                "them (XLA:CPU sizes its pool by them) and torch uses as many threads.")
 _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
 
 
-def bench_hf(model, ctx: int, chunk: int, reps: int) -> float:
+def hf_rep(model, ctx: int, chunk: int):
+    """A rep (seconds) of transformers forwarding `chunk` tokens over a DynamicCache of `ctx` random
+    tokens (the cache is filled outside the clock) and taking the last token's argmax."""
     import torch
     from transformers import DynamicCache
 
@@ -43,18 +49,19 @@ def bench_hf(model, ctx: int, chunk: int, reps: int) -> float:
     shape = (1, cfg.num_key_value_heads, ctx, cfg.head_dim)
     kv = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.num_hidden_layers)]
     ids = torch.randint(0, cfg.vocab_size, (1, chunk), generator=g)
-    times = []
-    for _ in range(reps + 1):
+    pos = torch.arange(ctx, ctx + chunk)[None]
+
+    def rep() -> float:
         cache = DynamicCache(config=cfg)
         for layer, (k, v) in enumerate(kv):
             cache.update(k.clone(), v.clone(), layer)
-        pos = torch.arange(ctx, ctx + chunk)[None]
         t = time.perf_counter()
         with torch.no_grad():
             logits = model(ids, past_key_values=cache, position_ids=pos, use_cache=True).logits
             logits[0, -1].argmax()
-        times.append(time.perf_counter() - t)
-    return chunk / min(times[1:])
+        return time.perf_counter() - t
+
+    return rep
 
 
 def main(argv):
@@ -64,6 +71,8 @@ def main(argv):
     from talaria_jax.sharding import make_mesh
     from talaria_jax.weights import load_hf_checkpoint
 
+    threads = common.set_threads(_THREADS.value, torch_side=not _SKIP_HF.value)
+    machine = common.Machine.start(threads)
     contexts = [int(c) for c in _CONTEXTS.value]
     hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
     hf["max_position_embeddings"] = max(hf["max_position_embeddings"], max(contexts) + _CHUNK.value + 64)
@@ -77,24 +86,32 @@ def main(argv):
             import transformers
 
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        print(f"model: {n_params / 1e6:.0f}M params fp32; chunk {_CHUNK.value} tokens")
+        print(f"model: {n_params / 1e6:.0f}M params fp32; chunk {_CHUNK.value} tokens; best of {_REPS.value} reps per "
+              f"side, interleaved")
+        print(machine.report(), flush=True)
         for ctx in contexts:
-            tiled = common.prefill_tok_s(model, ctx, _CHUNK.value, _TILE.value, _REPS.value, _PPB.value)
-            per_token = common.prefill_tok_s(model, ctx, _CHUNK.value, 1, _REPS.value, _PPB.value)
-            theirs = bench_hf(hf_model, ctx, _CHUNK.value, _REPS.value) if hf_model is not None else None
+            sides = {"tiled": common.prefill_rep(model, ctx, _CHUNK.value, _TILE.value, _PPB.value),
+                     "tile1": common.prefill_rep(model, ctx, _CHUNK.value, 1, _PPB.value)}
+            if hf_model is not None:
+                sides["hf"] = hf_rep(hf_model, ctx, _CHUNK.value)
+            best = {k: _CHUNK.value / v for k, v in common.interleave(sides, _REPS.value).items()}
+            tiled, per_token, theirs = best["tiled"], best["tile1"], best.get("hf")
             rows.append(dict(context=ctx, chunk=_CHUNK.value, ours_tok_s=tiled, ours_tile1_tok_s=per_token,
                              hf_tok_s=theirs, tiled_over_tile1=tiled / per_token,
                              ours_over_hf=tiled / theirs if theirs else None))
             r = rows[-1]
             print(f"  ctx {ctx:6d}: ours {tiled:8.1f} tok/s  tiles of 1 {per_token:8.1f}  hf {theirs or float('nan'):8.1f}  "
                   f"tiled/tile1 {r['tiled_over_tile1']:5.2f}  ours/hf {r['ours_over_hf'] or float('nan'):5.2f}", flush=True)
+    machine.stop()
     common.print_markdown_table(
         [("context", "context", "d"), ("chunk", "chunk", "d"), (f"ours tok/s (tiles of {_TILE.value})", "ours_tok_s", ".0f"),
          ("ours tok/s (tiles of 1)", "ours_tile1_tok_s", ".0f"), ("HF tok/s", "hf_tok_s", ".0f"),
          ("tiled / tiles of 1", "tiled_over_tile1", ".2f"), ("ours / HF", "ours_over_hf", ".2f")], rows)
+    print(machine.report())
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(dict(params=n_params, query_tile=_TILE.value, rows=rows), f, indent=1)
+            json.dump(dict(params=n_params, query_tile=_TILE.value, reps=_REPS.value, machine=machine.as_json(),
+                           rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,19 @@ one request of `context` tokens finishes with keep_kv (its KV goes to host memor
 turn, `context` + `--new_tokens` tokens, is served both ways:
   - TTFT: with `restore=` (pages copied back from host memory, only the new tokens prefilled) vs from
     scratch (the whole prompt prefilled in chunks of `--chunk`), timed from add_request to the first
-    sampled token, best of `--reps` (the first run of a side may compile; the best discards it);
+    sampled token, best of `--reps` after an untimed run of each (it compiles), the two sides in turns;
   - copy GB/s: the host tier's restore alone (host-to-device copy and scatter into pool pages, until
     the pool is ready) vs a bare `jax.device_put` of an array of the copy's shape from the tier's host
     memory kind (`host_memory_kind`: pinned_host here) to device memory, and the offload (gather and
     device-to-host copy) vs a bare device_put the other way; bytes are the copy's (`HostKV.host_bytes`),
-    best of `--copy_reps`.
+    best of `--copy_reps`, the four copies in turns. The load before and after and other processes'
+    CPU use are printed (benchmarks/common.py `Machine`).
 
   .venv/bin/python benchmarks/host_restore.py --out=/tmp/host_restore.json
 """
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 from absl import app, flags
@@ -47,6 +47,7 @@ def main(argv):
     from talaria_jax.models.config import ModelConfig
     from talaria_jax.sharding import make_mesh
 
+    machine = common.Machine.start(common.set_threads(None, torch_side=False))
     hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
     contexts = [int(c) for c in _CONTEXTS.value]
     cfg = ModelConfig(name="bench-llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -69,8 +70,9 @@ def main(argv):
         kv = done[0].kv
         assert kv.num_tokens == ctx
         nxt = list(kv.token_ids) + done[0].token_ids[-1:] + rng.randint(0, cfg.vocab_size, _NEW.value - 1).tolist()
-        restored = min(common.ttft(eng, nxt, kv) for _ in range(_REPS.value))
-        scratch = min(common.ttft(eng, nxt) for _ in range(_REPS.value))
+        best = common.interleave({"restore": lambda: common.ttft(eng, nxt, kv), "recompute": lambda: common.ttft(eng, nxt)},
+                                 _REPS.value)
+        restored, scratch = best["restore"], best["recompute"]
         t = common.copy_times(eng, kv, _COPY_REPS.value)
         gb = kv.host_bytes / 1e9
         rows.append(dict(context=ctx, new_tokens=_NEW.value, kv_mb=kv.nbytes / 1e6, copy_mb=kv.host_bytes / 1e6,
@@ -83,8 +85,8 @@ def main(argv):
               f"{scratch * 1e3:9.1f} ms  recompute/restore {r['speedup']:6.1f}  |  restore {r['restore_gb_s']:5.2f} "
               f"GB/s vs device_put {r['h2d_gb_s']:5.2f} GB/s  offload {r['offload_gb_s']:5.2f} GB/s vs device_put "
               f"{r['d2h_gb_s']:5.2f} GB/s", flush=True)
-    load = os.getloadavg()
-    print(f"\nhost memory kind {eng.host_tier.memory_kind}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    machine.stop()
+    print(f"\nhost memory kind {eng.host_tier.memory_kind}\n{machine.report()}")
     common.print_markdown_table(
         [("prefix tokens", "context", "d"), ("new tokens", "new_tokens", "d"), ("prefix KV (MB)", "kv_mb", ".1f"),
          ("TTFT, restore from host (s)", "restore_ttft_s", ".3f"), ("TTFT, recompute (s)", "recompute_ttft_s", ".3f"),
@@ -97,7 +99,7 @@ def main(argv):
         [dict(r, restore_s=r["restore_s"] * 1e3) for r in rows])
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(dict(memory_kind=eng.host_tier.memory_kind, load_avg=load, hidden=_HIDDEN.value,
+            json.dump(dict(memory_kind=eng.host_tier.memory_kind, machine=machine.as_json(), hidden=_HIDDEN.value,
                            layers=_LAYERS.value, chunk=_CHUNK.value, rows=rows), f, indent=1)
 
 

@@ -28,3 +28,8 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, tp: int | None = None
     grid = np.asarray(devices, dtype=object).reshape(ep, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of the mesh's devices: "cpu", "gpu" or "tpu" (a mesh never mixes them)."""
+    return mesh.devices.flat[0].platform

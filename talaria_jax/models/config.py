@@ -26,6 +26,17 @@ def bytes_per_weight(dtype: str) -> float:
     return _DTYPE_BYTES[dtype]
 
 
+def default_compute_dtype(source: str, platform: str) -> str:
+    """The compute dtype a checkpoint loads in when none is asked for. `source` is its own (float32 for
+    quantized files: their fp16-scaled small ints are exact in fp32); `platform` the devices' ("cpu",
+    "gpu", "tpu"). On CPU it stays the source's: fp32 is what the CPU path is built and tested in. On an
+    accelerator a float32 source computes in bfloat16, weights and KV (half the bytes per decode step,
+    on a memory-bound step the speed-up is ~2x); the engine keeps fp32 where precision matters:
+    matmul accumulation (XLA's default for bf16 dots on GPU), RMSNorm, attention's softmax and
+    accumulators, the MoE router and the logits. A 16-bit source keeps its own dtype."""
+    return "bfloat16" if platform != "cpu" and source == "float32" else source
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency scaling (`rope_type: llama3`). Other types (gpt-oss's `yarn`) are

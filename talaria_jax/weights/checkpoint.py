@@ -10,9 +10,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from talaria_jax import config_io
-from talaria_jax.models.config import ModelConfig
+from talaria_jax.models.config import ModelConfig, default_compute_dtype
 from talaria_jax.models.model import ShardedModel, abstract_model, weights_fingerprint
-from talaria_jax.sharding import make_mesh
+from talaria_jax.sharding import make_mesh, mesh_platform
 
 CONFIG_FILE = "talaria_model_config.json"
 _WEIGHTS_FILE = "talaria_weights.json"  # the weights fingerprint, so restored KV and caches stay keyed to it
@@ -39,13 +39,16 @@ def load_config(path: str | pathlib.Path) -> ModelConfig:
 def restore(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: ModelConfig | None = None,
             dtype: str | None = None) -> ShardedModel:
     """Restores onto `mesh` (any shape; default one device): every array is read straight into the
-    target sharding that the rules table gives for this mesh, cast to `dtype` if given."""
+    target sharding that the rules table gives for this mesh, cast to `dtype` (default: the saved one;
+    on a GPU or TPU bfloat16 where that is float32, `default_compute_dtype`)."""
     path = pathlib.Path(path).absolute()
     saved = load_config(path)
     saved_dtype, cfg = saved.dtype, cfg or saved
+    mesh = mesh or make_mesh(jax.devices()[:1])
+    if dtype is None and default_compute_dtype(cfg.dtype, mesh_platform(mesh)) != cfg.dtype:
+        dtype = default_compute_dtype(cfg.dtype, mesh_platform(mesh))
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype, weight_dtype=dtype, kv_dtype=dtype)
-    mesh = mesh or make_mesh(jax.devices()[:1])
     graphdef, abstract, shardings = abstract_model(cfg, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings))

@@ -19,9 +19,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from talaria_jax.models.config import ModelConfig
+from talaria_jax.models.config import ModelConfig, default_compute_dtype
 from talaria_jax.models.model import ShardedModel, weights_fingerprint
-from talaria_jax.sharding import make_mesh
+from talaria_jax.sharding import make_mesh, mesh_platform
 from talaria_jax.weights.hf import FULL_HASH_BYTES, CheckpointError, build_model, file_digest
 
 if TYPE_CHECKING:
@@ -366,14 +366,15 @@ def load_gguf(path: str | pathlib.Path, mesh: Mesh | None = None, dtype: str | N
     """Loads a GGUF file into a ShardedModel on `mesh` (default: one device), each device receiving only
     its shard; tensors are dequantized to float32 on the host one at a time.
 
-    dtype None computes in float32 for quantized files (see `_default_dtype`); an explicit dtype is
-    honoured. Unparseable or truncated files, unsupported architectures, metadata or tensor types, and
+    dtype None computes in float32 for quantized files on CPU, bfloat16 on an accelerator (see
+    `_default_dtype` and `default_compute_dtype`); an explicit dtype is honoured. Unparseable or truncated files, unsupported architectures, metadata or tensor types, and
     tensors the config does not use raise CheckpointError naming them. `fingerprint` digests the file's
     bytes (`gguf_fingerprint`) with the config, compute dtype included.
     """
     path = pathlib.Path(path)
     reader = _open(path)
-    cfg = _config(reader, path.stem, dtype or _default_dtype(reader))
+    mesh = mesh or make_mesh(jax.devices()[:1])
+    cfg = _config(reader, path.stem, dtype or default_compute_dtype(_default_dtype(reader), mesh_platform(mesh)))
     by_hf = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # in the config (rope_freq_factors), not a parameter
@@ -396,7 +397,7 @@ def load_gguf(path: str | pathlib.Path, mesh: Mesh | None = None, dtype: str | N
         return w
 
     fingerprint = weights_fingerprint("gguf", repr(cfg.replace(name="")), _digest(reader, path))
-    model, used = build_model(cfg, mesh or make_mesh(jax.devices()[:1]), get, fingerprint,
+    model, used = build_model(cfg, mesh, get, fingerprint,
                               desc=f"loading {path.name}", progress=progress, label=_gguf_label)
     unused = sorted(_gguf_label(n) for n in set(by_hf) - used)
     if unused:  # e.g. an output bias or q/k norms in an architecture that has none: dropping them is wrong

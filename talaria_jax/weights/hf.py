@@ -18,9 +18,9 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from talaria_jax.models.config import ModelConfig, MoEConfig, RopeScaling
+from talaria_jax.models.config import ModelConfig, MoEConfig, RopeScaling, default_compute_dtype
 from talaria_jax.models.model import ShardedModel, abstract_model, weights_fingerprint
-from talaria_jax.sharding import make_mesh
+from talaria_jax.sharding import make_mesh, mesh_platform
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "glm4_moe")
 # Compute dtypes a checkpoint's own dtype may select (config.json `dtype` / safetensors dtype codes).
@@ -261,18 +261,21 @@ def load_hf_checkpoint(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: 
     """Loads an HF checkpoint directory into a ShardedModel on `mesh` (default: one device).
 
     The config comes from `cfg` or from the directory's config.json. The compute dtype is `dtype` if
-    given, else `cfg.dtype`, else the checkpoint's own (config.json `dtype`, else its tensors'). Every
+    given, else `cfg.dtype`, else the checkpoint's own (config.json `dtype`, else its tensors'; on a
+    GPU or TPU bfloat16 where that is float32: `default_compute_dtype`). Every
     tensor is checked against the shape the config implies; a mismatch raises CheckpointError naming
     the parameter. `fingerprint` digests the config (with its dtype) and the safetensors files.
     """
     path = pathlib.Path(path)
+    mesh = mesh or make_mesh(jax.devices()[:1])
     st = _SafetensorsDir(path)
     config_file = path / "config.json"
     if cfg is None:
         if not config_file.exists():
             raise CheckpointError(f"no config.json in {path} (pass cfg= to load without one)")
         hf = json.loads(config_file.read_text())
-        cfg = config_from_hf(hf, name=path.name, dtype=dtype or checkpoint_dtype(hf, st, str(config_file)),
+        own = checkpoint_dtype(hf, st, str(config_file))
+        cfg = config_from_hf(hf, name=path.name, dtype=dtype or default_compute_dtype(own, mesh_platform(mesh)),
                              source=str(config_file))
         gen = path / "generation_config.json"
         if gen.exists():  # instruct checkpoints list their end-of-turn ids here
@@ -280,7 +283,6 @@ def load_hf_checkpoint(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: 
             cfg = cfg.replace(extra_eos_token_ids=cfg.extra_eos_token_ids + tuple(extra))
     elif dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    mesh = mesh or make_mesh(jax.devices()[:1])
     # The config (less its display name) and the tensor files decide the numbers; the folder's name does not.
     digests = [file_digest(f, _safetensors_header_end(f)) for f in st.files]
     fingerprint = weights_fingerprint("hf", repr(cfg.replace(name="")), *digests)

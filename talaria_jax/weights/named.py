@@ -27,9 +27,9 @@ import jax
 from absl import logging
 from jax.sharding import Mesh
 
-from talaria_jax.models.config import ModelConfig, available_models, load_model_config
+from talaria_jax.models.config import ModelConfig, available_models, default_compute_dtype, load_model_config
 from talaria_jax.models.model import ShardedModel, init_model
-from talaria_jax.sharding import make_mesh
+from talaria_jax.sharding import make_mesh, mesh_platform
 from talaria_jax.tokenizer import Tokenizer, load_tokenizer
 from talaria_jax.weights import checkpoint
 from talaria_jax.weights.gguf import gguf_fingerprint, load_gguf
@@ -117,14 +117,17 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, mesh: Mesh | Non
                cache_dir: str | os.PathLike | None = None, use_cache: bool = True, seed: int = 0) -> LoadedModel:
     """The model, its tokenizer (with its chat template) on `mesh` (default: one device).
 
-    dtype: compute dtype; None keeps the checkpoint's (float32 for quantized GGUF). `seed` only
-    matters for a config name (random weights)."""
+    dtype: compute dtype; None keeps the checkpoint's (float32 for quantized GGUF and random weights)
+    on CPU, and computes a float32 one in bfloat16 on a GPU or TPU (`default_compute_dtype`). `seed`
+    only matters for a config name (random weights)."""
     t0 = time.perf_counter()
     mesh = mesh or make_mesh(jax.devices()[:1])
     kind, where = resolve(name_or_path)
+    platform = mesh_platform(mesh)
     from_cache = False
     if kind == "random":
-        model = init_model(load_model_config(where).replace(dtype=dtype or "float32"), mesh, seed=seed)
+        model = init_model(load_model_config(where).replace(dtype=dtype or default_compute_dtype("float32", platform)),
+                           mesh, seed=seed)
         tok = load_tokenizer(None)
     elif kind == "orbax":
         model = checkpoint.restore(where, mesh, dtype=dtype)
@@ -133,7 +136,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, mesh: Mesh | Non
         model = load_hf_checkpoint(where, mesh, dtype=dtype)
         tok = load_tokenizer(where, model.cfg.bos_token_id, model.cfg.eos_token_id)
     else:
-        cached = cache_root(cache_dir) / f"{gguf_fingerprint(where)}-{dtype or 'default'}-v{CACHE_VERSION}"
+        cached = cache_root(cache_dir) / f"{gguf_fingerprint(where)}-{dtype or 'default-' + platform}-v{CACHE_VERSION}"
         if use_cache and (cached / _CACHE_META).exists():
             model, tok, from_cache = checkpoint.restore(cached, mesh), load_tokenizer(cached), True
         else:
