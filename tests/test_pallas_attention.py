@@ -1,6 +1,7 @@
 """The Pallas ragged paged-attention kernel (interpreted on CPU) against the plain-jnp reference, over a
 real KV arena: page sizes, query tiles, partial pages, sliding windows, GQA ratios, replicated kv
 heads on multi-device meshes, draft trees, bf16 K/V, padding tokens; and the engine's dispatch."""
+import dataclasses
 import functools
 
 import jax
@@ -8,10 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.kernels import ragged_paged_attention as kernel_attention
 from talaria_jax.engine.paged_attention import ragged_paged_attention as reference_attention
 from talaria_jax.engine.runner import NO_TREE, query_tiles, seq_runs
+from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, read_kv, write_kv
+from talaria_jax.models import init_model, load_model_config
+from talaria_jax.rollout.suffix import Draft, SpecConfig
 from talaria_jax.sharding import make_mesh
 
 # (page-table row, first position, tokens) of each run: a 7-token prefill chunk over partial pages, a
@@ -112,3 +117,52 @@ def test_bf16_kv_accumulates_in_fp32():
     out, ref, real = _both(_mesh(1), dtype="bfloat16", tile=16, ps=8, ppb=2)
     np.testing.assert_allclose(out[:real], ref[:real], rtol=2e-2, atol=2e-2)
     assert np.all(out[real:] == 0)
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+def _prompts(seed, lengths):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, 256, n).tolist() for n in lengths]
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _config(attention):
+    return EngineConfig(warmup=False, page_size=4, max_seqs=2, max_tokens_per_step=8, max_model_len=64,
+                        pages_per_block=2, query_tile=4, attention=attention)
+
+
+def _generate(model, attention, prompts):
+    eng = Engine(model, _config(attention))
+    assert eng.runner.attention == attention
+    return [o.token_ids for o in eng.generate(prompts, GREEDY, progress=False)], eng
+
+
+def test_engine_greedy_is_the_same_with_the_kernel():
+    """A sliding-window layer and a full one; prefill chunks in tiles of 4 beside decode tokens; and
+    speculation: the kernel's engine verifies drafts of the reference's next two tokens and a wrong
+    third (draft masks in the kernel), which changes no greedy token, so its output must be the
+    reference engine's while accepting drafts."""
+    cfg = load_model_config("tiny-dense").replace(num_layers=2, sliding_windows=(6, 0))
+    model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=5)
+    prompts = _prompts(6, (5, 13))
+    want, _ = _generate(model, "reference", prompts)
+    truth = {tuple(p): w for p, w in zip(prompts, want)}
+    eng = Engine(model, dataclasses.replace(_config("pallas"), speculation=SpecConfig(policy="always")))
+
+    def oracle(ids, caps):  # a chain: the true next two tokens, then a wrong one
+        out = []
+        for rid, cap in zip(ids, caps):
+            req = eng.requests[rid]
+            nxt = truth[req.prompt][len(req.output):][:2]
+            toks = [*nxt, (nxt[-1] + 1) % 256] if nxt else []
+            out.append(Draft(np.asarray(toks, np.int32), np.arange(len(toks), dtype=np.int32) - 1,
+                             np.ones(len(toks), np.float32)).first(cap))
+        return out
+
+    eng.drafter.draft = oracle
+    got = [o.token_ids for o in eng.generate(prompts, GREEDY, progress=False)]
+    assert got == want
+    assert eng.runner.attention == "pallas" and 0 < eng.stats.accepted_tokens < eng.stats.draft_tokens

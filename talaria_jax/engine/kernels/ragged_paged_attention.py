@@ -144,8 +144,6 @@ def ragged_paged_attention(q: jax.Array, arena: jax.Array, spec: PoolSpec, mesh:
     gs = math.gcd(h_loc, g)  # G': q heads per group, all of one kv head
     nt, qt = tile_tok.shape
     m = _pow2_rows(qt * gs)
-    if tree is not None and window:
-        raise ValueError("draft trees (tree) and a sliding window (window) do not combine")
     # q of each tile slot [NT, Q, H, D] (a gather of q, not of K/V), scaled; an empty slot reads a zero row
     dot_dtype = jnp.float32 if jnp.dtype(spec.dtype) == jnp.float32 else (
         jnp.dtype(spec.dtype) if jnp.dtype(spec.dtype).itemsize == 2 else jnp.bfloat16)
