@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig
-from talaria_jax.engine.kernels import ragged_paged_attention as kernel_attention
+from talaria_jax.engine import kernels
+from talaria_jax.engine.kernels import check_shapes, ragged_paged_attention as kernel_attention
 from talaria_jax.engine.paged_attention import ragged_paged_attention as reference_attention
-from talaria_jax.engine.runner import NO_TREE, query_tiles, seq_runs
+from talaria_jax.engine.runner import NO_TREE, attention_kind, query_tiles, seq_runs
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, read_kv, write_kv
 from talaria_jax.models import init_model, load_model_config
@@ -117,6 +118,53 @@ def test_bf16_kv_accumulates_in_fp32():
     out, ref, real = _both(_mesh(1), dtype="bfloat16", tile=16, ps=8, ppb=2)
     np.testing.assert_allclose(out[:real], ref[:real], rtol=2e-2, atol=2e-2)
     assert np.all(out[real:] == 0)
+
+
+
+@pytest.mark.parametrize("tile,g,window,tree,dtype", [(1, 8, 128, False, "bfloat16"), (16, 2, 0, True, "float32")])
+def test_kernel_lowers_to_triton(tile, g, window, tree, dtype):
+    """The GPU path (no interpreter) lowers to one Triton call: exported for CUDA, which needs no GPU,
+    so shapes or ops Triton's lowering refuses fail here, not first on a GPU."""
+    mesh = _mesh(1)
+    spec = PoolSpec(2, 64, 16, 2, 64, dtype)
+    t, nt = 32, 32 // tile
+    a = jax.ShapeDtypeStruct
+    i32 = functools.partial(a, dtype=jnp.int32)
+
+    def f(arena, q, pages, pos, tile_tok, tile_seq, tok_slot, num_blocks, *tree):
+        return kernel_attention(q, arena, spec, mesh, 1, pages, pos, tile_tok, tile_seq, tok_slot, num_blocks, 4,
+                                window, tree or None, interpret=False)
+
+    args = [a((1, 64, spec.rows * 2 * 64), jnp.dtype(dtype)), a((t, 2 * g, 64), jnp.bfloat16), i32((4, 8)), i32((t,)),
+            i32((nt, tile)), i32((nt,)), i32((t,)), i32(())] + [i32((t,)), i32((t,))] * tree
+    with jax.set_mesh(mesh):
+        exported = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert exported.mlir_module().count("xla.gpu.triton") == 1
+
+
+def test_gpu_shape_checks_and_attention_choice(monkeypatch):
+    with pytest.raises(ValueError, match="page_size to be a power of two >= 16 on GPU, got 8"):
+        check_shapes(8, 64)
+    with pytest.raises(ValueError, match="head_dim to be a power of two >= 16 on GPU, got 48"):
+        check_shapes(16, 48)
+    check_shapes(4, 8, gpu=False)  # the interpreter takes any shape
+    small, fits = PoolSpec(2, 8, 4, 2, 64), PoolSpec(2, 8, 16, 2, 64)
+    mesh = _mesh(1)
+    assert [attention_kind(a, mesh, fits) for a in ("auto", "pallas", "reference")] == ["reference", "pallas",
+                                                                                         "reference"]  # CPU
+    monkeypatch.setattr(kernels, "on_gpu", lambda mesh: True)
+    assert attention_kind("auto", mesh, fits) == "pallas"
+    assert attention_kind("auto", mesh, small) == "reference"  # pages Triton cannot tile
+    with pytest.raises(ValueError, match="EngineConfig.attention='pallas': .*page_size"):
+        attention_kind("pallas", mesh, small)
+
+
+def test_engine_config_attention_is_validated():
+    with pytest.raises(ValueError, match="EngineConfig.attention must be one of 'reference', 'pallas', 'auto', "
+                                         "got 'triton'"):
+        EngineConfig(attention="triton").validate()
+    assert EngineConfig().attention == "auto"
 
 
 # ---- the engine ------------------------------------------------------------------------------------
