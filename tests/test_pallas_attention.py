@@ -114,9 +114,10 @@ def test_kernel_with_draft_trees():
 
 def test_bf16_kv_accumulates_in_fp32():
     # bf16 K/V (and q cast to bf16 for the dots) against the fp32 reference over the same bf16 K/V:
-    # the differences are bf16 roundings of q and of the probabilities, well under 2e-2
+    # the differences are bf16 roundings (2^-8 relative) of q and of the probabilities, not of the
+    # accumulation: within 1e-2 (about 4e-3 here, on outputs up to ~3)
     out, ref, real = _both(_mesh(1), dtype="bfloat16", tile=16, ps=8, ppb=2)
-    np.testing.assert_allclose(out[:real], ref[:real], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(out[:real], ref[:real], rtol=1e-2, atol=1e-2)
     assert np.all(out[real:] == 0)
 
 

@@ -9,7 +9,8 @@ prefill chunk groups its query tokens in tiles of one sequence (`query_tile`, a 
 bucket) so the chunk reads its context once per tile, not once per token. `step_shapes()` lists every shape, `warmup()` compiles them, and `compilations` counts
 traces, so a steady workload can be checked to add none. After `use_slot`, the step reads its parameters
 from a shared `WeightSlot` (talaria_jax.weights.slot), carved by the model's `SlotLayout`, instead of
-the model's own state.
+the model's own state. The attention is the jnp reference (engine/paged_attention.py) or, with
+`attention="pallas"`, the Pallas kernel (engine/kernels/), which reads the pages from the arena itself.
 """
 from __future__ import annotations
 

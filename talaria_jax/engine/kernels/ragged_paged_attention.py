@@ -26,6 +26,10 @@ kv heads and G' is the GQA ratio; where kv heads are replicated (kv_heads does n
 `view_sharding`) a device's q heads are a slice of the global heads that may cover part of one kv
 head, or parts of two; each group's kv head is then computed from the global q head ids it holds.
 
+Not done: splitting a sequence's pages over programs (flash-decoding), so a decode step of few
+sequences runs few programs (tiles x kv heads), each walking its whole context; nor loading a
+block of pages at once (a program reads one page per loop step).
+
 Draft-tree masks (`tree`) and sliding windows are supported as in the reference. Triton needs
 power-of-two block shapes of at least 16 for its dots: on GPU, page_size and head_dim must be
 powers of two >= 16 (`check_shapes` says which field is wrong); the interpreter takes any.
