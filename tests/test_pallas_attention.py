@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine import kernels
+from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.kernels import check_shapes, ragged_paged_attention as kernel_attention
 from talaria_jax.engine.paged_attention import ragged_paged_attention as reference_attention
 from talaria_jax.engine.runner import NO_TREE, attention_kind, query_tiles, seq_runs
@@ -33,7 +33,7 @@ def _batch(ps, ppb, tile, runs=RUNS, padding=PADDING, seed=0):
     pos = np.array([p + i for _, p, n in runs for i in range(n)] + [0] * padding, np.int32)
     real = len(seq) - padding
     width = -(-(max(p + n for _, p, n in runs) // ps + 1) // ppb) * ppb
-    pages = rng.permutation(len(runs) * width)[:len(runs) * width].reshape(len(runs), width).astype(np.int32)
+    pages = rng.permutation(len(runs) * width).reshape(len(runs), width).astype(np.int32)
     need = sum(-(-n // tile) for _, _, n in runs)
     tiles = query_tiles(seq_runs(seq, real), len(seq), tile, need + 1)  # one empty tile too
     num_blocks = max(p + n - 1 for _, p, n in runs) // (ps * ppb) + 1
