@@ -21,8 +21,12 @@ On the accelerator it measures, in one run:
      tier keeps its copies in device memory and there is no device_put to compare with;
   7. prefill of a 256-token chunk over 8K and 32K tokens of cached prefix on that model
      (`common.prefill_tok_s`, as in benchmarks/engine_prefill.py), next to prefilling the whole context
-     from scratch in chunks of 2048 tokens (`common.ttft`, as in benchmarks/host_restore.py).
-Sections 4-7 share one model, built once; 5-7 take the best of --reps (after an untimed run). A
+     from scratch in chunks of 2048 tokens (`common.ttft`, as in benchmarks/host_restore.py);
+  8. the Pallas ragged paged-attention kernel (talaria_jax/engine/kernels/) against the jnp reference,
+     one layer of that model's shapes over bf16 K/V: decode at each batch size over 2K and 8K
+     contexts, and a 256-token prefill chunk in tiles of 16 over 2K, with the speed-up and the largest
+     difference of their outputs (the kernel's only check on a GPU).
+Sections 4-7 share one model, built once; 5-8 take the best of --reps (after an untimed run). A
 section that fails is printed and recorded as {"error": ...}, and the run goes on; the JSON is
 rewritten after each section (with the seconds each took under "seconds"), so a run cut short keeps
 what it measured. Prints tables and writes JSON to --out. `--small` shrinks every size so that the
@@ -43,7 +47,7 @@ _OUT = flags.DEFINE_string("out", "/tmp/device_check.json", "Write the results a
 _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes (a CPU smoke run).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Decode batch sizes.")
 _SECTIONS = flags.DEFINE_list("sections", [], "Run only these sections (memory always runs): engine_parity, "
-                               "decode, step_profile, weight_switch, host_restore, prefill_cached.")
+                               "decode, step_profile, weight_switch, host_restore, prefill_cached, kernel.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each measurement of sections 5-7 (best is reported).")
 
 
@@ -279,6 +283,61 @@ def prefill_cached(small: bool, reps: int) -> list[dict]:
     return rows
 
 
+def kernel_speedup(small: bool, batches: list[int], reps: int) -> list[dict]:
+    """One layer's ragged paged attention, the Pallas kernel (talaria_jax/engine/kernels/) against the
+    jnp reference (talaria_jax/engine/paged_attention.py), on the bench model's shapes and KV dtype
+    over an arena of random K/V: decode (tiles of one token, each sequence `context` tokens deep) at
+    each batch size, and one prefill chunk in tiles of 16 over a cached context. Each time is the best
+    of `reps` runs of `calls` calls dispatched back to back; max_abs_diff compares the two outputs (the
+    kernel's check on a GPU). On CPU the kernel runs in the Pallas interpreter, so the speed-up there
+    means nothing; --small is a smoke run."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from talaria_jax.engine.kernels import on_gpu, ragged_paged_attention as kernel
+    from talaria_jax.engine.paged_attention import ragged_paged_attention as reference
+    from talaria_jax.engine.runner import query_tiles, seq_runs
+    from talaria_jax.kvcache.pool import PoolSpec, arena_sharding, page_words, read_kv
+    from talaria_jax.sharding import make_mesh
+
+    cfg = bench_config(small)
+    mesh = make_mesh(jax.devices()[:1])
+    contexts, chunk, ps, ppb, calls = ((64, 128), 32, 16, 4, 2) if small else ((2048, 8192), 256, 16, 4, 10)
+    num_pages = max(max(batches) * (max(contexts) // ps + 1), (max(contexts) + chunk) // ps + 1)
+    spec = PoolSpec(1, num_pages, ps, cfg.num_kv_heads, cfg.head_dim, cfg.kv_dtype)
+    arena = jax.jit(lambda key: jax.random.normal(key, (1, num_pages, page_words(spec, mesh)), jnp.dtype(spec.dtype)),
+                    out_shardings=arena_sharding(mesh))(jax.random.key(0))
+    rng = np.random.RandomState(0)
+
+    def case(kind: str, batch: int, ctx: int, pos: np.ndarray, seq: np.ndarray, tile: int) -> dict:
+        t = len(pos)
+        width = -(-(int(pos.max()) // ps + 1) // ppb) * ppb
+        tables = rng.randint(0, num_pages, (batch, width)).astype(np.int32)  # pages may repeat: timing only
+        runs = seq_runs(seq, t)
+        tiles = query_tiles(runs, t, tile, sum(-(-(e - a) // tile) for _, a, e in runs))
+        q = jnp.asarray(rng.randn(t, cfg.num_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
+        args = (jnp.asarray(tables), jnp.asarray(pos), *map(jnp.asarray, tiles),
+                jnp.int32(int(pos.max()) // (ps * ppb) + 1))
+        fns = {"pallas": jax.jit(lambda arena, q, *a: kernel(q, arena, spec, mesh, 0, *a, ppb)),
+               "reference": jax.jit(lambda arena, q, *a: reference(
+                   q, functools.partial(read_kv, arena, spec, mesh, 0), spec.kv_heads, ps, *a, ppb))}
+        with jax.set_mesh(mesh):
+            outs = {k: f(arena, q, *args) for k, f in fns.items()}
+            ms = {k: 1e3 * common.best_time(lambda f=f: [f(arena, q, *args) for _ in range(calls)][-1], reps) / calls
+                  for k, f in fns.items()}
+        diff = float(jnp.max(jnp.abs(outs["pallas"].astype(jnp.float32) - outs["reference"].astype(jnp.float32))))
+        return dict(kind=kind, batch=batch, context=ctx, tokens=t, tile=tile, pallas_ms=ms["pallas"],
+                    reference_ms=ms["reference"], speedup=ms["reference"] / ms["pallas"], max_abs_diff=diff,
+                    interpreted=not on_gpu(mesh))
+
+    rows = [case("decode", b, ctx, np.full(b, ctx, np.int32), np.arange(b, dtype=np.int32), 1)
+            for ctx in contexts for b in batches]
+    ctx = contexts[0]
+    rows.append(case("prefill", 1, ctx, np.arange(ctx, ctx + chunk, dtype=np.int32), np.zeros(chunk, np.int32), 16))
+    return rows
+
+
 def print_memory(res: dict) -> None:
     print(json.dumps(res, indent=1), flush=True)
 
@@ -309,6 +368,10 @@ PRINT_RESTORE = table([
     ("device_put H2D GB/s", "h2d_gb_s", ".1f"), ("restore / device_put", "restore_of_device_put", ".2f"),
     ("offload GB/s", "offload_gb_s", ".1f"), ("device_put D2H GB/s", "d2h_gb_s", ".1f"),
     ("offload / device_put", "offload_of_device_put", ".2f")])
+PRINT_KERNEL = table([
+    ("attention", "kind", "s"), ("batch", "batch", "d"), ("context", "context", "d"), ("tokens", "tokens", "d"),
+    ("tile", "tile", "d"), ("pallas ms", "pallas_ms", ".3f"), ("reference ms", "reference_ms", ".3f"),
+    ("speed-up", "speedup", ".2f"), ("max abs diff", "max_abs_diff", ".2e")])
 PRINT_PREFILL = table([
     ("cached tokens", "context", "d"), ("chunk", "chunk", "d"), ("chunk ms", "chunk_ms", ".2f"),
     ("chunk tok/s", "chunk_tok_s", ".0f"), ("recompute ms", "recompute_ms", ".1f"),
@@ -352,6 +415,7 @@ def main(argv):
                           False),
         "host_restore": (lambda: host_kv_restore(small, reps), PRINT_RESTORE, False),
         "prefill_cached": (lambda: prefill_cached(small, reps), PRINT_PREFILL, False),
+        "kernel": (lambda: kernel_speedup(small, batches, reps), PRINT_KERNEL, False),
     }
     unknown = set(_SECTIONS.value) - set(sections)
     if unknown:

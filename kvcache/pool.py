@@ -15,7 +15,9 @@ replicated, as the model's projections are). A row is one token's K or V of one 
 few rows of each page unused rather than taking more tokens than fit). `KVArena.for_models` sizes
 the page so the model with the most KV bytes per token gets `page_size` tokens per page (a few more
 where the page is rounded up to whole rows of every model); the others get as many as fit. Only four functions touch the arena, each per device in a shard_map: `write_kv`
-and `read_kv` (one layer, in the step), `read_pages` and `write_pages` (whole pages, host tier).
+and `read_kv` (one layer, in the step), `read_pages` and `write_pages` (whole pages, host tier);
+besides them, the Pallas attention kernel (talaria_jax/engine/kernels/) reads one layer's K/V pages
+in place, through `_manual` and `_view` as `read_kv` does.
 """
 from __future__ import annotations
 

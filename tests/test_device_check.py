@@ -30,9 +30,12 @@ def test_device_check_small_runs_on_cpu(tmp_path):
     assert all(r["chunk_tok_s"] > 0 and r["recompute_ms"] > 0 for r in res["prefill_cached"])
     (prof,) = res["step_profile"]  # --batches=2: one batch size
     assert prof["batch"] == 2 and all(prof[k] > 0 for k in ("engine_step_ms", "runner_step_ms", "device_ms"))
+    kernel = res["kernel"]  # the Pallas kernel, interpreted on CPU: its outputs match the reference's
+    assert [(r["kind"], r["context"]) for r in kernel] == [("decode", 64), ("decode", 128), ("prefill", 64)]
+    assert all(r["pallas_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in kernel)
     assert set(res["seconds"]) == {"memory", "engine_parity", "decode", "step_profile", "weight_switch",
-                                   "host_restore", "prefill_cached"}
-    for header in ("| weight-slot switch |", "| prefix tokens |", "| cached tokens |"):
+                                   "host_restore", "prefill_cached", "kernel"}
+    for header in ("| weight-slot switch |", "| prefix tokens |", "| cached tokens |", "| attention |"):
         assert header in run.stdout
 
 

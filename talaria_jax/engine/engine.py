@@ -27,7 +27,7 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from talaria_jax.engine.errors import RequestError
-from talaria_jax.engine.runner import DraftBatch, Runner
+from talaria_jax.engine.runner import ATTENTION, DraftBatch, Runner, attention_kind
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.allocator import OutOfPages, SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
@@ -71,6 +71,10 @@ class EngineConfig:
     # text and from earlier and in-flight responses of the same cache_salt, verified losslessly in
     # the step; how many per step is chosen from the measured step-cost curve (rollout/policy.py).
     speculation: SpecConfig | None = None
+    # Which ragged paged attention the step runs: "reference" (plain jnp, engine/paged_attention.py),
+    # "pallas" (the kernel of engine/kernels/, interpreted off GPU: slow, for tests) or "auto" (the
+    # kernel where the model's devices are GPUs and it takes the pool's page_size and head_dim).
+    attention: str = "auto"
 
     def validate(self) -> None:
         for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block", "query_tile"):
@@ -79,6 +83,9 @@ class EngineConfig:
         for f in ("warmup", "prefix_cache"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"EngineConfig.{f} must be a bool, got {getattr(self, f)!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"EngineConfig.attention must be one of {', '.join(map(repr, ATTENTION))}, got "
+                             f"{self.attention!r}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig: set num_pages or kv_memory_bytes_per_device, not both")
         if self.speculation is not None:
@@ -211,7 +218,8 @@ class Engine:
         self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.cfg.name, weights=model.fingerprint)
         self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
-                             pages_per_block=config.pages_per_block, query_tile=config.query_tile)
+                             pages_per_block=config.pages_per_block, query_tile=config.query_tile,
+                             attention=attention_kind(config.attention, model.mesh, self.pool_spec))
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.requests: dict[str, _Request] = {}  # in flight; finished ones leave at once

@@ -9,7 +9,8 @@ prefill chunk groups its query tokens in tiles of one sequence (`query_tile`, a 
 bucket) so the chunk reads its context once per tile, not once per token. `step_shapes()` lists every shape, `warmup()` compiles them, and `compilations` counts
 traces, so a steady workload can be checked to add none. After `use_slot`, the step reads its parameters
 from a shared `WeightSlot` (talaria_jax.weights.slot), carved by the model's `SlotLayout`, instead of
-the model's own state.
+the model's own state. The attention is the jnp reference (engine/paged_attention.py) or, with
+`attention="pallas"`, the Pallas kernel (engine/kernels/), which reads the pages from the arena itself.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from talaria_jax.engine import kernels
 from talaria_jax.engine.paged_attention import ragged_paged_attention
 from talaria_jax.engine.sampling import SamplingBatch, sample
 from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
@@ -123,6 +125,29 @@ def single_token_tiles(seq: np.ndarray, num_tokens: int):
     return slot[:, None], np.where(real, seq, 0).astype(np.int32), slot
 
 
+ATTENTION = ("reference", "pallas", "auto")  # EngineConfig.attention's values
+
+
+def attention_kind(attention: str, mesh, spec: PoolSpec) -> str:
+    """The attention a runner runs for EngineConfig.attention: "pallas" or "reference" as asked, "auto"
+    the Pallas kernel where `mesh`'s devices are GPUs and Triton can tile the pool's pages (else the
+    reference). ValueError naming the field where "pallas" cannot run on this pool."""
+    gpu = kernels.on_gpu(mesh)
+    if attention == "pallas":
+        try:
+            kernels.check_shapes(spec.page_size, spec.head_dim, gpu)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.attention='pallas': {e}") from None
+        return attention
+    if attention == "auto":
+        try:
+            kernels.check_shapes(spec.page_size, spec.head_dim, gpu)
+        except ValueError:
+            return "reference"
+        return "pallas" if gpu else "reference"
+    return attention
+
+
 def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from `smallest` up to (and including) max_tokens."""
     out, b = [], smallest
@@ -134,8 +159,12 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
 
 class Runner:
     def __init__(self, model: ShardedModel, arena: KVArena, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
-                 max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16):
+                 max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16,
+                 attention: str = "reference"):
+        if attention not in ("reference", "pallas"):
+            raise ValueError(f"Runner attention must be 'reference' or 'pallas', got {attention!r}")
         self.model = model
+        self.attention = attention  # the step's ragged paged attention: the jnp reference or the Pallas kernel
         self.arena, self.spec = arena, spec
         self.max_seqs = max_seqs
         self.pages_per_block = pages_per_block
@@ -241,6 +270,10 @@ class Runner:
 
         def attn(layer, q, k, v, arena):
             arena = write_kv(arena, spec, mesh, layer, k, v, slots)
+            if self.attention == "pallas":  # reads the pages straight from the arena
+                out = kernels.ragged_paged_attention(q, arena, spec, mesh, layer, page_tables, mask_pos, tile_tok,
+                                                     tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer), tree)
+                return out, arena
             read = functools.partial(read_kv, arena, spec, mesh, layer)
             out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, mask_pos, tile_tok,
                                          tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer), tree)
