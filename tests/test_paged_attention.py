@@ -52,3 +52,32 @@ def test_any_tile_size_gives_the_same_attention(window):
         np.testing.assert_allclose(out[:11], outs[0][:11], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out[6], want, rtol=1e-5, atol=1e-5)
         assert np.all(out[11:] == 0)  # padding tokens get zeros
+
+
+def test_a_single_chunk_runs_as_one_tile():
+    """A step that is one sequence's chunk runs as one tile of the whole step (Runner._whole_step_tile),
+    a step mixing sequences in tiles of query_tile; the greedy output is the reference's either way."""
+    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
+    from talaria_jax.models import greedy_generate, init_model, load_model_config
+    from talaria_jax.sharding import make_mesh
+
+    model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=1)
+    eng = Engine(model, EngineConfig(warmup=False, query_tile=4, max_tokens_per_step=32, max_seqs=4))
+    shapes, tiling = [], eng.runner.tiling
+
+    def spy(b):
+        tiles = tiling(b)
+        shapes.append((len(b.tokens), *tiles[0].shape))
+        return tiles
+
+    eng.runner.tiling = spy
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(0, 256, n).tolist() for n in (45, 9, 12)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in eng.generate(prompts[:1], params)]  # alone: chunks of 32 and 13 tokens
+    assert shapes[:2] == [(32, 1, 32), (16, 1, 16)]  # (bucket, tiles, tokens per tile): one tile each
+    shapes.clear()
+    got += [o.token_ids for o in eng.generate(prompts[1:], params)]  # 21 tokens of two sequences: tiles of 4
+    assert shapes[0][0] == 32 and shapes[0][2] == 4
+    assert got == greedy_generate(model, prompts[:1], 6) + greedy_generate(model, prompts[1:], 6)
+    assert all(s in eng.runner.step_shapes() for s in [(32, 32, 1), (16, 16, 1)])

@@ -219,12 +219,23 @@ class Runner:
             return ()
         return tuple(sorted(n for n in {t // q, 2 * (t // q), t // q + min(t, self.max_seqs)} if 0 < n < t))
 
+    def _whole_step_tile(self, t: int) -> bool:
+        """Whether a step of bucket `t` that is one sequence's chunk runs as one tile of t tokens. On the
+        jnp reference the tile's matmuls are then [t x G, head_dim] x [head_dim, block] rather than
+        many [query_tile x G, ...] ones, which XLA:CPU runs far better (a 512-token chunk over 8K
+        cached tokens: 110 against 207 ms per layer on a 2-core CPU, 121 against 64 GFLOPS; torch's
+        fused SDPA takes 115 ms). A single chunk fills at least half its bucket, so the empty rows cost
+        less than the small tiles would. Not for the Pallas kernel: one program holds a tile's rows."""
+        return self.attention == "reference" and bool(self._tile_counts(t))
+
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (tokens, tile, tiles) shape a step can take: what `warmup` compiles."""
-        return [s for t in self.buckets for s in [(t, 1, t)] + [(t, self.query_tile, n) for n in self._tile_counts(t)]]
+        return [s for t in self.buckets for s in [(t, 1, t)] + [(t, self.query_tile, n) for n in self._tile_counts(t)]
+                + ([(t, t, 1)] if self._whole_step_tile(t) else [])]
 
     def tiling(self, b: StepBatch):
-        """Query tiles for a step: tiles of `query_tile` tokens of one sequence when a prefill chunk is in
+        """Query tiles for a step: one tile of the whole step when it is one sequence's chunk
+        (`_whole_step_tile`); tiles of `query_tile` tokens of one sequence when a prefill chunk is in
         the step and few enough tiles cover it, their count one of `_tile_counts`; else (decode) tiles
         of one token."""
         t, q = len(b.tokens), self.query_tile
@@ -232,6 +243,8 @@ class Runner:
         s = b.seq[:b.num_tokens]
         if counts and np.any(s[1:] == s[:-1]):  # a sequence brings several tokens: a prefill chunk
             runs = seq_runs(b.seq, b.num_tokens)
+            if len(runs) == 1 and self._whole_step_tile(t):
+                return query_tiles(runs, t, t, 1)
             need = sum(-(-(e - a) // q) for _, a, e in runs)
             if need <= counts[-1]:
                 return query_tiles(runs, t, q, next(n for n in counts if n >= need))

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import Mesh, PartitionSpec as P
 
 from talaria_jax.kvcache.pool import PoolSpec, _manual, _view, arena_sharding, view_sharding
-from talaria_jax.sharding import spec_for
+from talaria_jax.sharding import mesh_platform, spec_for
 
 _NEG = -1e30  # as the reference: a fully masked page adds exp(0) terms that a later real max wipes out
 _FAR = 2**30  # "no position": the first-position reduction's identity
@@ -54,7 +54,7 @@ _FAR = 2**30  # "no position": the first-position reduction's identity
 
 def on_gpu(mesh: Mesh) -> bool:
     """Whether `mesh`'s devices are GPUs (the kernel compiles with Triton there; elsewhere it is interpreted)."""
-    return mesh.devices.flat[0].platform == "gpu"
+    return mesh_platform(mesh) == "gpu"
 
 
 def check_shapes(page_size: int, head_dim: int, gpu: bool = True) -> None:
