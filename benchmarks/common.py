@@ -142,6 +142,39 @@ def decode_with_synthetic_prefix(engine, batch: int, context: int, steps: int, w
     return batch * steps / synthetic_decode(engine, batch, context, steps, reps=0, warmup=warmup)()
 
 
+def bench_models(model: str | None, hidden: int, layers: int, folder: str, max_position: int = 4096):
+    """The model both sides of a benchmark run: `model` (a named model, a .gguf file or an HF folder),
+    else a random fp32 Llama of `hidden` x `layers` saved as HF safetensors in `folder`. Returns (ours:
+    a ShardedModel loaded by talaria_jax in fp32, the path transformers loads, parameter count)."""
+    import pathlib
+
+    import jax
+
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import load_model
+    from talaria_jax.weights.named import resolve
+
+    if model:
+        kind, path = resolve(model)
+        if kind not in ("gguf", "hf"):
+            raise ValueError(f"--model={model}: the HF side needs a GGUF or an HF folder, not {kind}")
+    else:
+        path = pathlib.Path(folder)
+        save_random_llama(path, dict(hf_config(hidden, layers), max_position_embeddings=max_position))
+    ours = load_model(path, make_mesh(jax.devices()[:1]), dtype="float32", use_cache=False).model
+    return ours, path, ours.cfg.param_count()
+
+
+def load_hf(path):
+    """transformers' model of `path` (an HF folder, or a .gguf file dequantized to fp32 as ours is)."""
+    import torch
+    import transformers
+
+    kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent if kw else path), dtype=torch.float32,
+                                                             **kw).eval()
+
+
 def hf_config(hidden: int, layers: int) -> dict:
     return dict(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 256 * 256 or 256,
                 num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192),
@@ -252,6 +285,54 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - t
+
+
+def step_profile(model, batches: list[int], ctx: int, steps: int = 20) -> list[dict]:
+    """Where one decode step's time goes: `Engine.step` (scheduling, the runner, output bookkeeping),
+    `runner.step` alone on the same batch (host tiling, input transfer, the jitted step, the sampled
+    tokens back), `runner.tiling` alone, and the jitted step alone on inputs already on the device,
+    dispatched back to back (device time, or dispatch time where that is longer); `batch` sequences
+    `ctx` tokens deep (a synthetic prefix). device_check.py and engine_decode.py --step_profile run it."""
+    import jax
+    import numpy as np
+
+    from talaria_jax.calibrate import start_synthetic_decode
+    from talaria_jax.engine import Engine, EngineConfig
+
+    rows = []
+    for batch in batches:
+        eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
+                                         max_model_len=-(-(ctx + 5 * steps + 16) // 16) * 16, warmup=False))
+        r = eng.runner
+        start_synthetic_decode(eng, batch, ctx, max_tokens=5 * steps + 8)
+        seen = []
+        run = r.step
+        r.step = lambda b: seen.append(b) or run(b)
+        for _ in range(3):
+            eng.step()
+        ms = lambda fn: best_time(fn, 3) * 1e3 / steps
+        engine_ms = ms(lambda: [eng.step() for _ in range(steps)])  # 4 x steps: an untimed call, best of 3
+        assert len(eng.running) == batch, "a sequence finished while the engine steps were timed"
+        b = seen[-1]
+        runner_ms = ms(lambda: [run(b) for _ in range(steps)])
+        tiling_ms = ms(lambda: [r.tiling(b) for _ in range(steps)])
+        s = b.sampling
+        args = jax.device_put((b.tokens, b.positions, *r.tiling(b), b.slots, b.page_tables, np.int32(b.num_blocks),
+                               b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step))
+
+        def device_steps():
+            out = None
+            for _ in range(steps):
+                r.kv, *out = r._step(r.model.graphdef, r.model.state, r.kv, *args, layout=r.layout)
+            jax.block_until_ready(out)
+
+        with jax.set_mesh(r.model.mesh):
+            device_steps()
+            device_ms = ms(device_steps)
+        rows.append({"batch": batch, "context": ctx, "engine_step_ms": engine_ms, "runner_step_ms": runner_ms,
+                     "tiling_ms": tiling_ms, "device_ms": device_ms, "engine_python_ms": engine_ms - runner_ms,
+                     "runner_host_ms": runner_ms - device_ms})
+    return rows
 
 
 def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:

@@ -5,7 +5,8 @@ On the accelerator it measures, in one run:
      bandwidth of a device_put between a device sharding and a pinned_host sharding;
   2. HBM copy bandwidth (a jitted read + write of a large buffer);
   3. the paged engine on the accelerator: tiny-dense fp32 greedy output equals the full-sequence
-     reference, the KV pool keeps its buffer addresses across steps;
+     reference, the KV pool keeps its buffer addresses across steps; once with the jnp reference
+     attention and once with the Pallas kernel (keys `pallas_...`);
   4. decode step time of a ~1B-parameter bf16 Llama-shaped model at several batch sizes from a
      synthetic 2K-token KV prefix, against the HBM roofline (weight + KV bytes per step over the
      measured copy bandwidth), and the same decode with the parameters carved out of an instance's
@@ -111,13 +112,18 @@ def engine_parity() -> dict:
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 256, n).tolist() for n in (3, 17, 40, 9)]
     ref = greedy_generate(model, prompts, 12)
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=128,
-                                     warmup=False))
-    before = buffer_pointers(eng.runner.kv)
-    outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), progress=False)
-    return {"engine_greedy_equals_reference": [o.token_ids for o in outs] == ref,
-            "pool_addresses_stable": buffer_pointers(eng.runner.kv) == before,
-            "engine_steps": eng.stats.steps, "compilations": eng.runner.compilations}
+    out = {}
+    for attention in ("reference", "pallas"):  # page_size 16: the kernel's smallest on GPU
+        eng = Engine(model, EngineConfig(page_size=16, max_seqs=4, max_tokens_per_step=32, max_model_len=128,
+                                         warmup=False, attention=attention))
+        before = buffer_pointers(eng.runner.kv)
+        outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                            progress=False)
+        tag = "" if attention == "reference" else "pallas_"  # the Pallas kernel's keys: pallas_...
+        out.update({f"{tag}engine_greedy_equals_reference": [o.token_ids for o in outs] == ref,
+                    f"{tag}pool_addresses_stable": buffer_pointers(eng.runner.kv) == before,
+                    f"{tag}engine_steps": eng.stats.steps, f"{tag}compilations": eng.runner.compilations})
+    return out
 
 
 def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[dict]:
@@ -146,55 +152,6 @@ def decode_roofline(small: bool, batches: list[int], hbm_gb_s: float) -> list[di
                      "tok_s": tok_s, "step_ms": 1e3 * batch / tok_s, "roofline_tok_s": roof,
                      "of_roofline": tok_s / roof, "slot_tok_s": slot_tok_s, "slot_over_own": slot_tok_s / tok_s})
         del eng
-    return rows
-
-
-def step_profile(small: bool, batches: list[int], steps: int = 20) -> list[dict]:
-    """Where one decode step's time goes: `Engine.step` (scheduling, the runner, output bookkeeping),
-    `runner.step` alone on the same batch (host tiling, input transfer, the jitted step, the sampled
-    tokens back), `runner.tiling` alone, and the jitted step alone on inputs already on the device,
-    dispatched back to back (device time, or dispatch time where that is longer)."""
-    import jax
-    import numpy as np
-
-    from talaria_jax.calibrate import start_synthetic_decode
-    from talaria_jax.engine import Engine, EngineConfig
-
-    ctx = 64 if small else 2048
-    model = bench_model(small)
-    rows = []
-    for batch in batches:
-        eng = Engine(model, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
-                                         max_model_len=-(-(ctx + 5 * steps + 16) // 16) * 16, warmup=False))
-        r = eng.runner
-        start_synthetic_decode(eng, batch, ctx, max_tokens=5 * steps + 8)
-        seen = []
-        run = r.step
-        r.step = lambda b: seen.append(b) or run(b)
-        for _ in range(3):
-            eng.step()
-        ms = lambda fn: common.best_time(fn, 3) * 1e3 / steps
-        engine_ms = ms(lambda: [eng.step() for _ in range(steps)])  # 4 x steps: an untimed call, best of 3
-        assert len(eng.running) == batch, "a sequence finished while the engine steps were timed"
-        b = seen[-1]
-        runner_ms = ms(lambda: [run(b) for _ in range(steps)])
-        tiling_ms = ms(lambda: [r.tiling(b) for _ in range(steps)])
-        s = b.sampling
-        args = jax.device_put((b.tokens, b.positions, *r.tiling(b), b.slots, b.page_tables, np.int32(b.num_blocks),
-                               b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step))
-
-        def device_steps():
-            out = None
-            for _ in range(steps):
-                r.kv, *out = r._step(r.model.graphdef, r.model.state, r.kv, *args, layout=r.layout)
-            jax.block_until_ready(out)
-
-        with jax.set_mesh(r.model.mesh):
-            device_steps()
-            device_ms = ms(device_steps)
-        rows.append({"batch": batch, "context": ctx, "engine_step_ms": engine_ms, "runner_step_ms": runner_ms,
-                     "tiling_ms": tiling_ms, "device_ms": device_ms, "engine_python_ms": engine_ms - runner_ms,
-                     "runner_host_ms": runner_ms - device_ms})
     return rows
 
 
@@ -343,7 +300,8 @@ def print_memory(res: dict) -> None:
 
 
 def print_parity(res: dict) -> None:
-    print({k: res[k] for k in ("engine_greedy_equals_reference", "pool_addresses_stable", "compilations")})
+    print({k: res[k] for k in ("engine_greedy_equals_reference", "pool_addresses_stable", "compilations",
+                               "pallas_engine_greedy_equals_reference", "pallas_pool_addresses_stable")})
 
 
 def table(columns):
@@ -409,7 +367,8 @@ def main(argv):
     sections = {
         "engine_parity": (engine_parity, print_parity, True),
         "decode": (lambda: decode_roofline(small, batches, res["hbm_copy_gb_s"]), PRINT_DECODE, False),
-        "step_profile": (lambda: step_profile(small, sorted({batches[0], batches[-1]}), steps=4 if small else 20),
+        "step_profile": (lambda: common.step_profile(bench_model(small), sorted({batches[0], batches[-1]}),
+                                                     64 if small else 2048, steps=4 if small else 20),
                          PRINT_PROFILE, False),
         "weight_switch": (lambda: weight_switch(small, reps, res["hbm_copy_gb_s"], res.get("h2d_gb_s")), PRINT_SWITCH,
                           False),

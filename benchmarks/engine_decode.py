@@ -17,6 +17,7 @@ processor stamps each step), so its cache setup and first step are not counted, 
 
   .venv/bin/python benchmarks/engine_decode.py --out=/tmp/engine_decode.json
   .venv/bin/python benchmarks/engine_decode.py --model=smollm2-135m-instruct   # the embedded real model
+  .venv/bin/python benchmarks/engine_decode.py --step_profile --contexts=2048 --skip_hf   # where a step's time goes
 
 With `--model` (a named model, a .gguf file or an HF checkpoint folder) both sides load that model
 instead: ours through `talaria_jax.weights.load_model`, HF through `from_pretrained` (with
@@ -31,7 +32,6 @@ A fused paged-attention kernel (Pallas on GPU) removes the first; the second is 
 from __future__ import annotations
 
 import json
-import pathlib
 import tempfile
 import time
 import warnings
@@ -50,6 +50,8 @@ _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 la
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
+_PROFILE = flags.DEFINE_bool("step_profile", False, "Instead of the comparison: where our decode step's time goes "
+                              "(Engine.step, runner.step, the jitted step alone) at each batch, the first context.")
 _MODEL = flags.DEFINE_string("model", None, "Named model, .gguf file or HF folder to load on both sides "
                              "(default: a random ~125M Llama of --hidden/--layers).")
 
@@ -68,15 +70,6 @@ def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def load_ours(path):
-    import jax
-
-    from talaria_jax.sharding import make_mesh
-    from talaria_jax.weights import load_model
-
-    return load_model(path, make_mesh(jax.devices()[:1]), dtype="float32", use_cache=False).model
-
-
 def ours_rep(model, batch: int, ctx: int, steps: int, reps: int):
     """A rep (seconds of `steps` decode steps) of our engine over a synthetic `ctx`-token prefix."""
     from talaria_jax.engine import Engine, EngineConfig
@@ -85,15 +78,6 @@ def ours_rep(model, batch: int, ctx: int, steps: int, reps: int):
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
                                      max_model_len=-(-(ctx + steps * (reps + 2) + 8) // page) * page, warmup=False))
     return common.synthetic_decode(eng, batch, ctx, steps, reps)
-
-
-def hf_model(path):
-    import torch
-    import transformers
-
-    kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent if kw else path), dtype=torch.float32,
-                                                             **kw).eval()
 
 
 def hf_rep(model, batch: int, ctx: int, steps: int):
@@ -142,22 +126,20 @@ def main(argv):
     bw = copy_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        from talaria_jax.weights.named import resolve
-
-        if _MODEL.value:
-            kind, path = resolve(_MODEL.value)
-            if kind not in ("gguf", "hf"):
-                raise app.UsageError(f"--model={_MODEL.value}: the HF side needs a GGUF or an HF folder, not {kind}")
-            ours_model = load_ours(path)
-            cfg = ours_model.cfg
-            n_params, layers, kv_heads, head_dim = cfg.param_count(), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        else:
-            hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
-            path = pathlib.Path(tmp)
-            n_params = common.save_random_llama(path, hf)
-            ours_model = load_ours(path)
-            layers, kv_heads, head_dim = hf["num_hidden_layers"], hf["num_key_value_heads"], hf["head_dim"]
-        theirs_model = None if _SKIP_HF.value else hf_model(path)
+        try:
+            ours_model, path, n_params = common.bench_models(_MODEL.value, _HIDDEN.value, _LAYERS.value, tmp)
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+        cfg = ours_model.cfg
+        layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        if _PROFILE.value:
+            rows = common.step_profile(ours_model, [b for b, _ in points[:len(_BATCHES.value)]], points[0][1], steps=8)
+            common.print_markdown_table([("batch", "batch", "d"), ("context", "context", "d"),
+                                         ("Engine.step ms", "engine_step_ms", ".1f"), ("runner.step ms", "runner_step_ms", ".1f"),
+                                         ("jitted step ms", "device_ms", ".1f"), ("host work ms", "runner_host_ms", ".1f")],
+                                        [dict(r, runner_host_ms=r["engine_step_ms"] - r["device_ms"]) for r in rows])
+            return
+        theirs_model = None if _SKIP_HF.value else common.load_hf(path)
         kv_per_token = 2 * layers * kv_heads * head_dim * 4
         print(f"model: {n_params / 1e6:.0f}M params fp32, KV {kv_per_token} B/token; copy bandwidth {bw / 1e9:.1f} GB/s; "
               f"{_STEPS.value} decode steps per rep, best of {_REPS.value} reps per side, interleaved")

@@ -16,6 +16,7 @@ on the same cores (`--threads`), best of `--reps` each, with the machine's load 
 after (benchmarks/common.py: `interleave`, `Machine`).
 
   .venv/bin/python benchmarks/engine_prefill.py --out=/tmp/engine_prefill.json
+  .venv/bin/python benchmarks/engine_prefill.py --model=smollm2-135m-instruct   # the embedded real model
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ _THREADS = flags.DEFINE_integer("threads", None, "Cores for every side (default:
 _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_MODEL = flags.DEFINE_string("model", None, "Named model, .gguf file or HF folder to load on both sides "
+                             "(default: a random ~125M Llama of --hidden/--layers).")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
 
 
@@ -68,26 +71,20 @@ def hf_rep(model, ctx: int, chunk: int):
 
 def main(argv):
     del argv
-    import jax
-
-    from talaria_jax.sharding import make_mesh
-    from talaria_jax.weights import load_hf_checkpoint
-
     threads = common.set_threads(_THREADS.value, torch_side=not _SKIP_HF.value)
     machine = common.Machine.start(threads)
     contexts = [int(c) for c in _CONTEXTS.value]
-    hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
-    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], max(contexts) + _CHUNK.value + 64)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        n_params = common.save_random_llama(tmp, hf)
-        model = load_hf_checkpoint(tmp, make_mesh(jax.devices()[:1]), progress=False)
-        hf_model = None
-        if not _SKIP_HF.value:
-            import torch
-            import transformers
-
-            hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        try:
+            model, path, n_params = common.bench_models(_MODEL.value, _HIDDEN.value, _LAYERS.value, tmp,
+                                                        max_position=max(4096, max(contexts) + _CHUNK.value + 64))
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+        if max(contexts) + _CHUNK.value > model.cfg.max_position:
+            raise app.UsageError(f"--contexts: {max(contexts)} + --chunk {_CHUNK.value} exceeds the model's "
+                                 f"max_position {model.cfg.max_position}")
+        hf_model = None if _SKIP_HF.value else common.load_hf(path)
         print(f"model: {n_params / 1e6:.0f}M params fp32; chunk {_CHUNK.value} tokens; best of {_REPS.value} reps per "
               f"side, interleaved")
         print(machine.report(), flush=True)
@@ -112,7 +109,7 @@ def main(argv):
     print(machine.report())
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(dict(params=n_params, query_tile=_TILE.value, reps=_REPS.value, machine=machine.as_json(),
+            json.dump(dict(model=_MODEL.value or "random-llama", params=n_params, query_tile=_TILE.value, reps=_REPS.value, machine=machine.as_json(),
                            rows=rows), f, indent=1)
 
 

@@ -5,8 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+from conftest import FAST_COMPILE
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
 
 
 def test_device_check_small_runs_on_cpu(tmp_path):
@@ -16,6 +18,7 @@ def test_device_check_small_runs_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["engine_greedy_equals_reference"] and res["pool_addresses_stable"]
+    assert res["pallas_engine_greedy_equals_reference"] and res["pallas_pool_addresses_stable"]  # interpreted
     assert res["hbm_copy_gb_s"] > 0 and res["decode"][0]["batch"] == 2 and res["decode"][0]["tok_s"] > 0
     assert "| small | 2 |" in run.stdout
     # the sections added for the GPU: each a list of rows, none failed

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import FAST_COMPILE
 from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.serve.app import serve_in_thread
@@ -190,7 +191,7 @@ def test_a_killed_instance_loses_no_call(tmp_path):
     """Two talaria-serve processes behind the gateway; one is killed (SIGKILL) while it serves calls of
     running sessions. Every session completes, each reply what it is without the fault."""
     ports = [_free_port(), _free_port()]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}"}
     procs = [subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", f"--port={p}", f"--api_key={KEY}",
                                "--max_model_len=1024", "--max_seqs=4", "--kv_mib_per_device=64", "--nowarmup"],
                               env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"i{k}.log", "w"))
@@ -241,7 +242,7 @@ def test_talaria_route_serves_over_local_instances(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.route", "--local_instances=2",
                              "--model=tiny-dense,tiny-moe", f"--port={port}", f"--api_key={KEY}", "--nowarmup",
                              "--max_model_len=256", "--max_seqs=2", "--kv_mib_per_device=4", "--policy=round"],
-                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                            env={**os.environ, "XLA_FLAGS": FAST_COMPILE},
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "route.log", "w"))
     url = f"http://127.0.0.1:{port}"
     try:

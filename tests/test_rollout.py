@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import FAST_COMPILE
 from talaria_jax.engine import EngineConfig, RequestError, SamplingParams
 from talaria_jax.models.model import forward, greedy_generate
 from talaria_jax.rollout.placement import CacheAware, LeastLoaded, PlacementRequest, PrefixIndex, ReplicaLoad, RoundRobin
@@ -107,9 +108,9 @@ def test_generate_over_two_replicas_matches_the_reference(service, trainer):
 
 
 @pytest.mark.parametrize("speculate", [False, True])
-def test_logprobs_match_the_trainer(trainer, speculate):
-    spec = SpecConfig(max_spec_tokens=4, policy="always") if speculate else None
-    with RolloutService(replicas(spec)) as s:
+def test_logprobs_match_the_trainer(request, trainer, speculate):
+    spec = SpecConfig(max_spec_tokens=4, policy="always")  # without: the module's service (built once)
+    with RolloutService(replicas(spec)) if speculate else contextlib.nullcontext(request.getfixturevalue("service")) as s:
         ps = prompts() + [[5, 6, 7, 8] * 6]
         sampled = s.generate(ps, SamplingParams(max_tokens=24, temperature=1.0, seed=3), n=2)
         greedy = s.generate(ps, SamplingParams(max_tokens=24, temperature=0))
@@ -329,7 +330,7 @@ def test_ray_actor_replicas_return_the_in_process_tokens(service):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         spec = ReplicaSpec("tiny-dense", engine=engine_config())
-        env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+        env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"}
         with RolloutService(ray_replicas(spec, 2, num_cpus=1, env_vars=env)) as s:
             remote = s.generate(ps, params, n=2)
             s.update_weights(load_model("tiny-dense", seed=1).model.state)  # through the object store
