@@ -294,7 +294,6 @@ def step_profile(model, batches: list[int], ctx: int, steps: int = 20) -> list[d
     dispatched back to back (device time, or dispatch time where that is longer); `batch` sequences
     `ctx` tokens deep (a synthetic prefix). device_check.py and engine_decode.py --step_profile run it."""
     import jax
-    import numpy as np
 
     from talaria_jax.calibrate import start_synthetic_decode
     from talaria_jax.engine import Engine, EngineConfig

@@ -49,7 +49,7 @@ _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes (a CPU smoke run).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Decode batch sizes.")
 _SECTIONS = flags.DEFINE_list("sections", [], "Run only these sections (memory always runs): engine_parity, "
                                "decode, step_profile, weight_switch, host_restore, prefill_cached, kernel.")
-_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each measurement of sections 5-7 (best is reported).")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each measurement of sections 5-8 (best is reported).")
 
 
 def bench_config(small: bool):

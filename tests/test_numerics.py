@@ -5,7 +5,7 @@ import numpy as np
 
 from talaria_jax.engine import Engine, EngineConfig, SamplingParams
 from talaria_jax.models import init_model, load_model_config
-from talaria_jax.models.config import default_compute_dtype
+from talaria_jax.models.config import default_compute_dtype, with_default_compute_dtype
 from talaria_jax.models.model import forward
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import checkpoint, load_model
@@ -26,6 +26,9 @@ def test_default_compute_dtype_per_platform():
     assert default_compute_dtype("float16", "gpu") == "float16"
     cfg = load_model("tiny-dense", make_mesh(jax.devices()[:1])).model.cfg  # random weights on this CPU
     assert (cfg.dtype, cfg.weight_dtype, cfg.kv_dtype) == ("float32",) * 3
+    on_gpu = with_default_compute_dtype(cfg.replace(kv_dtype="fp8"), "gpu")  # weights and KV, storage kept
+    assert (on_gpu.dtype, on_gpu.weight_dtype, on_gpu.kv_dtype) == ("bfloat16", "bfloat16", "fp8")
+    assert with_default_compute_dtype(cfg, "cpu") == cfg
 
 
 def test_bf16_against_the_fp32_reference(tmp_path):

@@ -286,10 +286,11 @@ class Runner:
             read = functools.partial(read_kv, arena, spec, mesh, layer)
             blk, nb = ppb, num_blocks
             if tile_tok.shape[1] == 1 and ppb % 2 == 0:
-                # Tiles of one token (decode) read half blocks, twice as many: their dots are tiny and the
-                # gathered block is what costs; on XLA:CPU a half block made decode steps 6-10% faster
-                # (125M Llama and SmolLM2 shapes, batch 8-32, context 512-2048). Prefill tiles keep
-                # whole blocks, which make their matmuls bigger.
+                # Tiles of one token (decode steps, and the few prefill steps that fall back to them)
+                # read half blocks, twice as many: their dots are tiny and the gathered block is what
+                # costs; on XLA:CPU a half block made decode steps 6-10% faster (125M Llama and
+                # SmolLM2 shapes, batch 8-32, context 512-2048). Tiles of several tokens keep whole
+                # blocks, which make their matmuls bigger.
                 blk, nb = ppb // 2, num_blocks * 2
             out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, mask_pos, tile_tok,
                                          tile_seq, tok_slot, nb, blk, cfg.window(layer), tree)

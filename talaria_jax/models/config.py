@@ -37,6 +37,13 @@ def default_compute_dtype(source: str, platform: str) -> str:
     return "bfloat16" if platform != "cpu" and source == "float32" else source
 
 
+def with_default_compute_dtype(cfg: "ModelConfig", platform: str) -> "ModelConfig":
+    """`cfg` as it loads on `platform` when no dtype is asked for: `default_compute_dtype` applied to
+    its compute, weight and KV dtypes each (so an fp8 or mxfp4 storage dtype is kept)."""
+    return cfg.replace(**{f: default_compute_dtype(getattr(cfg, f), platform)
+                          for f in ("dtype", "weight_dtype", "kv_dtype")})
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency scaling (`rope_type: llama3`). Other types (gpt-oss's `yarn`) are

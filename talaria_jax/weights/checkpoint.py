@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from talaria_jax import config_io
-from talaria_jax.models.config import ModelConfig, default_compute_dtype
+from talaria_jax.models.config import ModelConfig, with_default_compute_dtype
 from talaria_jax.models.model import ShardedModel, abstract_model, weights_fingerprint
 from talaria_jax.sharding import make_mesh, mesh_platform
 
@@ -45,10 +45,11 @@ def restore(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: ModelConfig
     saved = load_config(path)
     saved_dtype, cfg = saved.dtype, cfg or saved
     mesh = mesh or make_mesh(jax.devices()[:1])
-    if dtype is None and default_compute_dtype(cfg.dtype, mesh_platform(mesh)) != cfg.dtype:
-        dtype = default_compute_dtype(cfg.dtype, mesh_platform(mesh))
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype, weight_dtype=dtype, kv_dtype=dtype)
+    else:
+        cfg = with_default_compute_dtype(cfg, mesh_platform(mesh))
+        dtype = cfg.dtype
     graphdef, abstract, shardings = abstract_model(cfg, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings))

@@ -367,8 +367,9 @@ def load_gguf(path: str | pathlib.Path, mesh: Mesh | None = None, dtype: str | N
     its shard; tensors are dequantized to float32 on the host one at a time.
 
     dtype None computes in float32 for quantized files on CPU, bfloat16 on an accelerator (see
-    `_default_dtype` and `default_compute_dtype`); an explicit dtype is honoured. Unparseable or truncated files, unsupported architectures, metadata or tensor types, and
-    tensors the config does not use raise CheckpointError naming them. `fingerprint` digests the file's
+    `_default_dtype` and `default_compute_dtype`); an explicit dtype is honoured. Unparseable or
+    truncated files, unsupported architectures, metadata or tensor types, and tensors the config does
+    not use raise CheckpointError naming them. `fingerprint` digests the file's
     bytes (`gguf_fingerprint`) with the config, compute dtype included.
     """
     path = pathlib.Path(path)

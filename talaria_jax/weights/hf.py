@@ -262,9 +262,8 @@ def load_hf_checkpoint(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: 
 
     The config comes from `cfg` or from the directory's config.json. The compute dtype is `dtype` if
     given, else `cfg.dtype`, else the checkpoint's own (config.json `dtype`, else its tensors'; on a
-    GPU or TPU bfloat16 where that is float32: `default_compute_dtype`). Every
-    tensor is checked against the shape the config implies; a mismatch raises CheckpointError naming
-    the parameter. `fingerprint` digests the config (with its dtype) and the safetensors files.
+    GPU or TPU bfloat16 where that is float32: `default_compute_dtype`). Every tensor is checked
+    against the shape the config implies; a mismatch raises CheckpointError naming the parameter. `fingerprint` digests the config (with its dtype) and the safetensors files.
     """
     path = pathlib.Path(path)
     mesh = mesh or make_mesh(jax.devices()[:1])

@@ -27,7 +27,7 @@ import jax
 from absl import logging
 from jax.sharding import Mesh
 
-from talaria_jax.models.config import ModelConfig, available_models, default_compute_dtype, load_model_config
+from talaria_jax.models.config import ModelConfig, available_models, load_model_config, with_default_compute_dtype
 from talaria_jax.models.model import ShardedModel, init_model
 from talaria_jax.sharding import make_mesh, mesh_platform
 from talaria_jax.tokenizer import Tokenizer, load_tokenizer
@@ -126,8 +126,9 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, mesh: Mesh | Non
     platform = mesh_platform(mesh)
     from_cache = False
     if kind == "random":
-        model = init_model(load_model_config(where).replace(dtype=dtype or default_compute_dtype("float32", platform)),
-                           mesh, seed=seed)
+        cfg = load_model_config(where)
+        cfg = cfg.replace(dtype=dtype) if dtype else with_default_compute_dtype(cfg.replace(dtype="float32"), platform)
+        model = init_model(cfg, mesh, seed=seed)
         tok = load_tokenizer(None)
     elif kind == "orbax":
         model = checkpoint.restore(where, mesh, dtype=dtype)
