@@ -254,7 +254,7 @@ def kernel_speedup(small: bool, batches: list[int], reps: int) -> list[dict]:
 
     from talaria_jax.engine.kernels import on_gpu, ragged_paged_attention as kernel
     from talaria_jax.engine.paged_attention import ragged_paged_attention as reference
-    from talaria_jax.engine.runner import query_tiles, seq_runs
+    from talaria_jax.engine.runner import query_tiles, reference_blocks, seq_runs
     from talaria_jax.kvcache.pool import PoolSpec, arena_sharding, page_words, read_kv
     from talaria_jax.sharding import make_mesh
 
@@ -277,8 +277,9 @@ def kernel_speedup(small: bool, batches: list[int], reps: int) -> list[dict]:
         args = (jnp.asarray(tables), jnp.asarray(pos), *map(jnp.asarray, tiles),
                 jnp.int32(int(pos.max()) // (ps * ppb) + 1))
         fns = {"pallas": jax.jit(lambda arena, q, *a: kernel(q, arena, spec, mesh, 0, *a, ppb)),
-               "reference": jax.jit(lambda arena, q, *a: reference(
-                   q, functools.partial(read_kv, arena, spec, mesh, 0), spec.kv_heads, ps, *a, ppb))}
+               "reference": jax.jit(lambda arena, q, *a: reference(  # with the blocks the engine's runner uses
+                   q, functools.partial(read_kv, arena, spec, mesh, 0), spec.kv_heads, ps, *a[:-1],
+                   *reference_blocks(tile, a[-1], ppb)))}
         with jax.set_mesh(mesh):
             outs = {k: f(arena, q, *args) for k, f in fns.items()}
             ms = {k: 1e3 * common.best_time(lambda f=f: [f(arena, q, *args) for _ in range(calls)][-1], reps) / calls

@@ -144,6 +144,18 @@ def attention_kind(attention: str, mesh, spec: PoolSpec) -> str:
     return "pallas" if attention == "pallas" or gpu else "reference"
 
 
+def reference_blocks(tile: int, num_blocks, pages_per_block: int):
+    """(blocks, pages per block) the jnp reference walks for query tiles of `tile` tokens, given the
+    step's `num_blocks` blocks of `pages_per_block` pages. Tiles of one token (decode steps, and the
+    few prefill steps that fall back to them) read half blocks, twice as many: their dots are tiny and
+    the gathered block is what costs; on XLA:CPU a half block made decode steps 6-10% faster (125M
+    Llama and SmolLM2 shapes, batch 8-32, context 512-2048). Tiles of several tokens keep whole
+    blocks, which make their matmuls bigger."""
+    if tile == 1 and pages_per_block % 2 == 0:
+        return num_blocks * 2, pages_per_block // 2
+    return num_blocks, pages_per_block
+
+
 def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from `smallest` up to (and including) max_tokens."""
     out, b = [], smallest
@@ -284,16 +296,9 @@ class Runner:
                                                      tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer), tree)
                 return out, arena
             read = functools.partial(read_kv, arena, spec, mesh, layer)
-            blk, nb = ppb, num_blocks
-            if tile_tok.shape[1] == 1 and ppb % 2 == 0:
-                # Tiles of one token (decode steps, and the few prefill steps that fall back to them)
-                # read half blocks, twice as many: their dots are tiny and the gathered block is what
-                # costs; on XLA:CPU a half block made decode steps 6-10% faster (125M Llama and
-                # SmolLM2 shapes, batch 8-32, context 512-2048). Tiles of several tokens keep whole
-                # blocks, which make their matmuls bigger.
-                blk, nb = ppb // 2, num_blocks * 2
             out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, mask_pos, tile_tok,
-                                         tile_seq, tok_slot, nb, blk, cfg.window(layer), tree)
+                                         tile_seq, tok_slot, *reference_blocks(tile_tok.shape[1], num_blocks, ppb),
+                                         cfg.window(layer), tree)
             return out, arena
 
         h, kv = model.hidden(tokens, positions, attn, kv)
