@@ -5,8 +5,12 @@ D2D staging are off (reservations stay on but, without SP, can only order admiss
 they share the serverless multiplexer (continuous batching, switch on demand with the same slot
 quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
 time-to-live and host KV offload.
-`talaria-popular-first` is talaria with the next slot given to the model with the most unfinished
-sessions (a variant for short-tool-time workloads, not the default; it has no starvation bound).
+`talaria` orders slots by the critical chain (`slot_order="chain"`, `Scheduler._chain_priority`):
+Smith's rule over each model's sessions, a call aged after all the work left on its instance, or
+after one round of slots when its sessions' tool gaps make them the critical chain. Its variants:
+`talaria-round-robin` (the default before: slots in a fixed model order), `talaria-popular-first`
+(the model with the most unfinished sessions first, no starvation bound) and `talaria-smith`
+(Smith's rule per call with a fixed 60 s bound on a call's wait).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import dataclasses
 
 # Tool-gap statistics (REFERENCES.md "Agent sessions": median 0.3 s, p90 13.6 s, TraceLab).
 _TOOL_GAP_P90_S = 13.6
+_TOOL_GAP_MEAN_S = 18.4  # REFERENCES.md: mean 18.4 s (TraceLab)
 # p75 of the lognormal through median 0.3 s and p90 13.6 s: 0.3 * exp(0.674 * ln(13.6/0.3)/1.2816)
 _TOOL_GAP_P75_S = 2.2
 
@@ -41,8 +46,12 @@ class PolicyConfig:
     # which finishes the popular model's sessions first and the others later; smith: Smith's rule, the
     # most sessions advanced per second of slot (sessions waiting, running or back within the observed
     # p90 tool gap, over the model's observed seconds per call), a slot kept while its model stays
-    # first (no drain), and the slot after a call waits max_wait_s given to that call's model
-    slot_order: str = "round_robin"
+    # first (no drain), and the slot after a call waits max_wait_s given to that call's model; chain:
+    # Smith's rule over each model's remaining sessions (sessions per second of the work they have
+    # left), the slot kept while its model stays first, and a call aged after all the work left here,
+    # or after one round of the other waiting models' slots when its model's sessions need longer,
+    # call after call with their tool gaps, than that work (Scheduler._chain_priority)
+    slot_order: str = "chain"
     sp: bool = True  # session-prefill: admit continuations before the active slot closes
     host_kv: bool = True  # keep session KV restorable from host memory across switches
     staging: bool = True  # stage the next model into a device staging area; D2D at the switch
@@ -64,14 +73,19 @@ class PolicyConfig:
     # first). Starvation bound: it is admitted within max_wait_s + what is left of the open slot
     # (at most slot_s) + the active model's drain + a switch.
     max_wait_s: float = 60.0
+    # chain only: priors of what the scheduler observes, each replaced as observations come in: the mean
+    # tool gap (counted as one gap) and the calls per session (until 8 sessions have ended; REFERENCES:
+    # SWE-agent-family averages 19-34, the paper 32)
+    tool_gap_mean_s: float = _TOOL_GAP_MEAN_S
+    turns_prior: float = 32.0
     weights: RouterWeights = dataclasses.field(default_factory=RouterWeights)
 
     def __post_init__(self):
         if self.router not in ("talaria", "load", "sticky", "kv"):
             raise ValueError(f"policy {self.name}: router={self.router!r} not in talaria|load|sticky|kv")
-        if self.slot_order not in ("round_robin", "most_sessions", "smith"):
+        if self.slot_order not in ("round_robin", "most_sessions", "smith", "chain"):
             raise ValueError(f"policy {self.name}: slot_order={self.slot_order!r} not in "
-                             f"round_robin|most_sessions|smith")
+                             f"round_robin|most_sessions|smith|chain")
         if self.multiplexer not in ("round", "on_demand"):
             raise ValueError(f"policy {self.name}: multiplexer={self.multiplexer!r} not in round|on_demand")
         if self.slot_s <= 0:
@@ -90,7 +104,7 @@ _SERVERLESS = dict(multiplexer="on_demand", sp=False, host_kv=False, staging=Fal
 
 POLICIES: dict[str, PolicyConfig] = {
     "talaria": PolicyConfig("talaria"),
-    "round": PolicyConfig("round", sp=False, host_kv=False, staging=False),
+    "round": PolicyConfig("round", slot_order="round_robin", sp=False, host_kv=False, staging=False),
     "load": PolicyConfig("load", router="load", **_SERVERLESS),
     "sticky": PolicyConfig("sticky", router="sticky", **_SERVERLESS),
     "composite": PolicyConfig("composite", router="kv", **{**_SERVERLESS, "host_kv": True, "switches_per_slot": 10.0},
@@ -107,10 +121,12 @@ POLICIES: dict[str, PolicyConfig] = {
     # a variant, not the default: Smith's rule with observed tool gaps and a 60 s bound on a call's wait
     # (configs/traces/README.md: ahead of talaria at p50 when tool time is short, behind at p95 at x1)
     "talaria-smith": PolicyConfig("talaria-smith", slot_order="smith"),
+    # a variant, the default until the chain order: slots in a fixed round-robin model order
+    "talaria-round-robin": PolicyConfig("talaria-round-robin", slot_order="round_robin"),
 }
 
 DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",
-                    "talaria-no-staging", "talaria-no-reservations")
+                    "talaria-no-staging", "talaria-no-reservations", "talaria-round-robin")
 
 
 def get_policy(name: str) -> PolicyConfig:

@@ -22,19 +22,47 @@ _AGED = 1e12  # a starving model's weight: above any Smith ratio, older waits hi
 
 
 class ToolGaps:
-    """The tool gaps the scheduler has seen (a session's call issued this long after its previous
-    one finished), over the last `window` returns. Until `min_seen` are seen, the p90 is the stated
-    prior (REFERENCES.md's agent-session statistics: ``PolicyConfig.reserve_horizon_s``, 13.6 s)."""
+    """The tool gaps the scheduler sees: a gap opens when a session's call finishes and closes when
+    its next call is issued. The p90 is over the last `window` closed gaps; until `min_seen` have
+    closed it is the stated prior (REFERENCES.md's agent-session statistics:
+    ``PolicyConfig.reserve_horizon_s``, 13.6 s). The mean counts the gaps still open too."""
 
-    def __init__(self, prior_p90_s: float, window: int = 256, min_seen: int = 16):
+    def __init__(self, prior_p90_s: float, prior_mean_s: float, window: int = 256, min_seen: int = 16):
         self.prior_p90_s = prior_p90_s
+        self.prior_mean_s = prior_mean_s
         self.seen: collections.deque[float] = collections.deque(maxlen=window)
         self.min_seen = min_seen
         self._p90: float | None = None
+        self.open: dict[str, float] = {}  # session -> when its gap opened
+        self._open_sum = 0.0  # sum of self.open's values
+        self._closed_n = 0
+        self._closed_sum = 0.0
 
-    def observe(self, gap_s: float) -> None:
-        self.seen.append(max(0.0, gap_s))
-        self._p90 = None
+    def begin(self, session: str, now: float) -> None:
+        self.end(session, now, observe=False)
+        self.open[session] = now
+        self._open_sum += now
+
+    def end(self, session: str, now: float, observe: bool = True) -> bool:
+        """Closes `session`'s open gap (a call issued: `observe` records it); whether one was open."""
+        t = self.open.pop(session, None)
+        if t is None:
+            return False
+        self._open_sum -= t
+        if observe:
+            gap = max(0.0, now - t)
+            self.seen.append(gap)
+            self._p90 = None
+            self._closed_n += 1
+            self._closed_sum += gap
+        return True
+
+    def mean(self, now: float) -> float:
+        """The mean gap: the time spent in gaps, closed or still open, per closed gap (the maximum-
+        likelihood mean of exponential gaps, which counts the long gaps still running that a mean
+        of the closed ones would miss), the stated prior counted as one closed gap."""
+        running = len(self.open) * now - self._open_sum
+        return (self.prior_mean_s + self._closed_sum + running) / (1 + self._closed_n)
 
     def p90(self) -> float:
         """The 0.9 quantile of the gaps seen (linear interpolation, as numpy's default), or the prior."""
@@ -72,8 +100,8 @@ class Scheduler:
         self.instances = list(instances)
         self.sessions = sessions
         self.state: dict[str, _InstanceState] = {}
-        self.gaps = ToolGaps(policy.reserve_horizon_s)
-        self.finished_at: dict[str, float] = {}  # session -> when its last call finished
+        self.gaps = ToolGaps(policy.reserve_horizon_s, policy.tool_gap_mean_s)
+        self._ended = [0, 0]  # sessions that ended, and their calls
         self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds, admission to finish
         self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
         # instances other than the routed one whose state the last on_arrival changed (a released
@@ -101,8 +129,7 @@ class Scheduler:
                 self.state[held].budget.release(call.session)
                 if held != inst.name:
                     self.released.append(self._by_name[held])
-        if call.session in self.finished_at:
-            self.gaps.observe(now - self.finished_at.pop(call.session))
+        if self.gaps.end(call.session, now):
             self.state[self.sessions[call.session].last_instance].finished.pop(call.session, None)
         self.state[inst.name].pending.append((now, call))
         return inst
@@ -122,7 +149,7 @@ class Scheduler:
 
     def forget(self, session: str) -> None:
         """Drops what the scheduler keeps about a session that has ended or gone idle for good."""
-        self.finished_at.pop(session, None)
+        self.gaps.end(session, 0.0, observe=False)
         self._reserved_on.pop(session, None)
         for st in self.state.values():
             for key in [k for k in st.admitted if k[0] == session]:
@@ -140,8 +167,10 @@ class Scheduler:
         if self.index is not None:
             self.index.touch(inst)
         if self.sessions[call.session].done:
+            self._ended[0] += 1
+            self._ended[1] += self.sessions[call.session].next_turn
             return
-        self.finished_at[call.session] = now
+        self.gaps.begin(call.session, now)
         self.state[inst.name].finished[call.session] = now
         p = self.policy
         if p.reservations:
@@ -177,6 +206,8 @@ class Scheduler:
         if order == "round_robin":
             return None
         st = self.state[inst.name]
+        if order == "chain":
+            return self._chain_priority(inst, st, now)
         sids = {c.session for _, c in st.pending} | {k[0] for k in st.admitted}
         if order == "most_sessions":
             sids |= {s.id for s in self.sessions if s.last_instance == inst.name and not s.done}
@@ -194,6 +225,52 @@ class Scheduler:
                 if now - t >= self.policy.max_wait_s:
                     out[c.model] = max(out.get(c.model, 0.0), _AGED * (1.0 + now - t))
         return out
+
+    def _chain_priority(self, inst: InstanceAPI, st: _InstanceState, now: float) -> dict[str, float]:
+        """The "chain" slot order (``PolicyConfig.slot_order``): Smith's rule over each model's
+        sessions here, aged by the critical chain. Per model m, from what the scheduler observes:
+        its unfinished sessions here (n), the calls its furthest-behind session has left (r: the
+        expected calls per session less the calls it has made, at least 1), the seconds a call of
+        m takes once admitted (c) and the mean tool gap (g). Its work left is W = r c (its sessions'
+        calls run batched), its chain r (g + c) (the time its last session needs at best).
+        - weight n / W: the sessions a second of slot brings to their end, so the model whose
+          sessions end soonest per second goes first and the slot stays with it (no drain) while it
+          ranks first;
+        - a call ages after waiting as long as all the work left here (the sum of W), or, when its
+          model's chain is at least that work (postponing it would then delay its sessions past
+          everything else: their tool gaps, not the server, bound them), as long as one round of
+          slots of the other waiting models; then its model goes first, oldest call first."""
+        sids = {c.session for _, c in st.pending} | {k[0] for k in st.admitted} | st.finished.keys()
+        turns = self._turns_estimate()
+        n: dict[str, int] = {}
+        rounds: dict[str, float] = {}
+        for sid in sids:
+            s = self.sessions[sid]
+            n[s.model] = n.get(s.model, 0) + 1
+            rounds[s.model] = max(rounds.get(s.model, 0.0), max(turns - s.next_turn, 1.0))
+        oldest: dict[str, float] = {}
+        for t, c in st.pending:
+            oldest[c.model] = min(oldest.get(c.model, t), t)
+        call = {m: self._call_s(st, inst, m) for m in n}
+        work = {m: rounds[m] * call[m] for m in n}
+        total = sum(work.values())
+        gap = self.gaps.mean(now)
+        out = {}
+        for m in n:
+            out[m] = n[m] / work[m]
+            if m in oldest:
+                critical = rounds[m] * (gap + call[m]) >= total
+                bound = sum(st.mux.slot_length(inst.estimate_switch_s(o)) for o in oldest if o != m) \
+                    if critical else total
+                if now - oldest[m] >= bound:
+                    out[m] = _AGED * (1.0 + now - oldest[m])
+        return out
+
+    def _turns_estimate(self) -> float:
+        """Calls per session: the mean over sessions that ended, once 8 have, else the stated prior."""
+        if self._ended[0] >= 8:
+            return self._ended[1] / self._ended[0]
+        return self.policy.turns_prior
 
     def _call_s(self, st: _InstanceState, inst: InstanceAPI, model: str) -> float:
         """Seconds a call of `model` takes once admitted: the observed moving mean, else the

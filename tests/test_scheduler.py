@@ -186,7 +186,7 @@ def test_popular_first_serves_the_model_with_most_sessions_first():
     calls = [Call("x", 0, "m1", 1000, 10, 0.0, 0.0), Call("x", 1, "m1", 1100, 10, 0.0),
              Call("y", 0, "m2", 1000, 10, 0.0, 0.01), Call("z1", 0, "m3", 1000, 10, 0.0, 0.02),
              Call("z2", 0, "m3", 1000, 10, 0.0, 0.03)]
-    assert _switch_order(calls, "talaria") == ["m1", "m2", "m3"]
+    assert _switch_order(calls, "talaria-round-robin") == ["m1", "m2", "m3"]
     assert _switch_order(calls, "talaria-popular-first") == ["m1", "m3", "m2"]
 
 
@@ -307,7 +307,7 @@ def test_smith_order_serves_the_most_sessions_per_second_first():
     shapes = {**TOY_SHAPES, "m2": toy_model("m2", weights_gb=15.0)}
     calls = [Call("x", 0, "m1", 1000, 10, 0.0, 0.0), Call("x", 1, "m1", 1100, 10, 0.0),
              Call("y", 0, "m2", 1000, 50, 0.0, 0.01), Call("z", 0, "m3", 1000, 50, 0.0, 0.02)]
-    assert _switch_order(calls, "talaria", shapes) == ["m1", "m2", "m3"]
+    assert _switch_order(calls, "talaria-round-robin", shapes) == ["m1", "m2", "m3"]
     assert _switch_order(calls, "talaria-smith", shapes) == ["m1", "m3", "m2"]
 
 
@@ -328,14 +328,33 @@ def test_smith_order_keeps_the_slot_and_bounds_the_wait():
 
 
 def test_tool_gaps_use_the_prior_until_enough_are_seen():
-    gaps = ToolGaps(13.6, window=100, min_seen=16)  # REFERENCES.md's p90, as PolicyConfig.reserve_horizon_s
+    gaps = ToolGaps(13.6, 18.4, window=100, min_seen=16)  # REFERENCES.md's p90 and mean
     assert gaps.p90() == 13.6
+
+    def gap(g: float) -> None:
+        gaps.begin("s", 0.0)
+        assert gaps.end("s", g)
+
     for g in range(15):
-        gaps.observe(float(g))
+        gap(float(g))
     assert gaps.p90() == 13.6
     for g in range(15, 200):  # the window keeps the last 100: 100..199
-        gaps.observe(float(g))
+        gap(float(g))
     assert gaps.p90() == pytest.approx(189.1)
+
+
+def test_tool_gap_mean_counts_the_gaps_still_open():
+    gaps = ToolGaps(13.6, 18.4)
+    assert gaps.mean(0.0) == 18.4  # the prior alone
+    for sid, (t0, t1) in {"a": (0.0, 1.0), "b": (0.0, 3.0)}.items():
+        gaps.begin(sid, t0)
+        gaps.end(sid, t1)
+    assert gaps.mean(3.0) == pytest.approx((18.4 + 1 + 3) / 3)
+    gaps.begin("c", 10.0)  # a long gap still running at 50 s: 40 s of gap time, no gap closed yet
+    assert gaps.mean(50.0) == pytest.approx((18.4 + 1 + 3 + 40) / 3)
+    gaps.end("c", 0.0, observe=False)  # the session went away: its gap is dropped, not counted
+    assert gaps.mean(50.0) == pytest.approx((18.4 + 1 + 3) / 3)
+    assert not gaps.end("c", 60.0)
 
 
 def test_router_credits_a_compacted_call_only_its_stated_prefix():
@@ -349,3 +368,38 @@ def test_router_credits_a_compacted_call_only_its_stated_prefix():
     compacted = Call("s", 1, "m1", 2000, 10, 0.0, prefix_tokens=500)  # the agent kept 500 tokens of it
     assert talaria_score(pol, full, local, 0) == pytest.approx(2.0 + 1100 / 2000)
     assert talaria_score(pol, compacted, local, 0) == pytest.approx(2.0 + 500 / 2000)
+
+
+def test_chain_order_keeps_the_slot_while_its_sessions_end_soonest():
+    # three m1 sessions return at once (no tool time) while one m2 call waits: round-robin slots
+    # (10 s here: 10 x the 1.0 s load) serve m2 before m1's sessions end; the chain order keeps the
+    # slot with m1, whose three sessions end sooner per second of slot, and serves m2 after them
+    calls = [Call(s, k, "m1", 1000 + 100 * k, 10, 0.0, 0.0 if k == 0 else None) for s in "abc" for k in range(6)]
+    calls.append(Call("d", 0, "m2", 1000, 10, 0.0, 0.01))
+    for policy, d_last in (("talaria-round-robin", False), ("talaria", True)):
+        res = replay(calls, get_policy(policy), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+        done = {r.session: r.done_s for r in res.records}
+        assert (done["d"] > max(done[s] for s in "abc")) == d_last, (policy, done)
+
+
+def test_chain_order_ages_a_call_by_the_critical_chain():
+    # m1 has three sessions, pending since 0.5 s, and m2 one, since 0: Smith's rule ranks m1 first.
+    # m2's call ages after all the work left here when its model's tool gaps are short (postponing it
+    # costs its session nothing past the end of that work), but after one slot of m1 when they are
+    # long (its session's chain of calls and gaps is then longer than all the work left)
+    calls = [Call(s, 0, "m1", 1000, 10, 0.0, 0.0) for s in "abc"] + [Call("d", 0, "m2", 1000, 10, 0.0, 0.0)]
+    aged_at = {}
+    for gap in (0.0, 60.0):
+        inst = _inst("i")
+        sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+        for c in calls:
+            sched.on_arrival(c, 0.0 if c.model == "m2" else 0.5)
+        for k in range(100):  # other sessions' closed tool gaps set the observed mean
+            sched.gaps.begin(f"other{k}", 0.0)
+            sched.gaps.end(f"other{k}", gap)
+        slot = sched.state["i"].mux.slot_length(inst.estimate_switch_s("m1"))
+        work = 32 * (inst.estimate_service_s(calls[0]) + inst.estimate_service_s(calls[-1]))  # turns prior 32
+        aged_at[gap] = next(t for t in range(0, 2000) if max(sched.slot_priority(inst, float(t)).items(),
+                                                            key=lambda kv: kv[1])[0] == "m2")
+        assert aged_at[gap] == math.ceil(slot if gap else work), (gap, aged_at[gap], slot, work)
+    assert aged_at[60.0] < aged_at[0.0]
