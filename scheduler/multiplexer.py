@@ -23,7 +23,8 @@ class Slot:
 
 
 class RoundMultiplexer:
-    """Slots visit models in a fixed round-robin order, skipping models with no demand."""
+    """Slots visit models in a fixed round-robin order, skipping models with no demand, unless the
+    scheduler passes a priority per model (``PolicyConfig.slot_order``)."""
 
     def __init__(self, order: Iterable[str], slot_s: float, switches_per_slot: float | None = None,
                  min_slot_s: float = 0.0):

@@ -1,7 +1,7 @@
 """Named scheduling policies: each mechanism is a switch in one frozen ``PolicyConfig``.
 
-`round` is the paper's baseline: identical to `talaria` except that SP, host-KV restoration and
-D2D staging are off (reservations stay on but, without SP, can only order admissions at slot open). `load`, `sticky` and `composite` are the rivals of the issue; on one server
+`round` is the paper's baseline: identical to `talaria-round-robin` (talaria with round-robin slots)
+except that SP, host-KV restoration and D2D staging are off (reservations stay on but, without SP, can only order admissions at slot open). `load`, `sticky` and `composite` are the rivals of the issue; on one server
 they share the serverless multiplexer (continuous batching, switch on demand with the same slot
 quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
 time-to-live and host KV offload.
@@ -19,6 +19,7 @@ import dataclasses
 # Tool-gap statistics (REFERENCES.md "Agent sessions": median 0.3 s, p90 13.6 s, TraceLab).
 _TOOL_GAP_P90_S = 13.6
 _TOOL_GAP_MEAN_S = 18.4  # REFERENCES.md: mean 18.4 s (TraceLab)
+_TOOL_GAP_P99_S = 216.0  # REFERENCES.md: p99 3.6 min
 # p75 of the lognormal through median 0.3 s and p90 13.6 s: 0.3 * exp(0.674 * ln(13.6/0.3)/1.2816)
 _TOOL_GAP_P75_S = 2.2
 
@@ -40,7 +41,7 @@ class RouterWeights:
 class PolicyConfig:
     name: str
     router: str = "talaria"  # talaria | load | sticky | kv
-    multiplexer: str = "round"  # round (slots in a fixed model order) | on_demand (serverless)
+    multiplexer: str = "round"  # round (slots, one model at a time, ordered by slot_order) | on_demand (serverless)
     # round only: which waiting model gets the next slot. round_robin: the next in a fixed order;
     # most_sessions: the one with the most unfinished sessions on the instance (ties in round order),
     # which finishes the popular model's sessions first and the others later; smith: Smith's rule, the
@@ -77,6 +78,7 @@ class PolicyConfig:
     # tool gap (counted as one gap) and the calls per session (until 8 sessions have ended; REFERENCES:
     # SWE-agent-family averages 19-34, the paper 32)
     tool_gap_mean_s: float = _TOOL_GAP_MEAN_S
+    tool_gap_max_s: float = _TOOL_GAP_P99_S  # an open gap longer than this counts as closed at it
     turns_prior: float = 32.0
     weights: RouterWeights = dataclasses.field(default_factory=RouterWeights)
 
@@ -115,11 +117,11 @@ POLICIES: dict[str, PolicyConfig] = {
     "talaria-no-staging": PolicyConfig("talaria-no-staging", staging=False),
     "talaria-no-reservations": PolicyConfig("talaria-no-reservations", reservations=False),
     # a variant, not the default: slots go to the model with the most unfinished sessions, 60 s long
-    # (configs/traces/README.md: it wins when tool time is short and loses on the default trace)
+    # (configs/traces/README.md: the best p50 at x1 and without tool time, behind talaria at p95)
     "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,
                                           switches_per_slot=None),
     # a variant, not the default: Smith's rule with observed tool gaps and a 60 s bound on a call's wait
-    # (configs/traces/README.md: ahead of talaria at p50 when tool time is short, behind at p95 at x1)
+    # (configs/traces/README.md: ahead of talaria at p50 with long tool gaps, behind at x0-x0.25)
     "talaria-smith": PolicyConfig("talaria-smith", slot_order="smith"),
     # a variant, the default until the chain order: slots in a fixed round-robin model order
     "talaria-round-robin": PolicyConfig("talaria-round-robin", slot_order="round_robin"),

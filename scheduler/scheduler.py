@@ -25,11 +25,15 @@ class ToolGaps:
     """The tool gaps the scheduler sees: a gap opens when a session's call finishes and closes when
     its next call is issued. The p90 is over the last `window` closed gaps; until `min_seen` have
     closed it is the stated prior (REFERENCES.md's agent-session statistics:
-    ``PolicyConfig.reserve_horizon_s``, 13.6 s). The mean counts the gaps still open too."""
+    ``PolicyConfig.reserve_horizon_s``, 13.6 s). The mean is over every gap since the start, the
+    ones still open included. A gap open longer than `max_gap_s` (the stated p99) is closed at that
+    length: its session has most likely ended, or its next call went to another scheduler."""
 
-    def __init__(self, prior_p90_s: float, prior_mean_s: float, window: int = 256, min_seen: int = 16):
+    def __init__(self, prior_p90_s: float, prior_mean_s: float, max_gap_s: float, window: int = 256,
+                 min_seen: int = 16):
         self.prior_p90_s = prior_p90_s
         self.prior_mean_s = prior_mean_s
+        self.max_gap_s = max_gap_s
         self.seen: collections.deque[float] = collections.deque(maxlen=window)
         self.min_seen = min_seen
         self._p90: float | None = None
@@ -40,7 +44,7 @@ class ToolGaps:
 
     def begin(self, session: str, now: float) -> None:
         self.end(session, now, observe=False)
-        self.open[session] = now
+        self.open[session] = now  # appended: self.open stays in the order the gaps opened
         self._open_sum += now
 
     def end(self, session: str, now: float, observe: bool = True) -> bool:
@@ -48,7 +52,7 @@ class ToolGaps:
         t = self.open.pop(session, None)
         if t is None:
             return False
-        self._open_sum -= t
+        self._open_sum = self._open_sum - t if self.open else 0.0
         if observe:
             gap = max(0.0, now - t)
             self.seen.append(gap)
@@ -61,7 +65,12 @@ class ToolGaps:
         """The mean gap: the time spent in gaps, closed or still open, per closed gap (the maximum-
         likelihood mean of exponential gaps, which counts the long gaps still running that a mean
         of the closed ones would miss), the stated prior counted as one closed gap."""
-        running = len(self.open) * now - self._open_sum
+        while self.open:  # the oldest open gap first
+            session, t = next(iter(self.open.items()))
+            if now - t <= self.max_gap_s:
+                break
+            self.end(session, t + self.max_gap_s)
+        running = max(0.0, len(self.open) * now - self._open_sum)
         return (self.prior_mean_s + self._closed_sum + running) / (1 + self._closed_n)
 
     def p90(self) -> float:
@@ -100,7 +109,7 @@ class Scheduler:
         self.instances = list(instances)
         self.sessions = sessions
         self.state: dict[str, _InstanceState] = {}
-        self.gaps = ToolGaps(policy.reserve_horizon_s, policy.tool_gap_mean_s)
+        self.gaps = ToolGaps(policy.reserve_horizon_s, policy.tool_gap_mean_s, policy.tool_gap_max_s)
         self._ended = [0, 0]  # sessions that ended, and their calls
         self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds, admission to finish
         self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
@@ -129,8 +138,10 @@ class Scheduler:
                 self.state[held].budget.release(call.session)
                 if held != inst.name:
                     self.released.append(self._by_name[held])
-        if self.gaps.end(call.session, now):
-            self.state[self.sessions[call.session].last_instance].finished.pop(call.session, None)
+        self.gaps.end(call.session, now)
+        last = self.sessions[call.session].last_instance
+        if last is not None:
+            self.state[last].finished.pop(call.session, None)
         self.state[inst.name].pending.append((now, call))
         return inst
 
@@ -149,6 +160,8 @@ class Scheduler:
 
     def forget(self, session: str) -> None:
         """Drops what the scheduler keeps about a session that has ended or gone idle for good."""
+        if session in self.sessions.sessions and not self.sessions[session].done:
+            self._count_ended(session)  # a live session ends by going idle (a done one counted at its end)
         self.gaps.end(session, 0.0, observe=False)
         self._reserved_on.pop(session, None)
         for st in self.state.values():
@@ -167,8 +180,7 @@ class Scheduler:
         if self.index is not None:
             self.index.touch(inst)
         if self.sessions[call.session].done:
-            self._ended[0] += 1
-            self._ended[1] += self.sessions[call.session].next_turn
+            self._count_ended(call.session)
             return
         self.gaps.begin(call.session, now)
         self.state[inst.name].finished[call.session] = now
@@ -240,14 +252,17 @@ class Scheduler:
           model's chain is at least that work (postponing it would then delay its sessions past
           everything else: their tool gaps, not the server, bound them), as long as one round of
           slots of the other waiting models; then its model goes first, oldest call first."""
-        sids = {c.session for _, c in st.pending} | {k[0] for k in st.admitted} | st.finished.keys()
+        # each unfinished session here, by the model of its call pending or running here, else of its
+        # first call (a session back within the stated p99 tool gap)
+        model = {sid: self.sessions[sid].model for sid, t in st.finished.items() if now - t <= self.gaps.max_gap_s}
+        model.update({c.session: c.model for c, _ in st.admitted.values()})
+        model.update({c.session: c.model for _, c in st.pending})
         turns = self._turns_estimate()
         n: dict[str, int] = {}
         rounds: dict[str, float] = {}
-        for sid in sids:
-            s = self.sessions[sid]
-            n[s.model] = n.get(s.model, 0) + 1
-            rounds[s.model] = max(rounds.get(s.model, 0.0), max(turns - s.next_turn, 1.0))
+        for sid, m in model.items():
+            n[m] = n.get(m, 0) + 1
+            rounds[m] = max(rounds.get(m, 0.0), max(turns - self.sessions[sid].next_turn, 1.0))
         oldest: dict[str, float] = {}
         for t, c in st.pending:
             oldest[c.model] = min(oldest.get(c.model, t), t)
@@ -265,6 +280,13 @@ class Scheduler:
                 if now - oldest[m] >= bound:
                     out[m] = _AGED * (1.0 + now - oldest[m])
         return out
+
+    def _count_ended(self, session: str) -> None:
+        """Counts an ended session's calls for `_turns_estimate` (a single call is not an agent session)."""
+        calls = self.sessions[session].next_turn
+        if calls > 1:
+            self._ended[0] += 1
+            self._ended[1] += calls
 
     def _turns_estimate(self) -> float:
         """Calls per session: the mean over sessions that ended, once 8 have, else the stated prior."""

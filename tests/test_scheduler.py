@@ -328,7 +328,7 @@ def test_smith_order_keeps_the_slot_and_bounds_the_wait():
 
 
 def test_tool_gaps_use_the_prior_until_enough_are_seen():
-    gaps = ToolGaps(13.6, 18.4, window=100, min_seen=16)  # REFERENCES.md's p90 and mean
+    gaps = ToolGaps(13.6, 18.4, 216.0, window=100, min_seen=16)  # REFERENCES.md's p90, mean and p99
     assert gaps.p90() == 13.6
 
     def gap(g: float) -> None:
@@ -344,7 +344,7 @@ def test_tool_gaps_use_the_prior_until_enough_are_seen():
 
 
 def test_tool_gap_mean_counts_the_gaps_still_open():
-    gaps = ToolGaps(13.6, 18.4)
+    gaps = ToolGaps(13.6, 18.4, 216.0)
     assert gaps.mean(0.0) == 18.4  # the prior alone
     for sid, (t0, t1) in {"a": (0.0, 1.0), "b": (0.0, 3.0)}.items():
         gaps.begin(sid, t0)
@@ -355,6 +355,23 @@ def test_tool_gap_mean_counts_the_gaps_still_open():
     gaps.end("c", 0.0, observe=False)  # the session went away: its gap is dropped, not counted
     assert gaps.mean(50.0) == pytest.approx((18.4 + 1 + 3) / 3)
     assert not gaps.end("c", 60.0)
+    gaps.begin("d", 100.0)  # open past the p99 (216 s): closed at 216 s, its session most likely gone
+    assert gaps.mean(400.0) == pytest.approx((18.4 + 1 + 3 + 216) / 4)
+    assert not gaps.end("d", 500.0)
+
+
+def test_chain_order_ages_a_call_whose_model_is_not_its_sessions_first():
+    # a live session may call another model later (the serving path allows it): its pending m2 call
+    # gets a weight of its own and ages, rather than waiting behind m1 for good
+    calls = [Call("x", 0, "m1", 1000, 10, 0.0, 0.0), Call("x", 1, "m2", 1100, 10, 0.0), Call("y", 0, "m1", 1000, 10, 0.0, 0.0)]
+    inst = _inst("i")
+    sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+    sched.on_arrival(calls[2], 0.5)
+    sched.sessions.complete(calls[0], "i", 0.0)
+    sched.on_arrival(calls[1], 0.0)
+    assert set(sched.slot_priority(inst, 1.0)) == {"m1", "m2"}
+    prio = sched.slot_priority(inst, 1e5)
+    assert max(prio, key=prio.get) == "m2"  # waited longest
 
 
 def test_router_credits_a_compacted_call_only_its_stated_prefix():
