@@ -21,6 +21,11 @@ from talaria_jax.scheduler.session import Call, SessionTable
 _AGED = 1e12  # a starving model's weight: above any Smith ratio, older waits higher
 
 
+def _aged(now: float, since: float) -> float:
+    """The slot-order weight of a model whose oldest pending call has waited since `since`."""
+    return _AGED * (1.0 + now - since)
+
+
 class ToolGaps:
     """The tool gaps the scheduler sees: a gap opens when a session's call finishes and closes when
     its next call is issued. The p90 is over the last `window` closed gaps; until `min_seen` have
@@ -110,7 +115,8 @@ class Scheduler:
         self.sessions = sessions
         self.state: dict[str, _InstanceState] = {}
         self.gaps = ToolGaps(policy.reserve_horizon_s, policy.tool_gap_mean_s, policy.tool_gap_max_s)
-        self._ended = [0, 0]  # sessions that ended, and their calls
+        self._ended_sessions = 0  # sessions of more than one call that ended, and their calls
+        self._ended_calls = 0
         self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds, admission to finish
         self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
         # instances other than the routed one whose state the last on_arrival changed (a released
@@ -235,7 +241,7 @@ class Scheduler:
             # aging: a model whose oldest pending call has waited max_wait_s goes first, oldest first
             for t, c in st.pending:
                 if now - t >= self.policy.max_wait_s:
-                    out[c.model] = max(out.get(c.model, 0.0), _AGED * (1.0 + now - t))
+                    out[c.model] = max(out.get(c.model, 0.0), _aged(now, t))
         return out
 
     def _chain_priority(self, inst: InstanceAPI, st: _InstanceState, now: float) -> dict[str, float]:
@@ -278,20 +284,20 @@ class Scheduler:
                 bound = sum(st.mux.slot_length(inst.estimate_switch_s(o)) for o in oldest if o != m) \
                     if critical else total
                 if now - oldest[m] >= bound:
-                    out[m] = _AGED * (1.0 + now - oldest[m])
+                    out[m] = _aged(now, oldest[m])
         return out
 
     def _count_ended(self, session: str) -> None:
         """Counts an ended session's calls for `_turns_estimate` (a single call is not an agent session)."""
         calls = self.sessions[session].next_turn
         if calls > 1:
-            self._ended[0] += 1
-            self._ended[1] += calls
+            self._ended_sessions += 1
+            self._ended_calls += calls
 
     def _turns_estimate(self) -> float:
         """Calls per session: the mean over sessions that ended, once 8 have, else the stated prior."""
-        if self._ended[0] >= 8:
-            return self._ended[1] / self._ended[0]
+        if self._ended_sessions >= 8:
+            return self._ended_calls / self._ended_sessions
         return self.policy.turns_prior
 
     def _call_s(self, st: _InstanceState, inst: InstanceAPI, model: str) -> float:
