@@ -10,7 +10,9 @@ Smith's rule over each model's sessions, a call aged after all the work left on 
 after one round of slots when its sessions' tool gaps make them the critical chain. Its variants:
 `talaria-round-robin` (the default before: slots in a fixed model order), `talaria-popular-first`
 (the model with the most unfinished sessions first, no starvation bound) and `talaria-smith`
-(Smith's rule per call with a fixed 60 s bound on a call's wait).
+(Smith's rule per call with a fixed 60 s bound on a call's wait) and `talaria-srpt` (shortest
+remaining sessions first, aged only after all the work left: the best p50 in most regimes, up to
+25% behind the chain order at p95 with long tool gaps; configs/traces/README.md "Regime sweep").
 """
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ class PolicyConfig:
     # Smith's rule over each model's remaining sessions (sessions per second of the work they have
     # left), the slot kept while its model stays first, and a call aged after all the work left here,
     # or after one round of the other waiting models' slots when its model's sessions need longer,
-    # call after call with their tool gaps, than that work (Scheduler._chain_priority)
+    # call after call with their tool gaps, than that work (Scheduler._chain_priority); srpt: the sum
+    # over each model's sessions of 1 / their calls left, per second of call, a call aged only after
+    # all the work left here (Scheduler._srpt_priority)
     slot_order: str = "chain"
     sp: bool = True  # session-prefill: admit continuations before the active slot closes
     host_kv: bool = True  # keep session KV restorable from host memory across switches
@@ -85,9 +89,9 @@ class PolicyConfig:
     def __post_init__(self):
         if self.router not in ("talaria", "load", "sticky", "kv"):
             raise ValueError(f"policy {self.name}: router={self.router!r} not in talaria|load|sticky|kv")
-        if self.slot_order not in ("round_robin", "most_sessions", "smith", "chain"):
+        if self.slot_order not in ("round_robin", "most_sessions", "smith", "chain", "srpt"):
             raise ValueError(f"policy {self.name}: slot_order={self.slot_order!r} not in "
-                             f"round_robin|most_sessions|smith|chain")
+                             f"round_robin|most_sessions|smith|chain|srpt")
         if self.multiplexer not in ("round", "on_demand"):
             raise ValueError(f"policy {self.name}: multiplexer={self.multiplexer!r} not in round|on_demand")
         if self.slot_s <= 0:
@@ -125,6 +129,9 @@ POLICIES: dict[str, PolicyConfig] = {
     "talaria-smith": PolicyConfig("talaria-smith", slot_order="smith"),
     # a variant, the default until the chain order: slots in a fixed round-robin model order
     "talaria-round-robin": PolicyConfig("talaria-round-robin", slot_order="round_robin"),
+    # a variant, not the default: shortest remaining sessions first (configs/traces/README.md: the best
+    # p50 of the sweep's policies in most cells, behind the chain order at p95 with long tool gaps)
+    "talaria-srpt": PolicyConfig("talaria-srpt", slot_order="srpt"),
 }
 
 DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",

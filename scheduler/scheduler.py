@@ -226,6 +226,8 @@ class Scheduler:
         st = self.state[inst.name]
         if order == "chain":
             return self._chain_priority(inst, st, now)
+        if order == "srpt":
+            return self._srpt_priority(inst, st, now)
         sids = {c.session for _, c in st.pending} | {k[0] for k in st.admitted}
         if order == "most_sessions":
             sids |= {s.id for s in self.sessions if s.last_instance == inst.name and not s.done}
@@ -244,6 +246,16 @@ class Scheduler:
                     out[c.model] = max(out.get(c.model, 0.0), _aged(now, t))
         return out
 
+    def _sessions_here(self, st: _InstanceState, now: float) -> tuple[dict[str, str], dict[str, float]]:
+        """Each unfinished session on this instance (a call pending or running here, or its last call
+        finished here within the stated p99 tool gap) -> its model, and -> the calls it has left (the
+        expected calls per session less the calls it has made, at least 1)."""
+        model = {sid: self.sessions[sid].model for sid, t in st.finished.items() if now - t <= self.gaps.max_gap_s}
+        model.update({c.session: c.model for c, _ in st.admitted.values()})
+        model.update({c.session: c.model for _, c in st.pending})
+        turns = self._turns_estimate()
+        return model, {sid: max(turns - self.sessions[sid].next_turn, 1.0) for sid in model}
+
     def _chain_priority(self, inst: InstanceAPI, st: _InstanceState, now: float) -> dict[str, float]:
         """The "chain" slot order (``PolicyConfig.slot_order``): Smith's rule over each model's
         sessions here, aged by the critical chain. Per model m, from what the scheduler observes:
@@ -258,24 +270,17 @@ class Scheduler:
           model's chain is at least that work (postponing it would then delay its sessions past
           everything else: their tool gaps, not the server, bound them), as long as one round of
           slots of the other waiting models; then its model goes first, oldest call first."""
-        # each unfinished session here, by the model of its call pending or running here, else of its
-        # first call (a session back within the stated p99 tool gap)
-        model = {sid: self.sessions[sid].model for sid, t in st.finished.items() if now - t <= self.gaps.max_gap_s}
-        model.update({c.session: c.model for c, _ in st.admitted.values()})
-        model.update({c.session: c.model for _, c in st.pending})
-        turns = self._turns_estimate()
+        model, left = self._sessions_here(st, now)
         n: dict[str, int] = {}
         rounds: dict[str, float] = {}
         for sid, m in model.items():
             n[m] = n.get(m, 0) + 1
-            rounds[m] = max(rounds.get(m, 0.0), max(turns - self.sessions[sid].next_turn, 1.0))
-        oldest: dict[str, float] = {}
-        for t, c in st.pending:
-            oldest[c.model] = min(oldest.get(c.model, t), t)
+            rounds[m] = max(rounds.get(m, 0.0), left[sid])
         call = {m: self._call_s(st, inst, m) for m in n}
         work = {m: rounds[m] * call[m] for m in n}
         total = sum(work.values())
         gap = self.gaps.mean(now)
+        oldest = self._oldest_pending(st)
         out = {}
         for m in n:
             out[m] = n[m] / work[m]
@@ -286,6 +291,38 @@ class Scheduler:
                 if now - oldest[m] >= bound:
                     out[m] = _aged(now, oldest[m])
         return out
+
+    def _srpt_priority(self, inst: InstanceAPI, st: _InstanceState, now: float) -> dict[str, float]:
+        """The "srpt" slot order (``PolicyConfig.slot_order``): shortest remaining sessions first.
+        A model's weight is the sum over its unfinished sessions here of 1 / (the calls that session
+        has left), per second of one of its calls (c, as in "chain"): a slot that serves one call of
+        each session advances every session by 1 / its calls left, so the model whose sessions are
+        nearest their end per second of slot goes first (Smith's rule per session rather than per
+        model). The only aging is chain's bound without the critical-chain rule: a call ages after
+        waiting as long as all the work left here (per model, its furthest-behind session's calls
+        left x c, summed), so a call is admitted within that bound plus the open slot, a drain and
+        a switch, as under "chain" with short tool gaps."""
+        model, left = self._sessions_here(st, now)
+        weight: dict[str, float] = {}
+        rounds: dict[str, float] = {}
+        for sid, m in model.items():
+            weight[m] = weight.get(m, 0.0) + 1.0 / left[sid]
+            rounds[m] = max(rounds.get(m, 0.0), left[sid])
+        call = {m: self._call_s(st, inst, m) for m in weight}
+        total = sum(rounds[m] * call[m] for m in weight)
+        out = {m: w / call[m] for m, w in weight.items()}
+        for m, t in self._oldest_pending(st).items():
+            if now - t >= total:
+                out[m] = _aged(now, t)
+        return out
+
+    @staticmethod
+    def _oldest_pending(st: _InstanceState) -> dict[str, float]:
+        """Per model, when its oldest pending call here was routed."""
+        oldest: dict[str, float] = {}
+        for t, c in st.pending:
+            oldest[c.model] = min(oldest.get(c.model, t), t)
+        return oldest
 
     def _count_ended(self, session: str) -> None:
         """Counts an ended session's calls for `_turns_estimate` (a single call is not an agent session)."""

@@ -420,3 +420,26 @@ def test_chain_order_ages_a_call_by_the_critical_chain():
                                                             key=lambda kv: kv[1])[0] == "m2")
         assert aged_at[gap] == math.ceil(slot if gap else work), (gap, aged_at[gap], slot, work)
     assert aged_at[60.0] < aged_at[0.0]
+
+
+def test_srpt_order_serves_the_sessions_nearest_their_end_first_and_ages_after_all_work_left():
+    # m1: one session at its last call (of the 32 the prior expects) and one with 31 calls left;
+    # m2: one session with 14 left. The chain order weighs each model by its furthest-behind
+    # session (m1 2 / 31 calls < m2 1 / 14); shortest remaining first sums over the sessions
+    # (m1 1 + 1/31 > m2 1/14), so the session one call from its end is served first
+    calls = [Call("a", 31, "m1", 1000, 10, 0.0), Call("b", 1, "m1", 1000, 10, 0.0), Call("c", 18, "m2", 1000, 10, 0.0)]
+    first = {}
+    for policy in ("talaria", "talaria-srpt"):
+        inst = _inst("i")
+        sched = Scheduler(get_policy(policy), [inst], SessionTable(calls))
+        for c in calls:
+            sched.sessions[c.session].next_turn = c.turn
+            sched.on_arrival(c, 0.0 if c.model == "m2" else 0.5)
+        prio = sched.slot_priority(inst, 1.0)
+        first[policy] = max(prio, key=prio.get)
+    assert first == {"talaria": "m2", "talaria-srpt": "m1"}
+    # m2's call, pending since 0, ages once it has waited as long as all the work left here: 31 calls
+    # of m1 and 14 of m2 at the instance's estimate of one call each
+    work = 31 * inst.estimate_service_s(calls[0]) + 14 * inst.estimate_service_s(calls[2])
+    aged = next(t for t in range(2000) if max((p := sched.slot_priority(inst, float(t))), key=p.get) == "m2")
+    assert aged == math.ceil(work)

@@ -9,6 +9,7 @@ def test_compare_marks_rivals_more_than_the_tie_faster():
     ratio, beaten_by = sweep.compare(sct)
     assert ratio["a"] == pytest.approx((0.97, 1.5)) and ratio["b"] == pytest.approx((1.5, 0.95))
     assert beaten_by == ["a", "b"]  # c is within the 2% tie at both quantiles
+    assert sweep.dominated_by({**ratio, "d": (0.9, 0.97)}) == ["d"]  # faster at p50 and p95 both
 
 
 def test_matrix_cells():
@@ -29,7 +30,7 @@ def test_sweep_runs_a_cell_and_reports_it(tmp_path):
     (cell,) = res["cells"]
     assert cell["label"] == "open0.05 h200x8 gaps x1" and cell["floor"][0] <= cell["sct"]["talaria"][0]
     table = sweep.format_sweep(res)
-    assert "| open0.05 h200x8 gaps x1 |" in table and "of 1 cells" in table
+    assert "| open0.05 h200x8 gaps x1 |" in table and "of 1 cells; no rival faster at both p50 and p95 in" in table
     pytest.importorskip("matplotlib")
     sweep.plot_heatmap(res, str(tmp_path / "sweep.png"))
     assert (tmp_path / "sweep.png").stat().st_size > 0
@@ -46,3 +47,15 @@ def test_timeline_draws_slots_and_calls(tmp_path):
     assert sorted(r.model for r in runs["talaria"].records) == ["m1", "m1", "m2"]  # records carry the model
     sweep.plot_timeline(runs, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_sweep_noise_seeds_report_talaria_against_itself():
+    with pytest.raises(ValueError, match=r"--noise_seeds \[0\] are among --seeds"):
+        sweep.run_sweep(["talaria"], [0], trace_names=["open0.05"], noise_seeds=[0])
+    res = sweep.run_sweep(["talaria", "round"], [0], trace_names=["open0.05"], progress=lambda m: None, noise_seeds=[1])
+    (cell,) = res["cells"]
+    alone = sweep.run_sweep(["talaria"], [1], trace_names=["open0.05"], progress=lambda m: None)["cells"][0]
+    assert cell["noise"] == pytest.approx([a / b for a, b in zip(alone["sct"]["talaria"], cell["sct"]["talaria"])])
+    assert cell["noise"] != pytest.approx([1.0, 1.0])  # another seed moves the same policy
+    table = sweep.format_sweep(res)
+    assert "talaria, seeds 1" in table and "differs from itself over seeds 0 by more than the tie in" in table

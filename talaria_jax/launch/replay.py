@@ -46,7 +46,7 @@ flags.DEFINE_string("trace", str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"
 flags.DEFINE_string("hardware", "h200x8", "Hardware config: a name under configs/hardware/ or a YAML path.")
 flags.DEFINE_string("models_table", str(CONFIG_ROOT / "hardware" / "models.yaml"), "Served model variants (a configs/models config + a precision) for the cost model.")
 flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "Policies to replay (talaria, round, load, sticky, composite, talaria-no-*, talaria-popular-first, "
-                  "talaria-smith, talaria-round-robin).")
+                  "talaria-smith, talaria-round-robin, talaria-srpt).")
 flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds (run-to-run kernel and tool-time jitter).")
 flags.DEFINE_float("tool_gap_scale", 1.0, "Multiply every tool gap of the trace by this (>= 0): how the ratios depend on tool time.")
 flags.DEFINE_integer("servers", 1, "Servers, one TP instance each; every server can host every model.")
@@ -57,6 +57,8 @@ flags.DEFINE_bool("sweep", False, "Replay --policies in every cell of the regime
                   "tool-gap scales x hardware x traces, plus an open-arrival load sweep) and mark the cells where "
                   "talaria is not best.")
 flags.DEFINE_list("sweep_traces", [], "--sweep: only these traces (default, gen1, gen2, gen3, open0.02, ...).")
+flags.DEFINE_list("noise_seeds", [], "--sweep: also replay talaria over these other seeds in every cell and print its "
+                  "SCT there over its SCT on --seeds (how far the same policy moves between seed sets, next to the 2% tie).")
 flags.DEFINE_string("timeline", "", "Write each policy's model slots per instance and calls per session over time "
                     "(PNG, first seed) here; needs matplotlib.")
 flags.DEFINE_enum("backend", "sim", ["sim", "local"], "sim: simulated instances; local: real JAX instances here.")
@@ -67,15 +69,15 @@ flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model 
 flags.DEFINE_integer("devices_per_instance", 1, "--backend=local: devices (TP) of each instance (default "
                      "--servers there: 2; default --hardware: cpu, the profile talaria-calibrate wrote).")
 
-def _parse_seeds(raw: Sequence[str]) -> list[int]:
+def _parse_seeds(raw: Sequence[str], flag: str = "--seeds") -> list[int]:
     out = []
     for s in raw:
         try:
             out.append(int(s))
         except ValueError:
-            raise app.UsageError(f"--seeds: {s!r} is not an integer") from None
+            raise app.UsageError(f"{flag}: {s!r} is not an integer") from None
     if not out:
-        raise app.UsageError("--seeds: give at least one seed")
+        raise app.UsageError(f"{flag}: give at least one seed")
     return out
 
 
@@ -222,6 +224,8 @@ def _main(argv: Sequence[str]) -> None:
         except ValueError as e:
             raise app.UsageError(f"--policies: {e}") from None
     seeds = _parse_seeds(FLAGS.seeds)
+    if FLAGS.noise_seeds and not FLAGS.sweep:
+        raise app.UsageError("--noise_seeds needs --sweep")
     if FLAGS.sweep:
         from talaria_jax.launch import sweep
 
@@ -230,8 +234,9 @@ def _main(argv: Sequence[str]) -> None:
             raise app.UsageError(f"--sweep sets the hardware, servers and tool gaps of each cell itself: drop {', '.join(ignored)}")
         if FLAGS.plot:
             sweep.pyplot()  # fail before the sweep, not after it
+        noise = _parse_seeds(FLAGS.noise_seeds, "--noise_seeds") if FLAGS.noise_seeds else []
         res = sweep.run_sweep(FLAGS.policies, seeds, FLAGS.trace, FLAGS.sweep_traces or None,
-                              progress=lambda m: print(m, file=sys.stderr))
+                              progress=lambda m: print(m, file=sys.stderr), noise_seeds=noise)
         print(sweep.format_sweep(res))
         _write_json(res)
         if FLAGS.plot:

@@ -5,6 +5,10 @@ the generator at seeds 1-3}, plus an open-arrival load sweep (30 default-style s
 0.02, 0.03 and 0.05 sessions/s on h200x8, tool gaps x1). Each cell replays every policy over the
 same seeds. A cell is marked where a rival's p50 or p95 SCT is more than 2% below talaria's.
 
+With `noise_seeds`, each cell also replays talaria over those other seeds and reports its SCT
+there over its SCT on the sweep's seeds: the spread of the same policy between two sets of seeds,
+to read the 2% tie against (a rival "faster" by less than that spread is not faster beyond noise).
+
 `plot_heatmap` draws talaria's ratio over each rival per cell; `plot_timeline` draws one replay's
 model slots per instance and each session's calls over time.
 """
@@ -63,11 +67,14 @@ def cell_trace(name: str, default_path: str | pathlib.Path) -> Trace:
 
 
 def run_sweep(policies: Sequence[str], seeds: Sequence[int], default_trace: str | pathlib.Path | None = None,
-              trace_names: Sequence[str] | None = None, progress=print) -> dict:
+              trace_names: Sequence[str] | None = None, progress=print, noise_seeds: Sequence[int] = ()) -> dict:
     """Replays `policies` (talaria among them) in every cell; returns {"cells": [...]} with each cell's
-    seed-averaged p50/p95 per policy, talaria's ratio over each rival and the rivals that beat it."""
+    seed-averaged p50/p95 per policy, talaria's ratio over each rival and the rivals that beat it, and
+    with `noise_seeds` talaria's SCT over those seeds divided by its SCT over `seeds` ("noise")."""
     if "talaria" not in policies:
         raise ValueError("--sweep compares talaria with the other policies: put talaria in --policies")
+    if set(noise_seeds) & set(seeds):
+        raise ValueError(f"--noise_seeds {sorted(set(noise_seeds) & set(seeds))} are among --seeds: give other seeds")
     default_trace = default_trace or CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"
     traces: dict[str, Trace] = {}
     out = []
@@ -83,9 +90,13 @@ def run_sweep(policies: Sequence[str], seeds: Sequence[int], default_trace: str 
         t50, t95 = sct["talaria"]
         out.append({"cell": dataclasses.asdict(cell), "label": cell.label, "sct": sct, "ratio": ratio,
                     "beaten_by": beaten_by, "floor": (res["floor"]["sct_p50_s"], res["floor"]["sct_p95_s"])})
+        if noise_seeds:
+            other = replay_calls(calls, cell.trace, hw, trace_shapes(calls, hw), ["talaria"], noise_seeds,
+                                 tool_gap_scale=cell.tool_gap_scale)["policies"]["talaria"]
+            out[-1]["noise"] = (other["sct_p50_s"] / t50, other["sct_p95_s"] / t95)
         progress(f"[{k}/{len(todo)}] {cell.label}: talaria {t50:.0f} / {t95:.0f} s"
                  + (f", beaten by {', '.join(beaten_by)}" if beaten_by else ", best"))
-    return {"policies": list(policies), "seeds": list(seeds), "tie": TIE, "cells": out}
+    return {"policies": list(policies), "seeds": list(seeds), "noise_seeds": list(noise_seeds), "tie": TIE, "cells": out}
 
 
 def compare(sct: dict[str, tuple[float, float]], tie: float = TIE) -> tuple[dict, list[str]]:
@@ -96,14 +107,23 @@ def compare(sct: dict[str, tuple[float, float]], tie: float = TIE) -> tuple[dict
     return ratio, [n for n, (r50, r95) in ratio.items() if r50 < 1 - tie or r95 < 1 - tie]
 
 
+def dominated_by(ratio: dict[str, tuple[float, float]], tie: float = TIE) -> list[str]:
+    """The rivals more than `tie` faster than talaria at p50 and at p95 both."""
+    return [n for n, (r50, r95) in ratio.items() if r50 < 1 - tie and r95 < 1 - tie]
+
+
 def format_sweep(res: dict) -> str:
     """One row per cell: talaria's p50/p95, its ratio over each rival (rival SCT / talaria SCT at p50 /
-    p95: above 1 means talaria is faster) and a mark where a rival beats it by more than the tie."""
+    p95: above 1 means talaria is faster) and a mark where a rival beats it by more than the tie; with
+    noise seeds, talaria over them / talaria over the sweep's seeds, `~` where that passes the tie."""
     rivals = [p for p in res["policies"] if p != "talaria"]
+    noise = bool(res.get("noise_seeds"))
     lines = [f"seeds {','.join(map(str, res['seeds']))} (means); cells: rival SCT / talaria SCT at p50 / p95; "
              f"`!` marks a rival more than {res['tie']:.0%} faster than talaria", "",
-             "| cell | talaria p50 / p95 (s) | floor p50 / p95 (s) | " + " | ".join(rivals) + " | talaria best |",
-             "|---|---:|---:|" + "---:|" * len(rivals) + "---|"]
+             "| cell | talaria p50 / p95 (s) | floor p50 / p95 (s) | " + " | ".join(rivals)
+             + (f" | talaria, seeds {','.join(map(str, res['noise_seeds']))}" if noise else "") + " | talaria best |",
+             "|---|---:|---:|" + "---:|" * (len(rivals) + noise) + "---|"]
+    off = lambda r: abs(r - 1) > res["tie"]
     for c in res["cells"]:
         t50, t95 = c["sct"]["talaria"]
         row = []
@@ -111,11 +131,19 @@ def format_sweep(res: dict) -> str:
             r50, r95 = c["ratio"][n]
             mark = lambda r: f"{r:.2f}" + ("!" if r < 1 - res["tie"] else "")
             row.append(f"{mark(r50)} / {mark(r95)}")
+        if noise:
+            row.append(" / ".join(f"{r:.2f}" + ("~" if off(r) else "") for r in c["noise"]))
         best = "yes" if not c["beaten_by"] else "no: " + ", ".join(c["beaten_by"])
         lines.append(f"| {c['label']} | {t50:.0f} / {t95:.0f} | {c['floor'][0]:.0f} / {c['floor'][1]:.0f} | "
                      + " | ".join(row) + f" | {best} |")
     n_best = sum(not c["beaten_by"] for c in res["cells"])
-    lines += ["", f"talaria best (p50 and p95, ties within {res['tie']:.0%}) in {n_best} of {len(res['cells'])} cells"]
+    n_free = sum(not dominated_by(c["ratio"], res["tie"]) for c in res["cells"])
+    lines += ["", f"talaria best (p50 and p95, ties within {res['tie']:.0%}) in {n_best} of {len(res['cells'])} cells; "
+              f"no rival faster at both p50 and p95 in {n_free}"]
+    if noise:
+        n50, n95 = (sum(off(c["noise"][q]) for c in res["cells"]) for q in (0, 1))
+        lines.append(f"talaria over seeds {','.join(map(str, res['noise_seeds']))} differs from itself over seeds "
+                     f"{','.join(map(str, res['seeds']))} by more than the tie in {n50} cells at p50 and {n95} at p95")
     return "\n".join(lines)
 
 
