@@ -166,34 +166,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session(url: str, sid: str, task: int, turns: int, stream: bool) -> list[str]:
-    """An agent session of SmolLM2 calls through `url` on task number `task`: each call's reply and a
-    tool result join the conversation. Returns the replies."""
+def _session(url: str, sid: str, task: int, turns: int, stream: bool, model: str) -> list[str]:
+    """An agent session of `model` completions through `url` on task number `task`: each call's reply
+    and a tool result join the prompt. Returns the replies."""
     c = client(url)
     repo = ["flask", "numpy", "requests", "django"][task % 4]
-    messages = [{"role": "system", "content": "You are a coding agent. Answer briefly."},
-                {"role": "user", "content": f"List the files of the {repo} repository."}]
+    prompt = f"You are a coding agent. Answer briefly.\nList the files of the {repo} repository.\n"
     replies = []
     for t in range(turns):
-        kw = dict(model=SMOL, messages=messages, max_tokens=16, temperature=0, extra_headers={"x-session-id": sid})
+        kw = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, extra_headers={"x-session-id": sid})
         if stream:
-            text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
-                           if ch.choices)
+            text = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices)
         else:
-            text = c.chat.completions.create(**kw).choices[0].message.content
+            text = c.completions.create(**kw).choices[0].text
         replies.append(text)
-        messages += [{"role": "assistant", "content": text},
-                     {"role": "user", "content": f"Tool output {t}: README.md setup.py src/ tests/ ({repo})"}]
+        prompt += f"{text}\nTool output {t}: README.md setup.py src/ tests/ ({repo})\n"
     return replies
 
 
 def test_a_killed_instance_loses_no_call(tmp_path):
     """Two talaria-serve processes behind the gateway; one is killed (SIGKILL) while it serves calls of
-    running sessions. Every session completes, each reply what it is without the fault."""
+    running sessions. Every session completes, each reply what it is without the fault. The tiny
+    random model keeps the two servers' start-up short (the real-client test above runs SmolLM2)."""
     ports = [_free_port(), _free_port()]
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}"}
     procs = [subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", f"--port={p}", f"--api_key={KEY}",
-                               "--max_model_len=1024", "--max_seqs=4", "--kv_mib_per_device=64", "--nowarmup"],
+                               "--model=tiny-dense", "--max_model_len=1024", "--max_seqs=4", "--kv_mib_per_device=64",
+                               "--nowarmup"],
                               env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"i{k}.log", "w"))
              for k, p in enumerate(ports)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -212,8 +211,8 @@ def test_a_killed_instance_loses_no_call(tmp_path):
         gurl, gserver = serve_in_thread(gw)
         sids = [f"s{k}" for k in range(4)]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # no fault: the replies to expect
-            want = list(pool.map(lambda k: _session(gurl, f"ref-{k}", k, 2, k % 2 == 0), range(4)))
-            futures = [pool.submit(_session, gurl, sid, k, 2, k % 2 == 0) for k, sid in enumerate(sids)]
+            want = list(pool.map(lambda k: _session(gurl, f"ref-{k}", k, 2, k % 2 == 0, "tiny-dense"), range(4)))
+            futures = [pool.submit(_session, gurl, sid, k, 2, k % 2 == 0, "tiny-dense") for k, sid in enumerate(sids)]
             ups = gw.state.upstreams
             killed = None
             while killed is None and not all(f.done() for f in futures):  # kill one while it serves calls
