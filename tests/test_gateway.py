@@ -166,15 +166,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session(url: str, sid: str, task: int, turns: int, stream: bool, model: str) -> list[str]:
-    """An agent session of `model` completions through `url` on task number `task`: each call's reply
-    and a tool result join the prompt. Returns the replies."""
+def _session(url: str, sid: str, task: int, turns: int, stream: bool) -> list[str]:
+    """An agent session of tiny-dense completions through `url` on task number `task`: each call's
+    reply and a tool result join the prompt. Returns the replies."""
     c = client(url)
     repo = ["flask", "numpy", "requests", "django"][task % 4]
     prompt = f"You are a coding agent. Answer briefly.\nList the files of the {repo} repository.\n"
     replies = []
     for t in range(turns):
-        kw = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, extra_headers={"x-session-id": sid})
+        kw = dict(model="tiny-dense", prompt=prompt, max_tokens=16, temperature=0, extra_headers={"x-session-id": sid})
         if stream:
             text = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices)
         else:
@@ -209,10 +209,10 @@ def test_a_killed_instance_loses_no_call(tmp_path):
                 time.sleep(0.5)
         gw = build_gateway(urls, api_keys=[KEY], policy=get_policy("talaria"), probe_interval_s=0.2)
         gurl, gserver = serve_in_thread(gw)
-        sids = [f"s{k}" for k in range(4)]
+        sids = [f"s{k}" for k in range(4)]  # 4 calls each: the tiny model answers fast, the kill needs a call in flight
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # no fault: the replies to expect
-            want = list(pool.map(lambda k: _session(gurl, f"ref-{k}", k, 2, k % 2 == 0, "tiny-dense"), range(4)))
-            futures = [pool.submit(_session, gurl, sid, k, 2, k % 2 == 0, "tiny-dense") for k, sid in enumerate(sids)]
+            want = list(pool.map(lambda k: _session(gurl, f"ref-{k}", k, 4, k % 2 == 0), range(4)))
+            futures = [pool.submit(_session, gurl, sid, k, 4, k % 2 == 0) for k, sid in enumerate(sids)]
             ups = gw.state.upstreams
             killed = None
             while killed is None and not all(f.done() for f in futures):  # kill one while it serves calls
