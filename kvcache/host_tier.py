@@ -153,6 +153,33 @@ def padded_page_counts(max_pages: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(_padded(max(1, max_pages)).bit_length()))
 
 
+class HostBudget:
+    """The host memory that the live copies of one or more tiers may hold together: an instance's
+    models share one (`HostTier(budget=...)`), so a server's bound is one number whatever it hosts.
+    `capacity_bytes` None: unlimited. Copies are kept in least-recently-used order across the tiers;
+    `evictions` counts the copies dropped to stay within it."""
+
+    def __init__(self, capacity_bytes: int | None = None):
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or
+                                           not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes < 0):
+            raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+        self.capacity_bytes = None if capacity_bytes is None else int(capacity_bytes)
+        self.evictions = 0
+        # key -> (the copy, weakly; its session; its bytes; the tier that made it), least recently used first
+        self.live: collections.OrderedDict[int, tuple[weakref.ref, str | None, int, int]] = collections.OrderedDict()
+        self.protected: set[str | None] = set()
+        self.keys = iter(range(1 << 62))
+
+    @property
+    def used_bytes(self) -> int:
+        """Memory held by the live copies (`HostKV.host_bytes` each)."""
+        return sum(e[2] for e in self.live.values())
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.live)
+
+
 class HostTier:
     """Offloads and restores pages of one pool (`spec` on `mesh`) computed by the weights named by
     `model` and `weights` (a ShardedModel's name and fingerprint).
@@ -160,10 +187,11 @@ class HostTier:
     `capacity_bytes`: the most memory the tier's live copies may hold (`HostKV.host_bytes`, summed over
     the mesh's devices); None: unlimited. `device_fallback_bytes`: where the backend has no host memory
     kind (`memory_kind` None), copies would live in device memory; they may hold at most this many bytes
-    of it (the default 0 refuses every offload, so no device memory is taken silently)."""
+    of it (the default 0 refuses every offload, so no device memory is taken silently). `budget`: a
+    `HostBudget` shared with other tiers (then `capacity_bytes` is the budget's); None: one of its own."""
 
     def __init__(self, spec: PoolSpec, mesh: Mesh, *, model: str = "", weights: str = "",
-                 capacity_bytes: int | None = None, device_fallback_bytes: int = 0):
+                 capacity_bytes: int | None = None, device_fallback_bytes: int = 0, budget: HostBudget | None = None):
         for name, v in (("capacity_bytes", capacity_bytes), ("device_fallback_bytes", device_fallback_bytes)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -185,14 +213,10 @@ class HostTier:
         self.host_sharding = NamedSharding(mesh, split, memory_kind=self.memory_kind) if self.memory_kind \
             else self.transfer_sharding
         self.device_fallback_bytes = int(device_fallback_bytes)
-        self.capacity_bytes = None if capacity_bytes is None else int(capacity_bytes)
+        self.budget = budget if budget is not None else HostBudget(capacity_bytes)
         if self.memory_kind is None:  # device memory: bounded by what the caller granted
-            self.capacity_bytes = min(self.device_fallback_bytes, self.capacity_bytes if capacity_bytes is not None
+            self.capacity_bytes = min(self.device_fallback_bytes, self.capacity_bytes if self.capacity_bytes is not None
                                       else self.device_fallback_bytes)
-        self.evictions = 0  # copies dropped to stay within capacity_bytes
-        self._live: collections.OrderedDict[int, tuple[weakref.ref, str | None, int]] = collections.OrderedDict()
-        self._protected: set[str | None] = set()
-        self._keys = iter(range(1 << 62))
         self._gather = jax.jit(self._counted(functools.partial(_gather, spec=spec, mesh=mesh)),
                                out_shardings=self.transfer_sharding)
         self._scatter = jax.jit(self._counted(functools.partial(_scatter, spec=spec, mesh=mesh)), donate_argnums=0,
@@ -208,14 +232,35 @@ class HostTier:
     # -- the budget ---------------------------------------------------------------------------------
 
     @property
+    def capacity_bytes(self) -> int | None:
+        return self.budget.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int | None) -> None:
+        self.budget.capacity_bytes = value
+
+    @property
+    def evictions(self) -> int:
+        """Copies dropped to stay within capacity_bytes (of every tier sharing the budget)."""
+        return self.budget.evictions
+
+    @property
+    def _live(self):
+        return self.budget.live
+
+    @property
+    def _protected(self):
+        return self.budget.protected
+
+    @property
     def used_bytes(self) -> int:
-        """Memory held by the live copies this tier made (`HostKV.host_bytes` each)."""
-        return sum(b for _, _, b in self._live.values())
+        """Memory held by the live copies of the budget (this tier's, where it has its own)."""
+        return self.budget.used_bytes
 
     def bytes_by_session(self) -> dict[str | None, int]:
         """used_bytes per offload session tag (None: untagged copies)."""
         out: dict[str | None, int] = {}
-        for _, session, b in self._live.values():
+        for _, session, b, _ in self._live.values():
             out[session] = out.get(session, 0) + b
         return out
 
@@ -228,9 +273,10 @@ class HostTier:
         self._drop(kv.copy, _RELEASED) if kv.copy is not None else kv.data.delete()
 
     def release_all(self) -> None:
-        """Frees every live copy (the weights changed: none of them could be restored again)."""
-        for ref, _, _ in list(self._live.values()):
-            self._drop(ref(), _RELEASED)
+        """Frees every live copy this tier made (its weights changed: none of them could be restored again)."""
+        for ref, _, _, owner in list(self._live.values()):
+            if owner == id(self):
+                self._drop(ref(), _RELEASED)
 
     def usable(self, kv: HostKV) -> bool:
         """False once `kv` was evicted, released or deleted (its data is gone)."""
@@ -258,7 +304,7 @@ class HostTier:
         if used + need <= cap:
             return []
         victims, freed = [], 0
-        for key, (ref, session, b) in self._live.items():  # least recently used first
+        for key, (ref, session, b, _) in self._live.items():  # least recently used first, any tier's
             if session in self._protected:
                 continue
             victims.append(ref)
@@ -275,7 +321,7 @@ class HostTier:
     def _evict(self, victims: list) -> None:
         for ref in victims:
             self._drop(ref(), _EVICTED)
-            self.evictions += 1
+            self.budget.evictions += 1
 
     def _drop(self, copy: _Copy | None, why: str) -> None:
         if copy is None or copy.gone:
@@ -288,9 +334,9 @@ class HostTier:
         self._live.pop(key, None)
 
     def _track(self, data: jax.Array, session: str | None) -> _Copy:
-        key = next(self._keys)
+        key = next(self.budget.keys)
         copy = _Copy(key, data, session, _held_bytes(data.sharding, data.shape, data.dtype))
-        self._live[key] = (weakref.ref(copy), session, copy.host_bytes)
+        self._live[key] = (weakref.ref(copy), session, copy.host_bytes, id(self))
         weakref.finalize(copy, self._forget, key)  # the last HostKV holding it went: its memory is free
         return copy
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.kvcache.host_tier import HostKV
+from talaria_jax.kvcache.host_tier import HostBudget, HostKV
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.scheduler.api import PrefixLocation, WeightState
@@ -122,8 +122,9 @@ class Instance:
     configs/hardware/cpu.yaml) give the scheduler's estimates; `tenant(session)` the prefix-cache salt.
     `kv_bytes_per_device` sizes the shared KV arena in bytes per device (None: as engine_config says,
     its default room for max_seqs sequences of max_model_len at page_size tokens a page).
-    `host_kv_bytes` bounds each model's host tier (None: unbounded); a copy that does not fit is not
-    kept, and its session's prefix is recomputed when it returns. `tokenizers`: a model's tokenizer
+    `host_kv_bytes` bounds the host memory of all models' session KV copies together (`host_budget`;
+    None: unbounded): past it the least recently used copies are evicted, and a copy that does not fit
+    is not kept; such a session's prefix is recomputed when it returns. `tokenizers`: a model's tokenizer
     (for serving text; default: bytes)."""
 
     def __init__(self, name: str, models: Mapping[str, ShardedModel], hw: HardwareConfig,
@@ -157,16 +158,15 @@ class Instance:
         word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])
         layouts = {m: SlotLayout.of(model, word=word) for m, model in models.items()}
         self.slot = WeightSlot.for_layouts(mesh, layouts.values())
+        self.host_budget = HostBudget(host_kv_bytes)  # every model's host KV copies together
         self.served: dict[str, _Served] = {}
         for m, model in models.items():
             host = HostWeights.of(model, layouts[m])  # the device copy is not kept: the slot is the only one
             eng = Engine(without_weights(model), cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena)
             eng.runner.use_slot(self.slot, layouts[m])
             eng.prefix_cache.clock = lambda: self.now  # protection deadlines are on the replay's clock
-            if host_kv_bytes is not None:  # never above what the tier allows (no host memory kind: a device grant)
-                tier = eng.host_tier
-                tier.capacity_bytes = min(host_kv_bytes, tier.capacity_bytes if tier.capacity_bytes is not None
-                                          else host_kv_bytes)
+            if eng.host_tier.memory_kind is not None:  # (no host memory kind: the tier's own device grant)
+                eng.host_tier.budget = self.host_budget
             self.served[m] = _Served(eng, host, shapes[m])
         # the scheduler's page: one arena page over the instance's devices (ModelShape counts bytes the same way)
         self.page_bytes = self.arena.page_bytes_per_device * mesh.devices.size

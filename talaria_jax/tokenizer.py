@@ -32,7 +32,7 @@ class ByteTokenizer:
     add_bos = True
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(text.encode("utf-8", "surrogatepass"))  # lone surrogates as their 3 bytes, as the GGUF path does
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: list[int]) -> str:
@@ -55,6 +55,8 @@ class HFTokenizer:
         self.add_bos = bos_id is not None
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if not text.isascii():  # lone surrogates (valid JSON, invalid UTF-8) become U+FFFD
+            text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 

@@ -107,6 +107,44 @@ def test_bad_input_gets_the_openai_error_body_through_the_gateway(cluster, body,
     assert ok.usage.completion_tokens == 2
 
 
+def test_an_instances_4xx_reaches_the_client_unchanged_and_the_instance_stays_up(cluster):
+    gw, url, instances = cluster
+    body = {"model": "tiny-dense", "prompt": [1] * 600}  # over the instances' context: only they can tell
+    direct = _post(instances[0], body)
+    refused = metric(url, "router_refused_total")
+    via = _post(url, body)
+    assert direct.status_code == via.status_code == 400 and via.json() == direct.json()
+    assert metric(url, "router_refused_total") == refused  # the gateway's own checks passed it
+    health = httpx.get(f"{url}/health").json()
+    assert health["instances_up"] == 2 and [i["up"] for i in health["instances"]] == [True, True]
+    assert [i["url"] for i in health["instances"]] == instances
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "tiny-dense", "prompt": "hi", "stop": 5}, "stop"),
+    ({"model": "tiny-dense", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "tiny-dense", "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+])
+def test_what_every_instance_would_refuse_is_refused_before_fan_out(cluster, body, param):
+    gw, url, _ = cluster
+    refused = metric(url, "router_refused_total")
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = _post(url, body, path=path)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert metric(url, "router_refused_total") == refused + 1
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "tiny-dense", "prompt": "hi", "max_tokens": 2, "stop": []}',
+    b'{"model": "tiny-dense", "prompt": "a\\ud800b", "max_tokens": 2}',  # a lone surrogate
+])
+def test_edge_inputs_pass_the_gateway(cluster, raw):
+    _, url, _ = cluster
+    r = _post(url, None, raw=raw)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_tenants_stay_apart_through_the_gateway(cluster):
     gw, url, instances = cluster
     prompt = list(range(1040, 1090))  # 50 tokens: 6 full pages of SmolLM2 (tiny-dense's pages hold ~200 tokens)
@@ -234,13 +272,20 @@ def test_a_killed_instance_loses_no_call(tmp_path):
             proc.wait(timeout=30)
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
 def test_talaria_route_serves_over_local_instances(tmp_path):
-    """`talaria-route --local_instances=2` (two instance servers in its process) answers the openai
-    client, and stops on SIGTERM."""
+    """`talaria-route --local_instances=2` starts two talaria-serve processes (each its own memory
+    maps: two SmolLM2 instances' programs do not fit one process's vm.max_map_count), answers the
+    openai client over them, and stops them with itself on SIGTERM."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.route", "--local_instances=2",
                              "--model=tiny-dense,tiny-moe", f"--port={port}", f"--api_key={KEY}", "--nowarmup",
-                             "--max_model_len=256", "--max_seqs=2", "--kv_mib_per_device=4", "--policy=round"],
+                             "--max_model_len=256", "--max_seqs=2", "--kv_mib_per_device=4", "--policy=round",
+                             "--host_kv_bytes=8M"],
                             env={**os.environ, "XLA_FLAGS": FAST_COMPILE},
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "route.log", "w"))
     url = f"http://127.0.0.1:{port}"
@@ -258,8 +303,16 @@ def test_talaria_route_serves_over_local_instances(tmp_path):
         assert sorted(m.id for m in c.models.list().data) == ["tiny-dense", "tiny-moe"]
         out = c.completions.create(model="tiny-moe", prompt=[1, 2, 3], max_tokens=3, temperature=0)
         assert out.usage.completion_tokens == 3
+        kids = _children(proc.pid)
+        assert len(kids) == 2 and all(b"talaria_jax.launch.serve" in open(f"/proc/{k}/cmdline", "rb").read()
+                                      for k in kids)
+        instances = httpx.get(f"{url}/health").json()["instances"]
+        assert len({i["url"] for i in instances}) == 2 and all(i["up"] for i in instances)
+        host_kv = metric(instances[0]["url"], "host_kv_capacity_bytes")
+        assert host_kv == 8 << 20  # --host_kv_bytes=8M reached each instance
         proc.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully, then re-raises the signal
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=90) in (0, -signal.SIGTERM)
+        assert not any(os.path.exists(f"/proc/{k}") for k in kids)  # the instances stopped before it exited
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,8 +11,8 @@ import pytest
 from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache import host_tier as host_tier_module
-from talaria_jax.kvcache.host_tier import (HostBudgetError, HostKVEvicted, HostTier, KVSource, NoHostMemory,
-                                           padded_page_counts)
+from talaria_jax.kvcache.host_tier import (HostBudget, HostBudgetError, HostKVEvicted, HostTier, KVSource,
+                                           NoHostMemory, padded_page_counts)
 from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, buffer_pointers, pool_spec, read_pages
 from talaria_jax.models import greedy_generate, init_model, load_model_config
 from talaria_jax.sharding import make_mesh
@@ -193,6 +193,23 @@ def test_budget_evicts_the_least_recently_used_and_refuses_what_does_not_fit():
     want = full.copy()
     want[:, :, [0, 1]] = full[:, :, [6, 7]]
     np.testing.assert_array_equal(_host(pool, tier.spec, tier.mesh), want)
+
+
+def test_tiers_that_share_a_budget_evict_each_others_copies_and_release_only_their_own():
+    """An instance's models share one HostBudget: one bound in bytes whatever the instance hosts."""
+    tier, pool, _, pb = _tier_and_pool()
+    budget = HostBudget(2 * pb)
+    a_tier = HostTier(tier.spec, tier.mesh, model="a", budget=budget)
+    b_tier = HostTier(tier.spec, tier.mesh, model="b", budget=budget)
+    a1 = a_tier.offload(pool, [1], range(4), session="s1")
+    b1 = b_tier.offload(pool, [2], range(4), session="s2")
+    assert a_tier.used_bytes == b_tier.used_bytes == budget.used_bytes == 2 * pb and budget.num_copies == 2
+    b2 = b_tier.offload(pool, [3], range(4), session="s3")  # the oldest copy of either tier goes
+    assert a1.evicted and not (b1.evicted or b2.evicted) and budget.evictions == a_tier.evictions == 1
+    a2 = a_tier.offload(pool, [4], range(4), session="s4")
+    assert b1.evicted and budget.used_bytes == 2 * pb
+    b_tier.release_all()  # b's weights changed: only b's copies go
+    assert not a_tier.usable(b2) and a_tier.usable(a2) and budget.used_bytes == pb
 
 
 def test_a_copy_that_fails_to_arrive_evicts_nobody(monkeypatch):

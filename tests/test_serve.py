@@ -129,6 +129,16 @@ def _post(url, path, body, key=KEY, raw=None):
     ("/v1/completions", None, b"[" * 4000, KEY, 400, None, "not valid JSON"),  # nested past the parser's depth
     ("/v1/completions", None, b'{"model": "tiny", "prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", KEY, 400,
      "temperature", "finite number"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, None, KEY, 400,
+     "messages[0].role", "must be one of system"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]},
+     None, KEY, 400, "tools[0]", "'type': 'function'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, None, KEY, 400,
+     "stream_options", "only allowed with 'stream': true"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+     None, KEY, 400, "stream_options.include_usage", "must be a boolean"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 2**63}, None, KEY, 400, "seed", "[0, 2**63)"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": -1}, None, KEY, 400, "seed", "[0, 2**63)"),
 ])
 def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, body, raw, key, status, param, text):
     _, app, url = tiny
@@ -138,6 +148,21 @@ def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, bo
     assert text in err["message"] and err["param"] == param and err["type"]
     ok = _post(url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert settled(app)
+
+
+@pytest.mark.parametrize("extra,raw_prompt", [
+    ({"stop": []}, None),  # no stop strings
+    ({"seed": 2**63 - 2, "n": 2, "temperature": 1.0}, None),  # the second choice's seed wraps to 0
+    ({}, "a\\ud800b"),  # a lone surrogate: valid JSON, not valid UTF-8
+])
+def test_edge_inputs_that_openai_accepts_are_served(tiny, extra, raw_prompt):
+    _, app, url = tiny
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra}
+    raw = json.dumps(body).replace('"hi"', f'"{raw_prompt}"').encode() if raw_prompt else None
+    r = _post(url, "/v1/completions", body, raw=raw)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == body.get("n", 1)
     assert settled(app)
 
 

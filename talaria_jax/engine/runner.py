@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from talaria_jax.engine import kernels
+from talaria_jax.engine.memory_maps import MapBudget
 from talaria_jax.engine.paged_attention import ragged_paged_attention
 from talaria_jax.engine.sampling import SamplingBatch, sample
 from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
@@ -265,14 +266,17 @@ class Runner:
         from tqdm.auto import tqdm
 
         programs = [(s, False) for s in self.step_shapes()] + [(s, True) for s in self.step_shapes() if draft_nodes]
+        maps = MapBudget(len(programs), f"the step programs of {self.model.cfg.name}")
         for (t, q, n), spec in tqdm(programs, desc="compiling step shapes", leave=False,
                                     disable=None if progress is None else not progress):
+            maps.check()  # a clear error before XLA:CPU runs out of memory maps
             b = self.empty_batch(t)
             tiles = query_tiles([], t, q, n)
             if spec:
                 self._run_verify(b, DraftBatch.empty(t, self.max_seqs, draft_nodes), *tiles)
             else:
                 self._run(b, *tiles)
+            maps.compiled()
 
     def _forward(self, graphdef, params, kv, tokens, positions, mask_pos, tree, tile_tok, tile_seq, tok_slot, slots,
                  page_tables, num_blocks, layout):

@@ -1,6 +1,9 @@
 """What the launchers share: the model on the first `tp` devices, with the persistent compilation cache."""
 from __future__ import annotations
 
+import math
+import re
+
 from absl import app
 
 
@@ -34,10 +37,10 @@ def spec_config(max_spec_tokens: int):
 
 def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: str, dtype: str | None, engine_config,
                   kv_bytes_per_device: int | None, hardware: str | None, api_keys: list[str], limits,
-                  tenant_secret: bytes | None, compilation_cache: str | None) -> list:
+                  tenant_secret: bytes | None, compilation_cache: str | None, **serving_kw) -> list:
     """`serve.local_cluster.instance_apps` for a launcher: the compilation cache on, names resolved
     (`hardware` None: cpu on the CPU backend, h200x8 elsewhere), and a bad model, policy, profile or
-    device count a usage error naming it."""
+    device count a usage error naming it. `serving_kw`: host_kv_bytes, max_sessions, session_ttl_s."""
     import jax
 
     from talaria_jax.engine import enable_compilation_cache
@@ -55,6 +58,50 @@ def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: st
                                                                               else "h200x8")),
                                            get_policy(policy), instances=instances, devices_per_instance=tp,
                                            engine_config=engine_config, kv_bytes_per_device=kv_bytes_per_device,
-                                           api_keys=api_keys, limits=limits, dtype=dtype, tenant_secret=tenant_secret)
+                                           api_keys=api_keys, limits=limits, dtype=dtype, tenant_secret=tenant_secret,
+                                           **serving_kw)
     except (CheckpointError, ConfigError, ValueError) as e:
         raise app.UsageError(str(e)) from None
+
+
+HOST_KV_SHARE = 0.2  # --host_kv_bytes=auto: this share of the host memory available at start
+
+
+def available_host_bytes() -> int | None:
+    """Host memory this process can still have: MemAvailable, or less where a cgroup (a container's
+    memory.max) allows less; None where neither can be read."""
+    avail = []
+    try:
+        with open("/proc/meminfo") as f:
+            avail += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                avail.append(int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass
+    return max(0, min(avail)) if avail else None
+
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def host_kv_bytes(value: str, instances: int = 1) -> int | None:
+    """--host_kv_bytes: a size ('8G', '512M', '1073741824', '0': no host KV copies), 'auto' (a
+    `HOST_KV_SHARE` of `available_host_bytes()` split over `instances`) or 'unbounded' (None)."""
+    v = value.strip().lower()
+    if v == "unbounded":
+        return None
+    if v == "auto":
+        avail = available_host_bytes()
+        return None if avail is None else int(avail * HOST_KV_SHARE) // instances
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]?)i?b?", v)
+    if m is None:
+        raise app.UsageError(f"--host_kv_bytes={value!r}: give a size (8G, 512M, bytes), 'auto' or 'unbounded'")
+    n = float(m[1]) * _UNITS[m[2]]
+    if not math.isfinite(n) or n < 0:
+        raise app.UsageError(f"--host_kv_bytes={value!r}: a size must be >= 0")
+    return int(n)

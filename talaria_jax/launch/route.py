@@ -1,11 +1,12 @@
 """talaria-route: the router gateway, one OpenAI-compatible endpoint over many instance servers.
 
   talaria-route --instances=http://10.0.0.1:8000,http://10.0.0.2:8000 --api_key=sk-...   # remote
-  talaria-route --local_instances=2 --api_key=sk-local                                 # in-process
+  talaria-route --local_instances=2 --api_key=sk-local                                 # on this machine
 
 Remote instances are `talaria-serve` processes (one per TP group; give them the same --api_key).
-`--local_instances=N` starts N instance servers in this process on 127.0.0.1, each on its own split
-of the local devices and hosting every model of --model, and routes over them the same way. Calls are
+`--local_instances=N` starts N `talaria-serve` processes on 127.0.0.1 (`launch/local_servers.py`),
+each on its own split of the local devices and hosting every model of --model, waits until they
+answer, and routes over them the same way; they stop with the gateway. Calls are
 placed by --policy's router and served by its multiplexer on each instance. Defaults run on one CPU
 machine with no downloads (the embedded SmolLM2-135M-Instruct).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 
 import uvicorn
@@ -44,7 +46,13 @@ _SPECULATE = flags.DEFINE_integer("speculate", 0, "Local instances: suffix-tree 
                                   "earlier and in-flight responses; how many a step verifies follows the step cost "
                                   "measured at start.", lower_bound=0, upper_bound=31)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Local instances: compile every step shape before serving.")
-
+_HOST_KV = flags.DEFINE_string("host_kv_bytes", "auto", "Local instances: host memory for session KV copies, per "
+                               "instance: a size (8G, 512M, bytes; 0: none), 'auto' (20% of the host memory available "
+                               "at start, split over the instances) or 'unbounded'.")
+_MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 10_000, "Local instances: sessions each keeps at most.",
+                                     lower_bound=1)
+_START_TIMEOUT = flags.DEFINE_float("start_timeout_s", 3600.0, "Local instances: how long they may take to load and "
+                                    "compile.", lower_bound=1.0)
 
 def main(argv):
     del argv
@@ -62,15 +70,15 @@ def main(argv):
         policy = get_policy(_POLICY.value)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
-    if _LOCAL.value:
-        from talaria_jax.local import simulate_cpu_devices
-        simulate_cpu_devices(_LOCAL.value * (_TP.value or 1))  # before JAX starts: CPU devices to split
     local = start_local_instances(keys) if _LOCAL.value else None
-    urls = local.urls if local is not None else _INSTANCES.value
-    gateway = build_gateway(urls, api_keys=keys, policy=policy, max_body_bytes=_MAX_BODY.value,
-                            probe_interval_s=_PROBE.value, fail_after=_FAIL_AFTER.value)
-    print(f"routing ({policy.name}) over {', '.join(urls)} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
     try:
+        urls = local.urls if local is not None else _INSTANCES.value
+        gateway = build_gateway(urls, api_keys=keys, policy=policy, max_body_bytes=_MAX_BODY.value,
+                                probe_interval_s=_PROBE.value, fail_after=_FAIL_AFTER.value)
+        print(f"routing ({policy.name}) over {', '.join(urls)} on http://{_HOST.value}:{_PORT.value}/v1",
+              file=sys.stderr)
+        # uvicorn re-raises the signal that stopped it: exit through the finally below, which stops the instances
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         uvicorn.run(gateway, host=_HOST.value, port=_PORT.value, log_level="warning")
     finally:
         if local is not None:
@@ -78,24 +86,32 @@ def main(argv):
 
 
 def start_local_instances(keys: list[str]):
-    """--local_instances instance servers on 127.0.0.1 (free ports), each in a thread of this process."""
-    import jax
-
-    from talaria_jax.engine import EngineConfig
-    from talaria_jax.launch.common import instance_apps, spec_config
-    from talaria_jax.serve.local_cluster import LocalCluster
-    from talaria_jax.serve.protocol import Limits
+    """--local_instances `talaria-serve` processes (`LocalServers`) with this command's flags, started."""
+    from talaria_jax.launch.common import host_kv_bytes
+    from talaria_jax.launch.local_servers import LocalServers, StartError
 
     n = _LOCAL.value
-    tp = _TP.value or (1 if jax.default_backend() == "cpu" else max(1, jax.device_count() // n))
-    cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
-                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value,
-                       speculation=spec_config(_SPECULATE.value))
-    apps = instance_apps({m: m for m in _MODEL.value}, instances=n, tp=tp, policy=_POLICY.value, dtype=None,
-                         engine_config=cfg, kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
-                         hardware=None, api_keys=keys, limits=Limits(max_body_bytes=_MAX_BODY.value), tenant_secret=None,
-                         compilation_cache=None)
-    return LocalCluster(apps, keys)
+    host_kv = host_kv_bytes(_HOST_KV.value, instances=n)
+    args = [f"--model={','.join(_MODEL.value)}", f"--policy={_POLICY.value}", f"--max_model_len={_MAX_LEN.value}",
+            f"--max_seqs={_MAX_SEQS.value}", f"--speculate={_SPECULATE.value}", f"--max_body_bytes={_MAX_BODY.value}",
+            f"--max_sessions={_MAX_SESSIONS.value}", "--warmup" if _WARMUP.value else "--nowarmup",
+            f"--host_kv_bytes={'unbounded' if host_kv is None else host_kv}"]
+    if _KV_MB.value:
+        args.append(f"--kv_mib_per_device={_KV_MB.value}")
+    print(f"starting {n} instance processes ({', '.join(_MODEL.value)} each) ...", file=sys.stderr)
+    try:
+        local = LocalServers(n, args, keys, tp=_TP.value)
+    except StartError as e:
+        raise app.UsageError(str(e)) from None
+    try:
+        local.wait_ready(_START_TIMEOUT.value)
+    except (StartError, KeyboardInterrupt) as e:
+        local.close(timeout_s=5)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        print(f"talaria-route: {e}", file=sys.stderr)
+        sys.exit(1)
+    return local
 
 
 def run():

@@ -54,6 +54,15 @@ _SPECULATE = flags.DEFINE_integer("speculate", 0, "Suffix-tree speculative decod
                                   "and step at most (0: off). Drafts come from the request's own text and its tenant's "
                                   "earlier and in-flight responses; how many a step verifies follows the step cost "
                                   "measured at start.", lower_bound=0, upper_bound=31)
+_HOST_KV = flags.DEFINE_string("host_kv_bytes", "auto", "Host memory for session KV copies (restored when a session "
+                               "returns), all models together: a size (8G, 512M, bytes; 0: none), 'auto' (20% of the "
+                               "host memory available at start) or 'unbounded'. Past it the least recently used copies "
+                               "are evicted; their sessions' prefixes are recomputed.")
+_MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 10_000, "Sessions kept at most (their KV protection, history and "
+                                     "host copy); past it the least recently active idle ones are forgotten.",
+                                     lower_bound=1)
+_SESSION_TTL = flags.DEFINE_float("session_ttl_s", 3600.0, "Seconds a session is kept after its last call.",
+                                  lower_bound=0.0)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving.")
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
                                  "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
@@ -63,7 +72,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from talaria_jax.engine import EngineConfig
-    from talaria_jax.launch.common import instance_apps, spec_config
+    from talaria_jax.launch.common import host_kv_bytes, instance_apps, spec_config
     from talaria_jax.serve.protocol import Limits
 
     keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
@@ -82,11 +91,14 @@ def main(argv):
                           api_keys=keys, limits=Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value,
                                                        max_n=_MAX_N.value),
                           tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None,
-                          compilation_cache=_XLA_CACHE.value)
+                          compilation_cache=_XLA_CACHE.value, host_kv_bytes=host_kv_bytes(_HOST_KV.value),
+                          max_sessions=_MAX_SESSIONS.value, session_ttl_s=_SESSION_TTL.value)
     server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning",
                                            timeout_graceful_shutdown=max(1, int(_DRAIN.value))),
                             api.state.engine, _DRAIN.value)
-    print(f"serving {', '.join(names)} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
+    cap = api.state.backend.instance.host_budget.capacity_bytes
+    print(f"serving {', '.join(names)} on http://{_HOST.value}:{_PORT.value}/v1 (host KV: "
+          f"{'unbounded' if cap is None else f'{cap / 2**30:.2f} GiB'})", file=sys.stderr)
     server.run()
     api.state.engine.close()
 

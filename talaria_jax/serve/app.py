@@ -3,7 +3,8 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both plain and SSE streams: text
 deltas, usage in a last chunk with `stream_options: {"include_usage": true}`, then `data: [DONE]`), `GET /v1/models`, `GET /health` (503 once
 draining or dead) and `GET /metrics` (Prometheus). Every route but /health wants
-`Authorization: Bearer <key>` with one of the server's keys. The prefix cache's tenant salt is derived
+`Authorization: Bearer <key>` with one of the server's keys; `/openapi.json` (Swagger UI at `/docs`,
+no key) describes every route (`serve.schema`). The prefix cache's tenant salt is derived
 here from the caller's key (`tenant_salt`, an HMAC under the server's secret), never taken from the
 client, so callers with different keys never share KV. Chat without `max_tokens` may use the rest
 of the context, as OpenAI's does; completions default to 16 tokens. Bad input gets OpenAI's error body naming the problem (400, 404 for an unknown
@@ -23,17 +24,18 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from absl import logging
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from talaria_jax.engine.engine import Engine, RequestOutput
 from talaria_jax.engine.errors import RequestError
-from talaria_jax.serve import protocol
+from talaria_jax.serve import protocol, schema
 from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
@@ -59,6 +61,11 @@ def tenant_salt(api_key: str, secret: bytes) -> str:
     return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
+DESCRIPTION = """OpenAI's completions and chat completions (plain and server-sent events) over one instance:
+its engine, or its models under the scheduler. Every route but `/health` wants `Authorization: Bearer
+<key>`; every error is OpenAI's error body, its `param` naming the field at fault."""
+
+
 def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence[str], limits: Limits = Limits(),
               session_idle_s: float = 60.0, tenant_secret: bytes | None = None,
               backend: InstanceEngine | None = None) -> FastAPI:
@@ -75,7 +82,9 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
         raise ValueError("build_app: give at least one non-empty API key")
     by_name = {m.name: m for m in models}
     secret = tenant_secret or secrets.token_bytes(32)
-    app = FastAPI(title="talaria-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="talaria-serve", version=schema.VERSION, description=DESCRIPTION, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json")
+    schema.publish(app, limits)
     metrics_box: list[ServerMetrics] = []
     ae = AsyncEngine(backend or models[0].engine, on_output=lambda *a: metrics_box[0].on_output(*a))
     metrics = ServerMetrics(ae, ",".join(by_name), session_idle_s)
@@ -84,33 +93,33 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
     caller = key_checker(api_keys)
     openai_errors(app)
 
-    @app.get("/health")
+    @app.get("/health", **schema.HEALTH)
     async def health():
         if ae.state != "running":
             return JSONResponse({"status": ae.state}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **schema.MODELS)
     async def list_models(request: Request):
         caller(request)
         return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "talaria",
                                             "max_model_len": m.engine.config.max_model_len} for m in models]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", **schema.METRICS)
     def get_metrics(request: Request):  # a plain def: FastAPI runs it in a thread (it reads the engine)
         caller(request)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **schema.COMPLETIONS)
     async def completions(request: Request):
         return await _generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **schema.CHAT_COMPLETIONS)
     async def chat_completions(request: Request):
         return await _generate(request, chat=True)
 
-    @app.post("/talaria/probe")
-    async def probe(request: Request, kind: str = "completion"):
+    @app.post("/talaria/probe", **schema.PROBE)
+    async def probe(request: Request, kind: Literal["completion", "chat"] = "completion"):
         """The router's view of this instance for one request (which it checks as if it were sent):
         the instance's state, and the tokens of the request's prompt it holds on device and on host."""
         if backend is None:
@@ -197,11 +206,19 @@ def key_checker(api_keys: Sequence[str]):
 
 
 def openai_errors(app: FastAPI) -> None:
-    """Every error of `app` answered as OpenAI's error body: ApiError, unknown routes and methods, and
-    bugs (500, logged; no traceback reaches the client)."""
+    """Every error of `app` answered as OpenAI's error body: ApiError, unknown routes and methods, a
+    declared parameter FastAPI refuses (400 naming it, not FastAPI's 422), and bugs (500, logged; no
+    traceback reaches the client)."""
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_parameter(request: Request, e: RequestValidationError):  # e.g. the probe's `kind`
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"][1:]) or None  # loc: ("query", "kind")
+        message = f"'{param}' is invalid: {err['msg']}" if param else f"the request is invalid: {err['msg']}"
+        return JSONResponse(ApiError(400, message[:300], param, "invalid_value").body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method

@@ -21,6 +21,8 @@ stream that had started continues where it stopped: the retry's events are trimm
 logprobs the client already has. Sampled requests without a seed get one here, so a retry draws the
 same tokens (greedy ones are the same anyway). A draining instance (503 on /health) gets no new calls
 and finishes its running ones.
+
+`/openapi.json` (Swagger UI at `/docs`, no key) describes the gateway's routes (`serve.schema`).
 """
 from __future__ import annotations
 
@@ -48,12 +50,16 @@ from talaria_jax.scheduler import router
 from talaria_jax.scheduler.api import PrefixLocation, WeightState
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, Session
+from talaria_jax.serve import protocol
+from talaria_jax.serve import schema
 from talaria_jax.serve.app import _read_json, key_checker, openai_errors, session_header
-from talaria_jax.serve.protocol import ApiError
+from talaria_jax.serve.protocol import ApiError, Limits
 
 __all__ = ["Upstream", "build_gateway"]
 
 _SEED_MAX = 2**62  # a seed the gateway adds leaves room for n choices' seed + i
+_MAX_N = 128  # choices per request the gateway forwards at most (each instance has its own --max_n)
+_INSTANCE_LIMITS = {"max_tokens", "max_completion_tokens", "n"}  # fields whose bounds are each instance's flags
 MAX_SESSIONS = 1_000_000  # sessions whose last instance is kept; past it, the least recently active are forgotten
 
 
@@ -68,6 +74,20 @@ class Upstream:
     misses: int = 0  # health checks missed in a row
     inflight: int = 0  # calls forwarded to it and not yet answered
     lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set when taken out
+
+
+class _Relayed(ApiError):
+    """An instance's error answer, passed to the client as it is (status and body)."""
+
+    def __init__(self, r: httpx.Response):
+        super().__init__(r.status_code, **_error_fields(r))
+        try:
+            self._body = r.json()
+        except ValueError:
+            self._body = super().body()
+
+    def body(self) -> dict:
+        return self._body
 
 
 class _Lost(Exception):
@@ -208,6 +228,12 @@ def _sampled(body: dict) -> bool:
     return not (isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0)
 
 
+DESCRIPTION = """OpenAI's completions and chat completions over many instance servers: each call is placed on
+the instance the scheduler's router ranks best (where its session's KV is, unless switching or queueing
+there costs more), and placed again if that instance is lost. Every route but `/health` wants
+`Authorization: Bearer <key>`; every error is OpenAI's error body. Request limits are the instances'."""
+
+
 def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: PolicyConfig,
                   max_body_bytes: int = 1 << 20, probe_interval_s: float = 1.0, fail_after: int = 2,
                   probe_timeout_s: float = 30.0, instance_key: str | None = None) -> FastAPI:
@@ -226,10 +252,13 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
     m_requests = Counter("talaria:router_requests", "Calls forwarded, by instance", ["instance"], registry=reg)
     m_replaced = Counter("talaria:router_replacements", "Calls placed again after their instance was lost",
                          registry=reg)
+    m_refused = Counter("talaria:router_refused", "Requests refused by the gateway's own checks (never forwarded)",
+                        registry=reg)
     m_up = Gauge("talaria:router_instance_up", "1 while the instance takes calls", ["instance"], registry=reg)
     m_inflight = Gauge("talaria:router_inflight", "Calls forwarded and not yet answered", ["instance"], registry=reg)
     m_e2e = Histogram("talaria:router_request_latency_seconds", "Arrival to the end of the answer", registry=reg,
                       buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
+    open_limits = Limits(max_body_bytes=max_body_bytes, max_tokens=1 << 30, max_n=_MAX_N)
     sessions: dict[str, str] = {}  # tenant-scoped session -> the instance of its last call (least recent first)
     anonymous = itertools.count()
     http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=1000))
@@ -242,7 +271,9 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
         task.cancel()
         await http.aclose()
 
-    app = FastAPI(title="talaria-route", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="talaria-route", version=schema.VERSION, description=DESCRIPTION, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
+    schema.publish(app, None)
     app.state.upstreams, app.state.registry, app.state.sessions = ups, reg, sessions
 
     caller = key_checker(api_keys)
@@ -287,30 +318,32 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
     # --- routes --------------------------------------------------------------------------------------
     openai_errors(app)
 
-    @app.get("/health")
+    @app.get("/health", **schema.HEALTH)
     async def health():
         n = sum(up.accepting for up in ups)
-        return JSONResponse({"status": "ok" if n else "no instance", "instances_up": n}, status_code=200 if n else 503)
+        instances = [{"name": up.name, "url": up.url, "up": up.accepting, "models": list(up.models)} for up in ups]
+        return JSONResponse({"status": "ok" if n else "no instance", "instances_up": n, "instances": instances},
+                            status_code=200 if n else 503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **schema.MODELS)
     async def list_models(request: Request):
         caller(request)
         names = dict.fromkeys(m for up in ups if up.alive for m in up.models)
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "talaria"}
                                            for n in names]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", **schema.METRICS)
     async def get_metrics(request: Request):
         caller(request)
         for up in ups:
             m_inflight.labels(up.name).set(up.inflight)
         return Response(generate_latest(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **schema.COMPLETIONS)
     async def completions(request: Request):
         return await _call(request, "/v1/completions", chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **schema.CHAT_COMPLETIONS)
     async def chat_completions(request: Request):
         return await _call(request, "/v1/chat/completions", chat=True)
 
@@ -326,6 +359,7 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
         tenant: str
         chat: bool
         tried: set = dataclasses.field(default_factory=set)  # instances that failed this call
+        error: httpx.Response | None = None  # the last 5xx an instance answered, if every one fails
 
         @property
         def session_key(self) -> str | None:
@@ -355,6 +389,8 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                            "model", "model_not_found")
         cands = [up for up in ups if up.accepting and ctx.model in up.models and up.name not in ctx.tried]
         if not cands:
+            if ctx.error is not None:  # every instance up answered a server error: the client gets the last
+                raise _Relayed(ctx.error)
             raise ApiError(503, f"no instance that serves '{ctx.model}' is up", code="unavailable")
 
         async def probe(up: Upstream):
@@ -370,12 +406,13 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
         for up, r in await asyncio.gather(*(probe(up) for up in cands)):
             if r is None or r.status_code >= 500:
                 ctx.tried.add(up.name)
+                ctx.error = r if r is not None and r.status_code != 503 else ctx.error
             elif r.status_code != 200:
                 bad = bad or r
             else:
                 snaps.append(_Snapshot(up, r.json()))
         if bad is not None:  # the request is at fault: every instance would refuse it the same way
-            raise ApiError(bad.status_code, **_error_fields(bad))
+            raise _Relayed(bad)
         if not snaps:
             return await place(ctx)  # every candidate failed: the next round finds none (503) or others
         call = Call(ctx.session_key or f"~{next(anonymous)}", 0, ctx.model, int(snaps[0].s["prompt_tokens"]), 0, 0.0)
@@ -386,11 +423,12 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
         t0 = time.perf_counter()
         key = caller(request)
         body = await _read_json(request, max_body_bytes)
-        if not isinstance(body, dict):
-            raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", None,
-                           "invalid_body")
-        if not isinstance(body.get("model"), str):
-            raise ApiError(400, "'model' must be a string", "model", "invalid_type")
+        try:  # what every instance would refuse is refused here, before any instance is asked
+            (protocol.parse_chat if chat else protocol.parse_completion)(body, open_limits)
+        except ApiError as e:
+            if e.param not in _INSTANCE_LIMITS:  # (those the instances check, naming their own limits)
+                m_refused.inc()
+                raise
         sid = _session_id(request, body)
         if _sampled(body) and body.get("seed") is None:
             body["seed"] = secrets.randbelow(_SEED_MAX)  # a retry elsewhere draws the same tokens
@@ -413,6 +451,7 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
             finally:
                 up.inflight -= 1
             if r.status_code >= 500:
+                ctx.error = r if r.status_code != 503 else ctx.error
                 failed(up, ctx, f"HTTP {r.status_code}")
                 continue
             if r.status_code == 200:
@@ -453,9 +492,10 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
             await r.aclose()
             up.inflight -= 1
             if r.status_code >= 500:
+                ctx.error = r if r.status_code != 503 else ctx.error
                 failed(up, ctx, f"HTTP {r.status_code}")
                 continue
-            raise ApiError(r.status_code, **_error_fields(r))
+            raise _Relayed(r)
 
     async def streamed(ctx: _Ctx, t0: float) -> StreamingResponse:
         box = [await open_stream(ctx)]

@@ -7,7 +7,8 @@ session-prefill, soft reservations, slots, staging and host-KV restores are the 
 simulator and the local replay run. Time is the real clock (seconds since the engine started).
 A session is named by the caller (`session`); a request without one is a single-call session, which
 holds no reservation and is forgotten once it ends. A named session idle for `session_ttl_s` is
-forgotten too (its host KV copy released). Calls of a session that arrive while an earlier one runs
+forgotten too (its host KV copy released), and so are the least recently active idle sessions past
+`max_sessions` (a bound on the session table, whatever the traffic). Calls of a session that arrive while an earlier one runs
 are served side by side (an agent's parallel tool calls).
 """
 from __future__ import annotations
@@ -74,11 +75,15 @@ class InstanceEngine:
     """See the module docstring. `instance.tokens` must be a `LiveTokens` (the instance's models'
     tokenizers are `tokenizers[model]`), and `instance.tenant` is replaced by the salts requests bring."""
 
-    def __init__(self, instance: Instance, policy: PolicyConfig, session_ttl_s: float = 3600.0):
+    def __init__(self, instance: Instance, policy: PolicyConfig, session_ttl_s: float = 3600.0,
+                 max_sessions: int = 10_000):
         if not isinstance(instance.tokens, LiveTokens):
             raise ValueError(f"instance {instance.name}: serving needs tokens=LiveTokens(), "
                              f"got {type(instance.tokens).__name__}")
-        self.instance, self.session_ttl_s = instance, session_ttl_s
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.instance, self.session_ttl_s, self.max_sessions = instance, session_ttl_s, max_sessions
+        self.forgotten_sessions = 0  # named sessions forgotten before their ttl (past max_sessions)
         instance.tenant = lambda sid: self.sessions.salt(sid)
         instance.returns = lambda sid: not sid.startswith("~")  # a single-call session's KV is not kept
         self._t0 = time.monotonic()
@@ -179,7 +184,18 @@ class InstanceEngine:
                 self._forget(call.session)
         if end - self._swept >= min(60.0, self.session_ttl_s):
             self._sweep(end)
+        if len(self.sessions.sessions) > self.max_sessions:
+            self._trim()
         return outs
+
+    def _trim(self) -> None:
+        """Forgets the least recently finished idle sessions until a tenth of max_sessions is free."""
+        busy = {c.session for c in self.requests.values()}
+        idle = sorted((s for s in self.sessions if s.id not in busy and s.finished_s is not None),
+                      key=lambda s: s.finished_s)
+        for s in idle[:len(self.sessions.sessions) - self.max_sessions * 9 // 10]:
+            self._forget(s.id)
+            self.forgotten_sessions += 1
 
     def _sweep(self, now: float) -> None:
         """Forgets the sessions idle for session_ttl_s (none with a call in flight)."""
@@ -217,4 +233,7 @@ class InstanceEngine:
             "kv_pages_reserved": inst.kv_pages_reserved(session),
             "running": inst.num_running(), "waiting": inst.num_waiting() + pending,
             "switches": inst.stats.switches, "switch_seconds": inst.stats.switch_s,
+            "recomputed_tokens": inst.stats.recomputed_tokens, "sessions": len(self.sessions.sessions),
+            "sessions_forgotten": self.forgotten_sessions,
+            "host_kv_bytes": inst.host_budget.used_bytes,
         }

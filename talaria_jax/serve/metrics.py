@@ -98,7 +98,12 @@ class ServerMetrics:
             running = sum(len(e.running) for e in engines)
             waiting = sum(len(e.waiting) for e in engines)
             cached = sum(e.prefix_cache.num_pages for e in engines if e.prefix_cache is not None)
-            host = sum(e.host_tier.used_bytes for e in engines)
+            budgets = list({id(e.host_tier.budget): e.host_tier.budget for e in engines}.values())  # shared or own
+            host = sum(b.used_bytes for b in budgets)
+            host_cap = sum(b.capacity_bytes for b in budgets) if all(b.capacity_bytes is not None for b in budgets) \
+                else -1
+            host_copies = sum(b.num_copies for b in budgets)
+            evictions = sum(b.evictions for b in budgets)
             alloc = engines[0].allocator  # the arena's: shared by an instance's engines
             pages_used, pages = alloc.num_used, alloc.num_pages
             stats = [e.stats for e in engines]
@@ -114,6 +119,8 @@ class ServerMetrics:
                   ("kv_pages_total", "Device KV pages in the pool", pages),
                   ("kv_cache_usage_perc", "Fraction of device KV pages held", pages_used / max(1, pages)),
                   ("host_kv_bytes", "Bytes of session KV held in host memory", host),
+                  ("host_kv_capacity_bytes", "Bound on host_kv_bytes (--host_kv_bytes; -1: unbounded)", host_cap),
+                  ("host_kv_copies", "Session KV copies held in host memory", host_copies),
                   ("engine_healthy", "1 while the engine serves, 0 once draining or dead", int(ae.state == "running"))]
         for name, doc, v in gauges:
             g = GaugeMetricFamily(f"talaria:{name}", doc, labels=["model_name"])
@@ -124,11 +131,20 @@ class ServerMetrics:
                     ("prefix_cache_hits", "Of those, tokens found cached", total("prefix_hit_tokens")),
                     ("host_restored_tokens", "Prompt tokens restored from host memory", total("restored_tokens")),
                     ("num_preemptions", "Requests preempted (recomputed later)", total("preemptions")),
+                    ("host_kv_evictions", "Host KV copies evicted to stay within host_kv_capacity_bytes", evictions),
                     ("spec_decode_num_draft_tokens", "Speculative draft tokens verified", total("draft_tokens")),
                     ("spec_decode_num_accepted_tokens", "Of those, accepted", total("accepted_tokens"))]
-        if state is not None:  # an instance of several models: its switches
+        if state is not None:  # an instance of several models: its switches and its sessions
             counters += [("model_switches", "Switches of the served model", state["switches"]),
-                         ("model_switch_seconds", "Seconds spent switching models", state["switch_seconds"])]
+                         ("model_switch_seconds", "Seconds spent switching models", state["switch_seconds"]),
+                         ("recomputed_prefix_tokens", "Prompt tokens a session's earlier call had computed, computed "
+                          "again (its KV was evicted from device and host, or it moved)", state["recomputed_tokens"]),
+                         ("sessions_forgotten", "Idle sessions forgotten early to stay within --max_sessions",
+                          state["sessions_forgotten"])]
+            g = GaugeMetricFamily("talaria:sessions_held", "Sessions the instance keeps (named ones until idle for "
+                                  "their ttl, or past --max_sessions)", labels=["model_name"])
+            g.add_metric(m, state["sessions"])
+            yield g
         for name, doc, v in counters:
             c = CounterMetricFamily(f"talaria:{name}", doc, labels=["model_name"])
             c.add_metric(m, v)

@@ -65,6 +65,8 @@ class Parsed:
 
 # ---- parsing -----------------------------------------------------------------------------------
 _MISSING = object()
+SEED_LIMIT = 2**63  # seeds are in [0, 2**63); choice i of n draws with (seed + i) mod 2**63
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _is_int(x) -> bool:
@@ -101,6 +103,8 @@ def _stop(body: Mapping, limits: Limits) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop", "invalid_type")
+    if not stop:  # an empty list: no stop strings
+        return ()
     if len(stop) > limits.max_stop:
         raise ApiError(400, f"'stop' holds {len(stop)} strings; at most {limits.max_stop}", "stop", "too_many")
     if max(map(len, stop)) > limits.max_stop_chars:
@@ -123,17 +127,25 @@ def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str], max_tok
     if not 1 <= n <= limits.max_n:
         raise ApiError(400, f"'n' must be in [1, {limits.max_n}], got {n}", "n", "out_of_range")
     seed = _field(body, "seed", _is_int, "an integer", None)
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ApiError(400, f"'seed' must be in [0, 2**63), got {seed}"[:300], "seed", "out_of_range")
     for f in ("presence_penalty", "frequency_penalty"):
         if _field(body, f, _is_num, "a number", 0.0) != 0.0:
             raise ApiError(400, f"'{f}' is not supported (only 0)", f, "unsupported")
     stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     opts = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    if opts and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options", "invalid_value")
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, f"'stream_options.include_usage' must be a boolean, got {include_usage!r}"[:300],
+                       "stream_options.include_usage", "invalid_type")
     session = _field(body, "session_id", lambda v: isinstance(v, str) and 0 < len(v) <= 256,
                      "a string of 1 to 256 characters", None)
     # max_tokens None (chat without one): the rest of the context, set once the prompt is known
     base = SamplingParams(max_tokens=max_tokens or 1, temperature=float(temperature), top_p=float(top_p), seed=seed)
-    params = [dataclasses.replace(base, seed=None if seed is None else seed + i) for i in range(n)]
-    return {"model": model, "params": params, "stream": stream, "include_usage": opts.get("include_usage") is True,
+    params = [dataclasses.replace(base, seed=None if seed is None else (seed + i) % SEED_LIMIT) for i in range(n)]
+    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage,
             "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens}
 
 
@@ -168,6 +180,9 @@ def parse_chat(body: Any, limits: Limits) -> Parsed:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]", "invalid_type")
+        if m["role"] not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}"[:300],
+                           f"messages[{i}].role", "invalid_value")
         content = m.get("content")
         if isinstance(content, list):  # parts: only text is served
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -178,8 +193,16 @@ def parse_chat(body: Any, limits: Limits) -> Parsed:
         elif content is not None and not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                            f"messages[{i}].content", "invalid_type")
-    tools = _field(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
-                   "a list of tool objects", None)
+    tools = _field(body, "tools", lambda v: isinstance(v, list), "a list of tool objects", None)
+    for i, t in enumerate(tools or ()):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                           f"...}}}}", f"tools[{i}]", "invalid_type")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
+                           f"tools[{i}].function.parameters", "invalid_type")
     logprobs = None
     if _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False):
         logprobs = _field(body, "top_logprobs", _is_int, "an integer", 0)

@@ -1,0 +1,456 @@
+"""The OpenAPI description of the instance server (`serve.app`, talaria-serve) and of the gateway
+(`serve.gateway`, talaria-route): pydantic models of every request body and response, the FastAPI
+route arguments that attach them, and `publish`, which serves each app's `/openapi.json`.
+
+The models describe; they validate nothing a server receives. The hand parser
+(`protocol.parse_completion`, `protocol.parse_chat`) stays the validator, so every error keeps
+OpenAI's error body. A constraint written here is one the server enforces (the parser's, or the
+engine's for `temperature` and `top_p`), never a stricter one: a request the server accepts is valid
+under its schema. Fields that OpenAI defines and the server does not read (`tool_choice`,
+`response_format`, a message's `name`, ...) carry their OpenAI shape as an example and no type. An
+instance's limits (`protocol.Limits`) are written into its own document; the gateway's leaves them
+to its instances.
+"""
+import copy
+import importlib.metadata
+from typing import Annotated, Any, Literal, Union
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
+
+from talaria_jax.engine.sampling import MAX_TOP_LOGPROBS
+from talaria_jax.scheduler.api import WeightState
+from talaria_jax.serve.protocol import ROLES, SEED_LIMIT, Limits
+
+__all__ = ["CHAT_COMPLETIONS", "COMPLETIONS", "HEALTH", "METRICS", "MODELS", "PROBE", "VERSION", "components",
+           "publish"]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("talaria_jax")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "0+unknown"
+
+
+VERSION = _version()
+REF = "#/components/schemas/"
+
+
+# ---- requests ------------------------------------------------------------------------------------
+class _Open(BaseModel):
+    """A request object: fields beyond those listed are allowed (OpenAI's clients send others)."""
+    model_config = ConfigDict(extra="allow")
+
+
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
+class StreamOptions(_Open):
+    """Options of a streamed answer (only with `stream: true`)."""
+    include_usage: bool = Field(False, description="A last chunk with `usage` and no choices, before `[DONE]`.")
+
+
+class _Request(_Open):
+    """The fields completions and chat completions share."""
+    model: str = Field(description="A served model's name (`GET /v1/models`).")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 samples greedily. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling. Default 1.")
+    n: int | None = Field(None, ge=1, description="Choices to generate (default 1); choice i samples with `seed + i`.")
+    seed: int | None = Field(None, ge=0, le=SEED_LIMIT - 1, description="Makes sampling reproducible.")
+    stop: NonEmptyText | list[NonEmptyText] | None = Field(
+        None, description="Strings that end a choice; its text is cut before the earliest match.")
+    stream: bool | None = Field(None, description="Server-sent events instead of one JSON object. Default false.")
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=0, le=0, description="Only 0: penalties are not supported.")
+    frequency_penalty: float | None = Field(None, ge=0, le=0, description="Only 0: penalties are not supported.")
+    session_id: str | None = Field(None, min_length=1, max_length=256, description=(
+        "The agent session the call belongs to (the `x-session-id` header takes precedence); the "
+        "scheduler keeps a session's KV cache where its next call will go."))
+    user: Any = Field(None, description="Accepted and not used.", examples=["user-1234"])
+
+
+class CompletionRequest(_Request):
+    """`POST /v1/completions`: one prompt, as text or as token ids."""
+    prompt: Union[NonEmptyText, TokenIds, Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
+        description="Text, or a list of token ids; a batch of exactly one of either is taken as that prompt.")
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate per choice. Default 16.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "Log probabilities of the chosen tokens and of this many most likely ones at each position."))
+    echo: Any = Field(None, description="Not supported: absent, null or false.", examples=[False])
+
+
+class TextPart(_Open):
+    """A text part of a message's content (the only kind served)."""
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Open):
+    """One message of the conversation, as the model's chat template reads it."""
+    role: Literal[ROLES]
+    content: str | list[TextPart] | None = Field(None, description="Text, or text parts (joined).")
+    name: Any = Field(None, description="The author's name, passed to the chat template.", examples=["alice"])
+    tool_calls: Any = Field(None, description="An assistant's tool calls, passed to the chat template.", examples=[
+        [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]])
+    tool_call_id: Any = Field(None, description="The call a tool message answers, passed to the chat template.",
+                              examples=["call_1"])
+
+
+class FunctionDefinition(_Open):
+    """A function the model may call."""
+    name: NonEmptyText
+    description: Any = Field(None, description="What the function does.", examples=["The weather in a city."])
+    parameters: dict[str, Any] = Field(default_factory=dict, description="The arguments, as a JSON Schema object.")
+
+
+class Tool(_Open):
+    """A tool the chat template offers the model."""
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChatCompletionRequest(_Request):
+    """`POST /v1/chat/completions`: `messages` (and `tools`) rendered by the model's chat template."""
+    model_config = ConfigDict(extra="allow", json_schema_extra={  # top_logprobs is read only with logprobs: true
+        "if": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        "then": {"properties": {"top_logprobs": {
+            "anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, {"type": "null"}]}}}})
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description=(
+        "Tokens to generate per choice. Default: the rest of the context, up to the server's limit."))
+    max_completion_tokens: int | None = Field(None, ge=1, description="`max_tokens`, OpenAI's newer name (wins).")
+    tools: list[Tool] | None = None
+    tool_choice: Any = Field(None, description="Accepted and not used.", examples=["auto"])
+    response_format: Any = Field(None, description="Accepted and not enforced.", examples=[{"type": "text"}])
+    logprobs: bool | None = Field(None, description="Log probabilities of the chosen tokens.")
+    top_logprobs: Any = Field(None, description=(
+        f"With `logprobs: true`, an integer in [0, {MAX_TOP_LOGPROBS}]: the most likely tokens at each position "
+        "(ignored otherwise)."), examples=[2])
+
+
+# ---- responses -----------------------------------------------------------------------------------
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens read from the prefix cache.")
+
+
+class Usage(BaseModel):
+    """Token counts of one request (all its choices)."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """Per-token log probabilities of a completion choice, as parallel lists."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = Field(description=(
+        "Per position, the most likely tokens' log probabilities by token text (empty objects with "
+        "`logprobs: 0`); null when no token was generated."))
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class Completion(BaseModel):
+    """The answer of `POST /v1/completions`."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str = Field(description="The text added since the choice's previous chunk.")
+    logprobs: CompletionLogprobs | None = Field(description="The tokens added since the previous chunk, if asked.")
+    finish_reason: FinishReason | None = Field(description="Set in the choice's last chunk.")
+
+
+class CompletionChunk(BaseModel):
+    """One event of a streamed completion."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice] = Field(description="Empty in the usage chunk.")
+    usage: Usage | None = Field(None, description="Only in the last chunk, with `stream_options.include_usage`.")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] = Field(description="The token's UTF-8 bytes.")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Per-token log probabilities of a chat choice."""
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None = Field(description="The generated text (OpenAI's is null with tool calls; this server's "
+                                            "is always text).")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    """The answer of `POST /v1/chat/completions`."""
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds to a choice's message: the role in its first chunk, then text (empty: none)."""
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = Field(description="The tokens added since the previous chunk, if asked.")
+    finish_reason: FinishReason | None = Field(description="Set in the choice's last chunk.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] = Field(description="Empty in the usage chunk.")
+    usage: Usage | None = Field(None, description="Only in the last chunk, with `stream_options.include_usage`.")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = Field(None, description="The context length (instance servers).")
+
+
+class ModelList(BaseModel):
+    """The served models (the gateway's: those of its live instances)."""
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class InstanceStatus(BaseModel):
+    """One of the gateway's instances."""
+    name: str
+    url: str
+    up: bool = Field(description="Whether it takes calls.")
+    models: list[str]
+
+
+class Health(BaseModel):
+    """Whether the server takes new calls."""
+    status: str = Field(description="`ok`; else why not (an instance: `draining`, `dead`; the gateway: "
+                                    "`no instance`).")
+    instances_up: int | None = Field(None, description="The gateway's instances that take calls.")
+    instances: list[InstanceStatus] | None = Field(None, description="The gateway's instances.")
+
+
+class ProbeAnswer(BaseModel):
+    """The router's view of an instance for one request: the instance's state, and the tokens of the
+    request's prompt it holds in its prefix cache, on device and on host, under the caller's tenant."""
+    model_config = ConfigDict(extra="allow")
+    name: str
+    policy: str
+    models: list[str]
+    active_model: str | None
+    weights: dict[str, WeightState]
+    switch_s: dict[str, float] = Field(description="The estimated seconds of a switch to each model.")
+    page_size: dict[str, int]
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_reserved: int
+    running: int
+    waiting: int
+    switches: int
+    switch_seconds: float
+    recomputed_tokens: int
+    sessions: int
+    sessions_forgotten: int
+    host_kv_bytes: int
+    prompt_tokens: int
+    device_tokens: int
+    host_tokens: int
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str = Field(description="`invalid_request_error`, `authentication_error`, `service_unavailable` or "
+                                  "`server_error`.")
+    param: str | None = Field(description="The request field at fault, e.g. `max_tokens`, `messages[0].role`.")
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every error of both servers (also the event that ends a failed stream)."""
+    error: ErrorBody
+
+
+REQUESTS = (CompletionRequest, ChatCompletionRequest)
+RESPONSES = (Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList, Health, ProbeAnswer,
+             ErrorResponse)
+
+
+def components(limits: Limits | None) -> dict[str, dict]:
+    """The JSON Schemas of every model, by name, their references into `#/components/schemas/`.
+    `limits`: an instance's, written into its request schemas (None: the gateway's, which has none)."""
+    _, top = models_json_schema([(m, "validation") for m in REQUESTS + RESPONSES], ref_template=REF + "{model}")
+    schemas = top["$defs"]
+    if limits is not None:
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            s = schemas[name]
+            props = s["properties"]
+            for f in ("max_tokens", "max_completion_tokens"):
+                if f in props:
+                    _bound(props[f], maximum=limits.max_tokens)
+            _bound(props["n"], maximum=limits.max_n)
+            for branch in _branches(props["stop"]):
+                text = branch["items"] if branch["type"] == "array" else branch
+                text["maxLength"] = limits.max_stop_chars
+                if branch["type"] == "array":
+                    branch["maxItems"] = limits.max_stop
+            s["description"] += f" At most {limits.max_body_bytes} bytes."
+    return schemas
+
+
+def _branches(prop: dict) -> list[dict]:
+    """The non-null alternatives of a property's schema."""
+    return [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
+
+
+def _bound(prop: dict, **keywords) -> None:
+    for b in _branches(prop):
+        b.update(keywords)
+
+
+# ---- route arguments -----------------------------------------------------------------------------
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": REF + model.__name__}
+
+
+def _json(model: type[BaseModel], description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref(model)}}}
+
+
+_ERRORS = {
+    400: "A bad request: not JSON, a field of the wrong type or out of range, a prompt over the context, a "
+         "conversation the chat template refuses, a bad x-session-id header (`param` names the field)",
+    401: "No API key, or not one of the server's (`Authorization: Bearer <key>`)",
+    404: "The model does not exist here",
+    413: "The body is over the server's limit",
+    499: "The client disconnected before the answer (it never reads this)",
+    500: "A server bug (logged; the body has no traceback)",
+    503: "The server is draining or its engine failed (the gateway: no instance serves the model)",
+}
+
+
+def _errors(*statuses: int, **descriptions: str) -> dict[int, dict]:
+    """OpenAI error bodies for `statuses`; `descriptions` (`s404=...`) replaces a status's text."""
+    return {s: _json(ErrorResponse, descriptions.get(f"s{s}", _ERRORS[s])) for s in statuses}
+
+
+def _events(chunk: type[BaseModel]) -> dict:
+    """A `text/event-stream` of `chunk`s: each event's `data` is a chunk, an error body (the last
+    event of a stream that fails), or `[DONE]` (the last event of one that does not)."""
+    data = {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
+                                            "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}
+    return {"itemSchema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
+
+
+def _generated(model: type[BaseModel], chunk: type[BaseModel]) -> dict:
+    return {"description": "The answer: one JSON object, or with `stream: true` server-sent events (text "
+                           "deltas, then `data: [DONE]`).",
+            "content": {"application/json": {"schema": _ref(model)}, "text/event-stream": _events(chunk)}}
+
+
+def _body(*models: type[BaseModel]) -> dict:
+    schema = _ref(models[0]) if len(models) == 1 else {"anyOf": [_ref(m) for m in models]}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_SECURED = {"security": [{"bearer": []}]}
+_SESSION_HEADER = {"name": "x-session-id", "in": "header", "required": False,
+                   "description": "The agent session of the call (instead of the body's `session_id`).",
+                   "schema": {"type": "string", "pattern": "^[ -~]{1,256}$"}}
+_GENERATION_ERRORS = (400, 401, 404, 413, 499, 500, 503)
+
+# FastAPI route arguments (`@app.get(path, **HEALTH)`)
+HEALTH = {"summary": "Whether the server takes new calls (no API key)",
+          "responses": {200: _json(Health, "It takes new calls"), 503: _json(Health, "It takes none"),
+                        **_errors(500)}}
+MODELS = {"summary": "The served models", "openapi_extra": _SECURED,
+          "responses": {200: _json(ModelList, "The served models"), **_errors(401, 500)}}
+METRICS = {"summary": "Prometheus metrics", "openapi_extra": _SECURED, "response_class": PlainTextResponse,
+           "responses": {200: {"description": "Prometheus' text format",
+                               "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401, 500)}}
+COMPLETIONS = {"summary": "Completes a prompt", "responses": {200: _generated(Completion, CompletionChunk),
+                                                              **_errors(*_GENERATION_ERRORS)},
+               "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER], **_body(CompletionRequest)}}
+CHAT_COMPLETIONS = {"summary": "Answers a conversation",
+                    "responses": {200: _generated(ChatCompletion, ChatCompletionChunk), **_errors(*_GENERATION_ERRORS)},
+                    "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER], **_body(ChatCompletionRequest)}}
+PROBE = {"summary": "The router's view of this instance for one request",
+         "responses": {200: _json(ProbeAnswer, "The instance's state and the prompt's cached tokens"),
+                       **_errors(400, 401, 404, 413, 500, 503, s404=(
+                           "The model does not exist here, or the server has no scheduler (one engine)"))},
+         "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER],
+                           **_body(CompletionRequest, ChatCompletionRequest)}}
+
+
+def publish(app: FastAPI, limits: Limits | None) -> None:
+    """Makes `app.openapi()` (what `/openapi.json` serves) the routes' document with the components
+    above (`components(limits)`), the bearer-key security scheme, and no 422 responses (the servers
+    answer 400 with OpenAI's error body instead)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = copy.deepcopy(get_openapi(title=app.title, version=app.version, description=app.description,
+                                            routes=app.routes))
+            for path in doc["paths"].values():
+                for op in path.values():
+                    op["responses"].pop("422", None)
+            comps = doc.setdefault("components", {})
+            comps["schemas"] = {**{k: v for k, v in comps.get("schemas", {}).items()
+                                   if k not in ("HTTPValidationError", "ValidationError")}, **components(limits)}
+            comps["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                   "description": "One of the server's API keys"}}
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi

@@ -1,0 +1,38 @@
+"""The memory-map budget: a clear error before compiling passes the kernel's vm.max_map_count (XLA:CPU
+maps ~3 regions per compiled kernel; past the limit LLVM fails and the process dies)."""
+import jax
+import pytest
+
+from talaria_jax.engine import memory_maps
+from talaria_jax.engine.engine import Engine, EngineConfig
+from talaria_jax.engine.memory_maps import MapBudget, MapLimitError, map_count, map_limit
+from talaria_jax.models import init_model, load_model_config
+from talaria_jax.sharding import make_mesh
+
+
+def test_this_process_reads_its_maps_and_the_limit():
+    n, limit = map_count(), map_limit()
+    assert isinstance(n, int) and isinstance(limit, int) and 0 < n < limit
+
+
+def test_the_projection_raises_before_the_limit_with_its_numbers(monkeypatch):
+    counts = iter([1000, 1200, 1700])  # at the start, then before programs 2 and 3
+    monkeypatch.setattr(memory_maps, "map_count", lambda: next(counts))
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: 2500)
+    b = MapBudget(total=4, what="the test's programs")
+    b.compiled()
+    b.check()  # 1200 + 3 x 200 = 1800 <= 90% of 2500: go on
+    b.compiled()
+    with pytest.raises(MapLimitError, match=r"the test's programs: this process holds 1700 memory maps, and the 2 "
+                                            r"programs left would take about 700 more \(350 each.*"
+                                            r"vm.max_map_count=2500"):
+        b.check()  # 1700 + 2 x 350 = 2400 > 2250
+
+
+def test_warmup_stops_with_a_clear_error_instead_of_crashing(monkeypatch):
+    """An engine whose warm-up would pass the limit (here a limit at the process's current count)
+    stops with MapLimitError after its first program, naming the limit and what to do."""
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: map_count())
+    model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=1)
+    with pytest.raises(MapLimitError, match=r"step programs of tiny-dense.*vm.max_map_count=\d+.*sysctl"):
+        Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=16, max_model_len=64, warmup=True))
