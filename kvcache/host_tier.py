@@ -22,8 +22,9 @@ scatter gathers it back into the pool's sharding). Where none divides, the copy 
 a WARNING says why and what it costs.
 
 A budget: `capacity_bytes` bounds the memory the tier's live copies hold (`HostKV.host_bytes`, summed
-over the mesh's devices); an offload that would exceed it first evicts the least recently used
-unprotected copies (`protect`), and else raises `HostBudgetError`. An evicted copy's memory is freed
+over the mesh's devices; `HostBudget` shares one bound among tiers); an offload that would exceed it
+first evicts the least recently used copies, protected ones (`protect`) last, and raises
+`HostBudgetError` only for a copy larger than the whole budget. An evicted copy's memory is freed
 and `check` refuses it by name (`HostKVEvicted`). Where the backend has no host memory kind, copies
 would live in device memory: they are refused unless the caller grants `device_fallback_bytes`.
 """
@@ -125,7 +126,7 @@ class HostKVEvicted(ValueError):
 
 
 class HostBudgetError(MemoryError):
-    """An offload that does not fit the tier's budget, even after evicting every unprotected copy."""
+    """A copy larger than the whole budget of its tier (or the device memory granted)."""
 
 
 class NoHostMemory(RuntimeError):
@@ -265,7 +266,7 @@ class HostTier:
         return out
 
     def protect(self, session: str | None, flag: bool = True) -> None:
-        """Whether the copies of `session` are safe from eviction (they still count against the budget)."""
+        """Whether the copies of `session` are evicted only after every unprotected copy."""
         (self._protected.add if flag else self._protected.discard)(session)
 
     def release(self, kv: HostKV) -> None:
@@ -288,10 +289,11 @@ class HostTier:
         return _held_bytes(self.host_sharding, shape, jnp.dtype(self.spec.dtype))
 
     def _victims(self, need: int) -> list:
-        """The copies to evict so that `need` more bytes fit (least recently used unprotected first);
-        HostBudgetError if even all of them are not enough, NoHostMemory in an ungranted device fallback.
-        Nothing is evicted here: the caller evicts them once its own copy exists, so a copy that fails
-        to arrive takes nobody else's place."""
+        """The copies to evict so that `need` more bytes fit: least recently used first, protected ones
+        only after every unprotected one (a protection orders eviction; it cannot make the budget
+        overflow); HostBudgetError if the copy is larger than the whole budget, NoHostMemory in an
+        ungranted device fallback. Nothing is evicted here: the caller evicts them once its own copy
+        exists, so a copy that fails to arrive takes nobody else's place."""
         if self.memory_kind is None and self.device_fallback_bytes == 0:
             raise NoHostMemory(
                 f"the {self.mesh.devices.flat[0].platform} backend offers no host memory kind (pinned_host or "
@@ -303,19 +305,16 @@ class HostTier:
         used = self.used_bytes
         if used + need <= cap:
             return []
+        if need > cap:
+            where = "device memory granted (device_fallback_bytes)" if self.memory_kind is None else "host budget"
+            raise HostBudgetError(f"host KV copy of {need} bytes does not fit the {where} of {cap} bytes")
         victims, freed = [], 0
-        for key, (ref, session, b, _) in self._live.items():  # least recently used first, any tier's
-            if session in self._protected:
-                continue
+        entries = list(self._live.values())  # least recently used first, any tier's
+        for ref, session, b, _ in sorted(entries, key=lambda e: e[1] in self._protected):  # (a stable sort)
             victims.append(ref)
             freed += b
             if used - freed + need <= cap:
                 break
-        if used - freed + need > cap:
-            where = "device memory granted (device_fallback_bytes)" if self.memory_kind is None else "host budget"
-            raise HostBudgetError(
-                f"host KV copy of {need} bytes does not fit the {where} of {cap} bytes: {used} bytes are held, "
-                f"{used - freed} of them by protected sessions or live copies that cannot be evicted")
         return victims
 
     def _evict(self, victims: list) -> None:
@@ -363,8 +362,9 @@ class HostTier:
     def offload(self, pool, pages: list[int], token_ids, session: str | None = None) -> HostKV:
         """Copies `pages` (holding the KV of `token_ids`, in order) to host memory; the pool is untouched.
         `session` tags the copy for `bytes_by_session` and `protect`. Where the copy does not fit
-        `capacity_bytes`, the least recently used unprotected copies are evicted first; HostBudgetError
-        if that is not enough (nothing is evicted then), NoHostMemory in an ungranted device fallback."""
+        `capacity_bytes`, the least recently used copies are evicted first (protected ones last);
+        HostBudgetError for a copy larger than the budget (nothing is evicted then), NoHostMemory in an
+        ungranted device fallback."""
         token_ids = tuple(int(t) for t in token_ids)
         need = self._pages_for(len(token_ids))
         if len(pages) < need:

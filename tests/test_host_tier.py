@@ -170,22 +170,26 @@ def test_budget_evicts_the_least_recently_used_and_refuses_what_does_not_fit():
         with pytest.raises(HostKVEvicted, match="evicted to stay within the host budget"):
             call()
     assert b.data.is_deleted() and not tier.usable(b)
-    tier.protect("s1")  # a and c are safe: d goes next, though c is older
+    tier.protect("s1")  # a and c go last: d goes next, though c is older
     e = tier.offload(pool, [5], range(4), session="s3")
     assert d.evicted and not c.evicted and tier.bytes_by_session() == {"s1": 2 * pb, "s3": pb}
-    with pytest.raises(HostBudgetError, match=f"copy of {2 * pb} bytes does not fit the host budget of {3 * pb} "
-                                              f"bytes: {3 * pb} bytes are held"):
-        tier.offload(pool, [6, 7], range(8))  # evicting e (the only unprotected copy) is not enough
+    with pytest.raises(HostBudgetError, match=f"copy of {4 * pb} bytes does not fit the host budget of {3 * pb} "
+                                              f"bytes"):
+        tier.offload(pool, [4, 5, 6, 7], range(16))  # larger than the whole budget
     assert not e.evicted and tier.evictions == 2  # nothing was evicted for a copy that could not fit
+    h = tier.offload(pool, [6, 7], range(8))  # e (unprotected), then c (protected, older than a) make room
+    assert e.evicted and c.evicted and not a.evicted and tier.evictions == 4
+    assert tier.bytes_by_session() == {"s1": pb, None: 2 * pb}
     tier.release(a)
     tier.release(a)  # idempotent
     with pytest.raises(ValueError, match="released"):
         tier.check(a)
-    assert tier.bytes_by_session() == {"s1": pb, "s3": pb}
-    del e
+    assert tier.bytes_by_session() == {None: 2 * pb}
+    del h
     gc.collect()  # a copy nobody holds any more leaves the budget
-    assert tier.bytes_by_session() == {"s1": pb}
+    assert tier.bytes_by_session() == {}
     tier.protect("s1", False)
+    c = tier.offload(pool, [3], range(4), session="s1")
     f = tier.offload(pool, [6, 7], range(8))
     g = tier.offload(pool, [2], range(4))
     assert c.evicted and tier.used_bytes == 3 * pb == f.host_bytes + g.host_bytes

@@ -139,6 +139,8 @@ def _post(url, path, body, key=KEY, raw=None):
      None, KEY, 400, "stream_options.include_usage", "must be a boolean"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 2**63}, None, KEY, 400, "seed", "[0, 2**63)"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": -1}, None, KEY, 400, "seed", "[0, 2**63)"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2.5}, None, KEY, 400, "max_tokens",
+     "must be an integer"),
 ])
 def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, body, raw, key, status, param, text):
     _, app, url = tiny
@@ -153,6 +155,7 @@ def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, bo
 
 @pytest.mark.parametrize("extra,raw_prompt", [
     ({"stop": []}, None),  # no stop strings
+    ({"max_tokens": 2.0, "n": 1.0}, None),  # integers written as floats (JSON Schema's integers)
     ({"seed": 2**63 - 2, "n": 2, "temperature": 1.0}, None),  # the second choice's seed wraps to 0
     ({}, "a\\ud800b"),  # a lone surrogate: valid JSON, not valid UTF-8
 ])

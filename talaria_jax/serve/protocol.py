@@ -70,6 +70,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _is_int(x) -> bool:
+    """An integer, or a float with no fraction (JSON Schema's integer: 8.0 is 8)."""
+    if isinstance(x, float):
+        return math.isfinite(x) and x.is_integer()
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -92,7 +95,7 @@ def _field(body: Mapping, name: str, check, what: str, default=_MISSING):
         return default
     if not check(v):
         raise ApiError(400, f"'{name}' must be {what}, got {type(v).__name__} {v!r}"[:300], name, "invalid_type")
-    return v
+    return int(v) if check is _is_int else v
 
 
 def _stop(body: Mapping, limits: Limits) -> tuple[str, ...]:
