@@ -22,6 +22,12 @@ logprobs the client already has. Sampled requests without a seed get one here, s
 same tokens (greedy ones are the same anyway). A draining instance (503 on /health) gets no new calls
 and finishes its running ones.
 
+Errors: a request is checked with the instances' own parser before any instance is asked (only the
+limits that are each instance's flags, `max_tokens` and `n`, are left to them). An instance's 4xx
+is the request's fault: it reaches the client unchanged, and the instance stays in service. Only a
+refused connection, a lost stream or a 5xx moves a call; if every instance answers a 5xx, the client
+gets the last one as the instance wrote it.
+
 `/openapi.json` (Swagger UI at `/docs`, no key) describes the gateway's routes (`serve.schema`).
 """
 from __future__ import annotations
@@ -50,8 +56,7 @@ from talaria_jax.scheduler import router
 from talaria_jax.scheduler.api import PrefixLocation, WeightState
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, Session
-from talaria_jax.serve import protocol
-from talaria_jax.serve import schema
+from talaria_jax.serve import protocol, schema
 from talaria_jax.serve.app import _read_json, key_checker, openai_errors, session_header
 from talaria_jax.serve.protocol import ApiError, Limits
 

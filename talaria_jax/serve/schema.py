@@ -166,12 +166,16 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class Completion(BaseModel):
-    """The answer of `POST /v1/completions`."""
+class _Answer(BaseModel):
+    """What every answer and stream chunk of the generation routes carries."""
     id: str
-    object: Literal["text_completion"]
     created: int
     model: str
+
+
+class Completion(_Answer):
+    """The answer of `POST /v1/completions`."""
+    object: Literal["text_completion"]
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -183,12 +187,9 @@ class CompletionChunkChoice(BaseModel):
     finish_reason: FinishReason | None = Field(description="Set in the choice's last chunk.")
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(_Answer):
     """One event of a streamed completion."""
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChunkChoice] = Field(description="Empty in the usage chunk.")
     usage: Usage | None = Field(None, description="Only in the last chunk, with `stream_options.include_usage`.")
 
@@ -221,12 +222,9 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Answer):
     """The answer of `POST /v1/chat/completions`."""
-    id: str
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -244,12 +242,9 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None = Field(description="Set in the choice's last chunk.")
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Answer):
     """One event of a streamed chat completion."""
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice] = Field(description="Empty in the usage chunk.")
     usage: Usage | None = Field(None, description="Only in the last chunk, with `stream_options.include_usage`.")
 
