@@ -28,6 +28,7 @@ of every model are evicted in one order (unprotected, host-backed, least recentl
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import math
@@ -92,10 +93,12 @@ class SessionTokens:
 class LiveTokens:
     """The token source of an `Instance` that serves live requests (`SessionTokens` replays a trace):
     each call's real prompt and sampling parameters, and each session's last context (its last
-    prompt and the tokens generated for it), which the instance's prefix lookups follow."""
+    prompt and the tokens generated for it), which the instance's prefix lookups follow. A session's
+    history is a compact int32 array (4 bytes a token, not a Python int's 28 and a list slot's 8): a
+    server keeps up to --max_sessions of them."""
 
     def __init__(self):
-        self.history: dict[str, list[int]] = {}
+        self.history: dict[str, array.array] = {}
         self.calls: dict[tuple[str, int], tuple[tuple[int, ...], SamplingParams]] = {}
 
     def prompt(self, call: Call, vocab: int) -> list[int]:
@@ -105,7 +108,9 @@ class LiveTokens:
         return self.calls[call.key][1]
 
     def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
-        self.history[session] = list(prompt) + list(output)
+        h = array.array("i", prompt)
+        h.extend(output)
+        self.history[session] = h
 
 
 @dataclasses.dataclass

@@ -13,6 +13,8 @@ import time
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from conftest import FAST_COMPILE
 from talaria_jax.engine.engine import EngineConfig
@@ -196,6 +198,41 @@ def test_a_stream_placed_again_continues_without_repeating():
         assert "".join(c["text"] for c in mine) == want_text
         assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == want_tokens
     assert two.complete
+
+
+def _failing_instance(status: int) -> FastAPI:
+    """An instance double that is up and lists tiny-dense but answers every probe `status` with its own
+    error body: it isolates the gateway's handling of instances' server errors."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "tiny-dense", "object": "model", "created": 0, "owned_by": "x"}]}
+
+    @app.post("/talaria/probe")
+    async def probe():
+        return JSONResponse({"error": {"message": "the instance broke", "type": "server_error", "param": None,
+                                       "code": "boom"}}, status_code=status)
+    return app
+
+
+def test_a_5xx_moves_the_call_and_when_every_instance_fails_the_client_gets_the_instances_error():
+    doubles = [serve_in_thread(_failing_instance(500)) for _ in range(2)]
+    gw = build_gateway([u for u, _ in doubles], api_keys=[KEY], policy=get_policy("talaria"), probe_interval_s=0.2)
+    url, server = serve_in_thread(gw)
+    try:
+        r = _post(url, {"model": "tiny-dense", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["message"] == "the instance broke"
+        assert metric(url, "router_replacements_total") == 0  # a probe's failure: placed elsewhere before forwarding
+        assert all(up.accepting for up in gw.state.upstreams)  # answering a 5xx is not being down
+    finally:
+        server.should_exit = True
+        for _, s in doubles:
+            s.should_exit = True
 
 
 def _free_port() -> int:

@@ -58,7 +58,7 @@ def test_probe_counts_a_prompts_cached_tokens_per_tenant(ie):
     ie.reset(get_policy("talaria"))
     prompt = list(range(10, 30))
     run(ie, [ie.add_request(prompt, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
-    out = ie.instance.tokens.history["s"][len(prompt):]
+    out = list(ie.instance.tokens.history["s"][len(prompt):])
     follow = prompt + out + [1, 2, 3]
     assert ie.prefix_of("s", "tiny-dense", follow, "a").host_tokens == len(prompt) + 6 - 1  # all but the last
     # a prompt that diverges from the copy (a template re-rendering the reply): the common prefix counts
@@ -75,7 +75,7 @@ def test_a_diverging_prompt_restores_the_common_prefix_from_host_and_decodes_rig
     ie.reset(get_policy("talaria"))
     first = list(range(100, 121))  # 21 tokens: 2 full pages and a partial one
     run(ie, [ie.add_request(first, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
-    out = ie.instance.tokens.history["s"][len(first):]
+    out = list(ie.instance.tokens.history["s"][len(first):])
     nxt = first + [(out[0] + 1) % 256, 9, 9, 9]
     for e in ie.engines:
         e.prefix_cache.clear()

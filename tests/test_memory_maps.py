@@ -16,22 +16,25 @@ def test_this_process_reads_its_maps_and_the_limit():
 
 
 def test_the_projection_raises_before_the_limit_with_its_numbers(monkeypatch):
-    counts = iter([1000, 1200, 1700])  # at the start, then before programs 2 and 3
+    counts = iter([100, 1500, 1600, 1650, 1900])  # read by each check and after the first program
     monkeypatch.setattr(memory_maps, "map_count", lambda: next(counts))
     monkeypatch.setattr(memory_maps, "map_limit", lambda: 2500)
-    b = MapBudget(total=4, what="the test's programs")
+    b = MapBudget(total=5, what="the test's programs")
+    b.check()  # nothing compiled yet
+    b.compiled()  # the first program: 1500 maps after it, what a first compilation sets up once included
+    b.check()  # one program: no rate yet
     b.compiled()
-    b.check()  # 1200 + 3 x 200 = 1800 <= 90% of 2500: go on
+    b.check()  # 150 a program since the first: 1650 + 3 x 150 = 2100 <= 90% of 2500
     b.compiled()
-    with pytest.raises(MapLimitError, match=r"the test's programs: this process holds 1700 memory maps, and the 2 "
-                                            r"programs left would take about 700 more \(350 each.*"
+    with pytest.raises(MapLimitError, match=r"the test's programs: this process holds 1900 memory maps, and the 2 "
+                                            r"programs left would take about 400 more \(200 each.*"
                                             r"vm.max_map_count=2500"):
-        b.check()  # 1700 + 2 x 350 = 2400 > 2250
+        b.check()  # 1900 + 2 x 200 = 2300 > 2250
 
 
 def test_warmup_stops_with_a_clear_error_instead_of_crashing(monkeypatch):
     """An engine whose warm-up would pass the limit (here a limit at the process's current count)
-    stops with MapLimitError after its first program, naming the limit and what to do."""
+    stops with MapLimitError after its second program, naming the limit and what to do."""
     monkeypatch.setattr(memory_maps, "map_limit", lambda: map_count())
     model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=1)
     with pytest.raises(MapLimitError, match=r"step programs of tiny-dense.*vm.max_map_count=\d+.*sysctl"):

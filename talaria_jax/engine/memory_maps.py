@@ -36,23 +36,23 @@ def map_limit() -> int | None:
 
 
 class MapBudget:
-    """Checks, before each of `total` programs compiles, that the maps they take so far, projected
-    over the ones left, stay within SHARE of the limit. `what` names the programs in the error."""
+    """Checks, before each of `total` programs compiles, that the maps the programs left would take
+    stay within SHARE of the limit, at the rate of those compiled since the first (the first also maps
+    what a process's first compilation sets up once). `what` names the programs in the error."""
 
     def __init__(self, total: int, what: str):
         self.total, self.what, self.done = total, what, 0
         self.limit = map_limit()
-        self.start = map_count()
+        self.after_first: int | None = None
 
     def check(self) -> None:
         """Call before compiling the next program; then `compiled()` after it."""
         now = map_count()
-        if self.limit is None or self.start is None or now is None or self.done == 0:
+        if self.limit is None or now is None or self.after_first is None or self.done < 2:
             return
-        per = max(0.0, (now - self.start) / self.done)
+        per = max(0.0, (now - self.after_first) / (self.done - 1))
         left = self.total - self.done
-        projected = now + per * left
-        if projected > SHARE * self.limit:
+        if now + per * left > SHARE * self.limit:
             raise MapLimitError(
                 f"compiling {self.what}: this process holds {now} memory maps, and the {left} programs left would "
                 f"take about {per * left:.0f} more ({per:.0f} each so far, XLA:CPU maps ~3 per compiled kernel), "
@@ -62,3 +62,5 @@ class MapBudget:
 
     def compiled(self) -> None:
         self.done += 1
+        if self.done == 1:
+            self.after_first = map_count()

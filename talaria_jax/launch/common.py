@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 
 from absl import app
 
@@ -44,6 +46,7 @@ def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: st
     import jax
 
     from talaria_jax.engine import enable_compilation_cache
+    from talaria_jax.engine.memory_maps import MapLimitError
     from talaria_jax.scheduler.policies import get_policy
     from talaria_jax.serve import local_cluster
     from talaria_jax.sim.hardware import ConfigError, load_hardware
@@ -62,6 +65,8 @@ def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: st
                                            **serving_kw)
     except (CheckpointError, ConfigError, ValueError) as e:
         raise app.UsageError(str(e)) from None
+    except MapLimitError as e:  # a limit of this machine, not a usage error: its one-line message, no traceback
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")
 
 
 HOST_KV_SHARE = 0.2  # --host_kv_bytes=auto: this share of the host memory available at start

@@ -51,6 +51,8 @@ _HOST_KV = flags.DEFINE_string("host_kv_bytes", "auto", "Local instances: host m
                                "at start, split over the instances) or 'unbounded'.")
 _MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 10_000, "Local instances: sessions each keeps at most.",
                                      lower_bound=1)
+_SESSION_TTL = flags.DEFINE_float("session_ttl_s", 3600.0, "Local instances: seconds a session is kept after its "
+                                  "last call.", lower_bound=0.0)
 _START_TIMEOUT = flags.DEFINE_float("start_timeout_s", 3600.0, "Local instances: how long they may take to load and "
                                     "compile.", lower_bound=1.0)
 
@@ -94,7 +96,8 @@ def start_local_instances(keys: list[str]):
     host_kv = host_kv_bytes(_HOST_KV.value, instances=n)
     args = [f"--model={','.join(_MODEL.value)}", f"--policy={_POLICY.value}", f"--max_model_len={_MAX_LEN.value}",
             f"--max_seqs={_MAX_SEQS.value}", f"--speculate={_SPECULATE.value}", f"--max_body_bytes={_MAX_BODY.value}",
-            f"--max_sessions={_MAX_SESSIONS.value}", "--warmup" if _WARMUP.value else "--nowarmup",
+            f"--max_sessions={_MAX_SESSIONS.value}", f"--session_ttl_s={_SESSION_TTL.value}",
+            "--warmup" if _WARMUP.value else "--nowarmup",
             f"--host_kv_bytes={'unbounded' if host_kv is None else host_kv}"]
     if _KV_MB.value:
         args.append(f"--kv_mib_per_device={_KV_MB.value}")
