@@ -21,7 +21,7 @@ import uvicorn
 from absl import app, flags, logging
 
 _INSTANCES = flags.DEFINE_list("instances", None, "Base URLs of instance servers (talaria-serve), comma-separated.")
-_LOCAL = flags.DEFINE_integer("local_instances", 0, "Start this many instance servers in this process instead.",
+_LOCAL = flags.DEFINE_integer("local_instances", 0, "Start this many talaria-serve processes on this machine instead.",
                               lower_bound=0)
 _MODEL = flags.DEFINE_list("model", ["smollm2-135m-instruct"], "Local instances: the models each one hosts.")
 _TP = flags.DEFINE_integer("tp", None, "Local instances: devices each (default: 1 on CPU, else the devices split "

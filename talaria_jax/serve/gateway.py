@@ -1,7 +1,7 @@
 """The router gateway: one OpenAI-compatible endpoint in front of many instance servers.
 
-Each instance is a `talaria-serve` (or an in-process one, `talaria-route --local_instances=N`),
-reached over HTTP either way, so the scheduling is the same. A call is placed by the scheduler's
+Each instance is a `talaria-serve` (started by `talaria-route --local_instances=N`, or on other
+machines), always reached over HTTP, so the scheduling is the same for both. A call is placed by the scheduler's
 router (`talaria_jax.scheduler.router.rank`, the policy's scorer): the gateway asks every instance
 that serves the call's model for its view of this very request (`POST /talaria/probe`: its state,
 and the tokens of the request's prompt it holds on device and on host under the caller's tenant),

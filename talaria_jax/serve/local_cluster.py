@@ -1,5 +1,6 @@
-"""Instance servers and a gateway in one process, on 127.0.0.1: `talaria-route --local_instances`,
-`make demo` and `benchmarks/serve_load.py` run on it.
+"""Instance servers and a gateway in one process, on 127.0.0.1: `make demo`, `benchmarks/serve_load.py`
+and the serving tests run on it (`talaria-route --local_instances` starts processes instead:
+`launch/local_servers.py`).
 
 `LocalCluster` starts one instance server per group of local devices, each hosting every model given
 (an `InstanceEngine` under a policy), over HTTP on free ports. `gateway(policy)` puts every instance
