@@ -132,7 +132,7 @@ class ServerMetrics:
                     ("host_restored_tokens", "Prompt tokens restored from host memory", total("restored_tokens")),
                     ("num_preemptions", "Requests preempted (recomputed later)", total("preemptions")),
                     ("host_kv_evictions", "Host KV copies evicted to stay within host_kv_capacity_bytes", evictions),
-                    ("host_kv_refused", "Session KV copies not kept (no room: the rest is held by protected sessions)",
+                    ("host_kv_refused", "Session KV copies not kept (larger than the whole bound, or the copy failed)",
                      total("offload_failures")),
                     ("spec_decode_num_draft_tokens", "Speculative draft tokens verified", total("draft_tokens")),
                     ("spec_decode_num_accepted_tokens", "Of those, accepted", total("accepted_tokens"))]
