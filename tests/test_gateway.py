@@ -200,10 +200,24 @@ def test_a_stream_placed_again_continues_without_repeating():
     assert two.complete
 
 
+_STATE = {"name": "i", "policy": "talaria", "models": ["tiny-dense"], "active_model": "tiny-dense",
+          "weights": {"tiny-dense": "active"}, "switch_s": {"tiny-dense": 0.0}, "page_size": {"tiny-dense": 8},
+          "kv_pages_total": 100, "kv_pages_used": 0, "kv_pages_reserved": 0, "running": 0, "waiting": 0,
+          "prompt_tokens": 2, "device_tokens": 0, "host_tokens": 0}
+
+
 def _failing_instance(status: int) -> FastAPI:
     """An instance double that is up and lists tiny-dense but answers every probe `status` with its own
-    error body: it isolates the gateway's handling of instances' server errors."""
+    error body (200: an idle instance's state, and completions answered "ok"): it isolates the gateway's
+    handling of instances' answers."""
     app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {"id": "c", "object": "text_completion", "created": 0, "model": "tiny-dense",
+                "choices": [{"index": 0, "text": "ok", "logprobs": None, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3,
+                          "prompt_tokens_details": {"cached_tokens": 0}}}
 
     @app.get("/health")
     async def health():
@@ -215,7 +229,9 @@ def _failing_instance(status: int) -> FastAPI:
 
     @app.post("/talaria/probe")
     async def probe():
-        return JSONResponse({"error": {"message": "the instance broke", "type": "server_error", "param": None,
+        if status == 200:
+            return _STATE
+        return JSONResponse({"error": {"message": f"the instance answered {status}", "type": "x", "param": None,
                                        "code": "boom"}}, status_code=status)
     return app
 
@@ -226,9 +242,23 @@ def test_a_5xx_moves_the_call_and_when_every_instance_fails_the_client_gets_the_
     url, server = serve_in_thread(gw)
     try:
         r = _post(url, {"model": "tiny-dense", "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 500 and r.json()["error"]["message"] == "the instance broke"
+        assert r.status_code == 500 and r.json()["error"]["message"] == "the instance answered 500"
         assert metric(url, "router_replacements_total") == 0  # a probe's failure: placed elsewhere before forwarding
         assert all(up.accepting for up in gw.state.upstreams)  # answering a 5xx is not being down
+    finally:
+        server.should_exit = True
+        for _, s in doubles:
+            s.should_exit = True
+
+
+def test_a_call_one_instance_refuses_goes_to_one_that_takes_it():
+    """Instances may have other limits (--max_n, --max_model_len): one's 4xx is the answer only if all refuse."""
+    doubles = [serve_in_thread(_failing_instance(code)) for code in (400, 200)]
+    gw = build_gateway([u for u, _ in doubles], api_keys=[KEY], policy=get_policy("talaria"), probe_interval_s=0.2)
+    url, server = serve_in_thread(gw)
+    try:
+        r = _post(url, {"model": "tiny-dense", "prompt": "hi", "max_tokens": 1, "n": 16})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
     finally:
         server.should_exit = True
         for _, s in doubles:

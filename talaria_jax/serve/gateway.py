@@ -23,8 +23,9 @@ same tokens (greedy ones are the same anyway). A draining instance (503 on /heal
 and finishes its running ones.
 
 Errors: a request is checked with the instances' own parser before any instance is asked (only the
-limits that are each instance's flags, `max_tokens` and `n`, are left to them). An instance's 4xx
-is the request's fault: it reaches the client unchanged, and the instance stays in service. Only a
+limits that are each instance's flags, `max_tokens` and `n`, are left to them). An instance whose
+probe refuses the request (a 4xx) is passed over for one that takes it; if all refuse, the refusal
+reaches the client unchanged, and the instances stay in service: the request is at fault. Only a
 refused connection, a lost stream or a 5xx moves a call; if every instance answers a 5xx, the client
 gets the last one as the instance wrote it.
 
@@ -386,8 +387,9 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
 
     async def place(ctx: _Ctx) -> Upstream:
         """The best instance for the call under the policy's router, after probing every accepting
-        instance that serves the model (and has not failed this call). A probe's 4xx (bad input) is
-        the caller's answer; an instance that fails its probe is skipped."""
+        instance that serves the model (and has not failed this call). Instances whose probe refuses
+        the request (a 4xx: their own limits) are passed over; if all do, the first refusal is the
+        caller's answer. An instance that fails its probe (5xx, no answer) is skipped."""
         if not any(ctx.model in up.models for up in ups):
             served = sorted({m for up in ups for m in up.models})
             raise ApiError(404, f"the model '{ctx.model}' does not exist (served: {', '.join(served) or 'none'})",
@@ -416,9 +418,9 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                 bad = bad or r
             else:
                 snaps.append(_Snapshot(up, r.json()))
-        if bad is not None:  # the request is at fault: every instance would refuse it the same way
-            raise _Relayed(bad)
         if not snaps:
+            if bad is not None:  # every instance that answered refused the request: its fault, as they said
+                raise _Relayed(bad)
             return await place(ctx)  # every candidate failed: the next round finds none (503) or others
         call = Call(ctx.session_key or f"~{next(anonymous)}", 0, ctx.model, int(snaps[0].s["prompt_tokens"]), 0, 0.0)
         session = Session(call.session, [call], last_instance=sessions.get(ctx.session_key))
@@ -459,10 +461,11 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                 ctx.error = r if r.status_code != 503 else ctx.error
                 failed(up, ctx, f"HTTP {r.status_code}")
                 continue
-            if r.status_code == 200:
-                served(ctx, up)
+            if r.status_code != 200:
+                raise _Relayed(r)  # the instance's refusal, as it wrote it (JSON or not)
+            served(ctx, up)
             m_e2e.observe(time.perf_counter() - t0)
-            return JSONResponse(r.json(), status_code=r.status_code)
+            return JSONResponse(r.json())
 
     class _Open:
         """The upstream stream a streamed call reads now; `release` closes it and counts it off its

@@ -235,5 +235,6 @@ class InstanceEngine:
             "switches": inst.stats.switches, "switch_seconds": inst.stats.switch_s,
             "recomputed_tokens": inst.stats.recomputed_tokens, "sessions": len(self.sessions.sessions),
             "sessions_forgotten": self.forgotten_sessions,
-            "host_kv_bytes": inst.host_budget.used_bytes,
+            "host_kv_bytes": sum(b.used_bytes for b in {id(e.host_tier.budget): e.host_tier.budget
+                                                        for e in self.engines}.values()),
         }
