@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: test demo venv hf golden clean
+.PHONY: test test-fast demo venv hf golden clean
 
 $(STAMP): pyproject.toml requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,8 +16,16 @@ $(STAMP): pyproject.toml requirements-model.txt
 
 venv: $(STAMP)
 
+# pytest-xdist workers (one per core, at most 4), a test file per worker at a time (its module-scoped
+# models and servers built once); one compilation cache for all of them (tests/conftest.py).
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
+
+# For iteration: everything but the tests marked slow (real servers, SmolLM2, child processes).
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" tests
 
 # Agent sessions through the router gateway over two local instances (SmolLM2-135M-Instruct and two tiny
 # models each), with the openai client, under talaria and under round: SCT side by side, first replies.

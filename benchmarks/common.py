@@ -315,14 +315,12 @@ def step_profile(model, batches: list[int], ctx: int, steps: int = 20) -> list[d
         b = seen[-1]
         runner_ms = ms(lambda: [run(b) for _ in range(steps)])
         tiling_ms = ms(lambda: [r.tiling(b) for _ in range(steps)])
-        s = b.sampling
-        args = jax.device_put((b.tokens, b.positions, *r.tiling(b), b.slots, b.page_tables, np.int32(b.num_blocks),
-                               b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed, s.step))
+        inputs = jax.device_put(r.inputs(b))
 
         def device_steps():
             out = None
             for _ in range(steps):
-                r.kv, *out = r._step(r.model.graphdef, r.model.state, r.kv, *args, layout=r.layout)
+                r.kv, *out = r._step(r.model.graphdef, r.model.state, r.kv, inputs, layout=r.layout)
             jax.block_until_ready(out)
 
         with jax.set_mesh(r.model.mesh):

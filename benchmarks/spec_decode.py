@@ -8,7 +8,7 @@ the requests run in waves of B concurrent requests through three engines on the 
 
   plain   no speculation
   always  suffix drafts of up to --max_spec_tokens tokens at every step
-  auto    the policy (rollout/policy.py): drafts per step from the measured step-cost curve
+  auto    the policy (engine/spec/policy.py): drafts per step from the measured step-cost curve
 
 rep by rep (each wave on all three before the next), best of --reps per wave. Each batch size
 starts the speculating engines with empty suffix trees. The outputs of all three must be equal
@@ -66,7 +66,7 @@ def main(argv):
 
     from talaria_jax.engine import SamplingParams, enable_compilation_cache
     from talaria_jax.local import load_local_model
-    from talaria_jax.rollout.suffix import SpecConfig, SuffixDrafter
+    from talaria_jax.engine.spec.suffix import SpecConfig, SuffixDrafter
     from talaria_jax.sharding import make_mesh
 
     enable_compilation_cache()  # the three engines share their plain programs; a rerun compiles nothing

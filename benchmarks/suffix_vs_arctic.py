@@ -1,4 +1,4 @@
-"""Suffix drafts: ours (rollout/suffix.py) vs arctic-inference's `SuffixDecodingCache`, same token streams.
+"""Suffix drafts: ours (engine/spec/suffix.py) vs arctic-inference's `SuffixDecodingCache`, same token streams.
 
 Replays `benchmarks/data/agent_trajectories.json` through both drafters with the same parameters, in
 the order an RL/agent loop runs them: turn by turn, all trajectories of all tasks in flight together
@@ -52,7 +52,7 @@ _JSON = flags.DEFINE_string("json", None, "Write the results as JSON here.")
 
 class Ours:
     def __init__(self, tree: bool):
-        from talaria_jax.rollout.suffix import SpecConfig, SuffixDrafter
+        from talaria_jax.engine.spec.suffix import SpecConfig, SuffixDrafter
 
         self.d = SuffixDrafter(SpecConfig(max_spec_tokens=_SPEC.value, max_spec_factor=_FACTOR.value,
                                           max_spec_offset=_OFFSET.value, min_token_prob=_MIN_PROB.value,

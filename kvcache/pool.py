@@ -232,9 +232,10 @@ def _num_pages(num_pages: int | None, memory_bytes_per_device: int | None, page_
 
 class KVArena:
     """The shared pool: `array` ([devices, num_pages, words] of `dtype`, donated through every step and
-    copy of every model on it), one `PageAllocator` for all of them, and the engines attached to it
-    (`attach`), so that one model's shortage can evict another's cached pages and a lost buffer is
-    known to all. Make one with `for_models`, or `Engine` makes its own."""
+    copy of every model on it), one `PageAllocator` for all of them, and the prefix caches attached to
+    it (`attach`), so that one model's shortage can evict another's cached pages. `generation` counts
+    the buffers lost (`reset`): an engine that sees it change recomputes what it was running. Make
+    one with `for_models`, or `Engine` makes its own."""
 
     def __init__(self, mesh: Mesh, num_pages: int, words: int, dtype: str):
         if words < 1:
@@ -242,7 +243,8 @@ class KVArena:
         self.mesh, self.num_pages, self.words, self.dtype = mesh, int(num_pages), int(words), str(jnp.dtype(dtype))
         self.allocator = PageAllocator(self.num_pages)
         self.array = allocate_arena(mesh, self.num_pages, self.words, self.dtype)
-        self.engines: list = []  # attached engines (their prefix caches share the allocator)
+        self.prefix_caches: list = []  # the models' prefix caches (they share the allocator)
+        self.generation = 0  # buffers lost so far
 
     @property
     def page_bytes_per_device(self) -> int:
@@ -286,15 +288,17 @@ class KVArena:
                              f"indices; use fewer, larger pages")
         return _model_spec(cfg, page_size, self.num_pages, self.words // row)
 
-    def attach(self, engine) -> None:
-        self.engines.append(engine)
+    def attach(self, prefix_cache) -> None:
+        """Adds a model's prefix cache (a `kvcache.prefix.PrefixCache` over this arena's allocator)."""
+        self.prefix_caches.append(prefix_cache)
 
     def reset(self) -> None:
-        """A fresh zeroed buffer (after a failed step may have consumed the donated one): every attached
-        engine is told its KV is gone (`Engine.kv_lost`)."""
+        """A fresh zeroed buffer (after a failed step may have consumed the donated one): the prefix
+        caches, whose KV went with the old one, are emptied and `generation` moves on."""
         self.array = allocate_arena(self.mesh, self.num_pages, self.words, self.dtype)
-        for eng in self.engines:
-            eng.kv_lost()
+        for cache in self.prefix_caches:
+            cache.clear()
+        self.generation += 1
 
 
 def buffer_pointers(pool) -> list[int]:

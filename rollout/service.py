@@ -14,7 +14,7 @@ and an empty queue takes the most urgent waiting request of the most loaded othe
 WAR's workload-aware choice, made before every replica step from the measured load: while any
 request waits for a batch slot the replicas are saturated and steps verify no drafts (throughput is
 bound by the work, and drafts add work); otherwise each engine's policy decides per step whether
-suffix drafts pay at that step's batch, from its measured step-cost curve (rollout/policy.py).
+suffix drafts pay at that step's batch, from its measured step-cost curve (engine/spec/policy.py).
 
 Sampling seeds are the service's, not the replicas': sample j of prompt i draws with a seed derived
 from (the params' seed, i, j) when the params carry one, else from (the service's seed, c, i, j) in

@@ -23,6 +23,22 @@ class WeightState(enum.Enum):
     HOST = "host"  # only in host memory; a switch loads every byte over PCIe
 
 
+@dataclasses.dataclass
+class InstanceStats:
+    """What an instance did, counted the same way by both backends (reports and the replay's tables)."""
+    switches: int = 0
+    switch_s: float = 0.0
+    restored_tokens: int = 0  # prefix tokens restored from host memory
+    recomputed_tokens: int = 0  # prefix tokens that an earlier call computed, prefilled again
+    device_hit_tokens: int = 0  # prefix tokens found on device
+    prefill_tokens: int = 0
+    peak_device_bytes: float = 0.0
+    peak_kv_pages: int = 0
+    chunks: int = 0  # chunks started (switches, prefills, decode runs)
+    truncated_chunks: int = 0  # decode chunks cut short by `truncate_chunk`
+    switch_log: list = dataclasses.field(default_factory=list)  # (start time, model, seconds)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefixLocation:
     """Tokens of a session's KV prefix held for one model: on device, and restorable from host."""

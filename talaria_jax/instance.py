@@ -42,11 +42,10 @@ from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.host_tier import HostBudget, HostKV
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.models.model import ShardedModel
-from talaria_jax.scheduler.api import PrefixLocation, WeightState
+from talaria_jax.scheduler.api import InstanceStats, PrefixLocation, WeightState
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
-from talaria_jax.sim.instance import InstanceStats
 from talaria_jax.tokenizer import Tokenizer
 from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights, word_for
 
@@ -63,9 +62,18 @@ class SessionTokens:
     continues with tokens of its own (a function of (seed, session, turn, position)).
     The first `shared_prefix` positions are the same in every session: a system prompt all share."""
 
-    def __init__(self, seed: int = 0, shared_prefix: int = 0):
+    def __init__(self, seed: int = 0, shared_prefix: int = 0, tenant: Callable[[str], str | None] | None = None):
+        """`tenant(session)`: the prefix-cache salt of a session's calls (default: one tenant, None)."""
         self.seed, self.shared_prefix = seed, shared_prefix
+        self._tenant = tenant
         self.history: dict[str, list[int]] = {}
+
+    def tenant(self, session: str) -> str | None:
+        return self._tenant(session) if self._tenant is not None else None
+
+    def returns(self, session: str) -> bool:
+        """Whether the session may call again (its KV is worth keeping): a replayed one may."""
+        return True
 
     def token(self, session: str, position: int, vocab: int) -> int:
         owner = "" if position < self.shared_prefix else session
@@ -89,6 +97,9 @@ class SessionTokens:
     def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
         self.history[session] = list(prompt) + list(output)
 
+    def forget(self, session: str) -> None:
+        self.history.pop(session, None)
+
 
 class LiveTokens:
     """The token source of an `Instance` that serves live requests (`SessionTokens` replays a trace):
@@ -100,6 +111,38 @@ class LiveTokens:
     def __init__(self):
         self.history: dict[str, array.array] = {}
         self.calls: dict[tuple[str, int], tuple[tuple[int, ...], SamplingParams]] = {}
+        self._salts: dict[str, str | None] = {}
+        self._single: set[str] = set()
+
+    def begin(self, call: Call, prompt: Sequence[int], params: SamplingParams, *, salt: str | None,
+              single: bool) -> None:
+        """A call arrives: its prompt and params, its session's tenant salt, and whether the session
+        is this one call (its KV is not kept)."""
+        self.calls[call.key] = (prompt, params)
+        self._salts[call.session] = salt
+        if single:
+            self._single.add(call.session)
+
+    def end(self, call: Call) -> None:
+        """The call is done (finished or aborted): its prompt is no longer needed."""
+        self.calls.pop(call.key, None)
+
+    def forget(self, session: str) -> None:
+        self.history.pop(session, None)
+        self._salts.pop(session, None)
+        self._single.discard(session)
+
+    def clear(self) -> None:
+        """Forgets every session (no call may be in flight)."""
+        self.history.clear()
+        self._salts.clear()
+        self._single.clear()
+
+    def tenant(self, session: str) -> str | None:
+        return self._salts.get(session)
+
+    def returns(self, session: str) -> bool:
+        return session not in self._single
 
     def prompt(self, call: Call, vocab: int) -> list[int]:
         return list(self.calls[call.key][0])
@@ -124,7 +167,8 @@ class _Served:
 class Instance:
     """A real instance; see the module docstring. `models` maps the trace's model names to loaded
     models, all on `mesh`'s devices. `hw` and `shapes` (the calibrated profile of this machine, e.g.
-    configs/hardware/cpu.yaml) give the scheduler's estimates; `tenant(session)` the prefix-cache salt.
+    configs/hardware/cpu.yaml) give the scheduler's estimates; `tokens` the calls' prompts and each
+    session's tenant (the prefix-cache salt) and whether it returns.
     `kv_bytes_per_device` sizes the shared KV arena in bytes per device (None: as engine_config says,
     its default room for max_seqs sequences of max_model_len at page_size tokens a page).
     `host_kv_bytes` bounds the host memory of all models' session KV copies together (`host_budget`;
@@ -136,8 +180,6 @@ class Instance:
                  shapes: Mapping[str, ModelShape], *, engine_config: EngineConfig, tokens: SessionTokens,
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
                  kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
-                 tenant: Callable[[str], str | None] = lambda sid: None,
-                 returns: Callable[[str], bool] = lambda sid: True,
                  tokenizers: Mapping[str, Tokenizer] | None = None):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
@@ -150,7 +192,7 @@ class Instance:
             if m not in shapes:
                 raise ValueError(f"instance {name}: model {m!r} has no shape (the calibrated profile's models)")
         self.name, self.hw, self.cost = name, hw, CostModel(hw)
-        self.tokens, self.tenant, self.returns = tokens, tenant, returns
+        self.tokens = tokens
         cfgs = [model.cfg for model in models.values()]
         kv_bytes = kv_bytes_per_device if kv_bytes_per_device is not None else engine_config.kv_memory_bytes_per_device
         num_pages = None if kv_bytes is not None else engine_config.num_pages or \
@@ -279,8 +321,7 @@ class Instance:
         return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
 
     def _device_tokens(self, session: str, model: str) -> int:
-        eng = self.served[model].engine
-        return eng.prefix_cache.peek(eng.prefix_key(self.tenant(session)), self.tokens.history.get(session, ()))
+        return self.served[model].engine.cached_prefix(self.tokens.tenant(session), self.tokens.history.get(session, ()))
 
     def _host_copy(self, session: str, model: str) -> HostKV | None:
         h = self._host.get(session)
@@ -300,7 +341,7 @@ class Instance:
         if model not in self.served:
             return PrefixLocation()
         eng = self.served[model].engine
-        device = eng.prefix_cache.peek(eng.prefix_key(cache_salt), prompt)
+        device = eng.cached_prefix(cache_salt, prompt)
         kv = self._restorable(session_id, model, prompt)
         return PrefixLocation(device, kv.num_tokens if kv is not None else 0)
 
@@ -318,10 +359,10 @@ class Instance:
 
     # --- InstanceAPI: queue -----------------------------------------------------------------
     def num_waiting(self) -> int:
-        return len(self._pending) + sum(len(s.engine.waiting) for s in self.served.values())
+        return len(self._pending) + sum(s.engine.num_waiting() for s in self.served.values())
 
     def num_running(self) -> int:
-        return sum(len(s.engine.running) for s in self.served.values())
+        return sum(s.engine.num_running() for s in self.served.values())
 
     def is_busy(self) -> bool:
         return self.busy_until is not None
@@ -357,7 +398,7 @@ class Instance:
             return True
         for rid, c in list(self._calls.items()):
             eng = self.served[c.model].engine
-            if c.key == call.key and eng.requests.get(rid) in eng.waiting:
+            if c.key == call.key and eng.is_waiting(rid):
                 eng.abort(rid)
                 del self._calls[rid], self._reusable[rid]
                 return True
@@ -385,7 +426,7 @@ class Instance:
         if model is not None:
             self.served[model].engine.host_tier.protect(session_id, False)
         self._protect.pop(session_id, None)
-        self.tokens.history.pop(session_id, None)
+        self.tokens.forget(session_id)
 
     def switch_model(self, model: str) -> None:
         if model not in self.served:
@@ -412,7 +453,7 @@ class Instance:
         if model is None:
             return
         eng = self.served[model].engine
-        eng.prefix_cache.protect_path(eng.prefix_key(self.tenant(session_id)),
+        eng.prefix_cache.protect_path(eng.prefix_key(self.tokens.tenant(session_id)),
                                       self.tokens.history.get(session_id, ()), until_s)
         eng.host_tier.protect(session_id)
 
@@ -450,14 +491,14 @@ class Instance:
         eng = self.served[self._active].engine if self._active else None
         if eng is None or not eng.has_unfinished():
             return None
-        before = dataclasses.replace(eng.stats)
         t0 = time.perf_counter()
-        outs = eng.step()
+        report = eng.run_step()
         dur = time.perf_counter() - t0
+        outs = report.outputs
         st = self.stats
-        st.restored_tokens += eng.stats.restored_tokens - before.restored_tokens
-        st.device_hit_tokens += eng.stats.prefix_hit_tokens - before.prefix_hit_tokens
-        st.prefill_tokens += eng.stats.prefill_tokens - before.prefill_tokens
+        st.restored_tokens += report.restored_tokens
+        st.device_hit_tokens += report.prefix_hit_tokens
+        st.prefill_tokens += report.prefill_tokens
         st.peak_kv_pages = max(st.peak_kv_pages, self.kv_pages_used())
         st.peak_device_bytes = max(st.peak_device_bytes, self._device_bytes())
         return self._busy(("step", outs), dur)
@@ -496,8 +537,8 @@ class Instance:
             # at admission the engine takes the device cache's full pages and restores only the rest
             kv = self._restorable(call.session, call.model, prompt)
             rid = eng.add_request(prompt, self.tokens.params(call), f"{call.session}/{call.turn}",
-                                  keep_kv=self.host_kv and self.returns(call.session),
-                                  restore=kv, cache_salt=self.tenant(call.session), session=call.session)
+                                  keep_kv=self.host_kv and self.tokens.returns(call.session),
+                                  restore=kv, cache_salt=self.tokens.tenant(call.session), session=call.session)
             self._calls[rid] = call
             # tokens an earlier call computed KV for: all of the history but its last token, up to the
             # prefix a compacting call keeps
@@ -523,7 +564,7 @@ class Instance:
         self.tokens.finished(call.session, out.prompt_token_ids, out.token_ids)
         if out.kv is not None:
             eng = self.served[call.model].engine
-            eng.prefix_cache.mark_backed(eng.prefix_key(self.tenant(call.session)), out.kv.token_ids,
+            eng.prefix_cache.mark_backed(eng.prefix_key(self.tokens.tenant(call.session)), out.kv.token_ids,
                                          lambda kv=out.kv, tier=eng.host_tier: tier.usable(kv))
             old = self._host.get(call.session)
             self._host[call.session] = (out.kv, call.model)

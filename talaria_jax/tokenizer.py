@@ -9,6 +9,8 @@ import json
 import pathlib
 from typing import Any, Mapping, Protocol, Sequence
 
+from talaria_jax import gguf_reader
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -22,6 +24,51 @@ class Tokenizer(Protocol):
 
     def save(self, folder: str | pathlib.Path) -> None:
         """Writes what `load_tokenizer(folder)` needs to rebuild this tokenizer."""
+
+
+class IncrementalDetokenizer:
+    """The text of a growing list of token ids, decoding only a short window at each step, so a whole
+    output costs time linear in its length (decoding every token again at every step is quadratic).
+    A trailing U+FFFD is held back while it may still become a character split over tokens (for up to
+    `HOLD` tokens; after that it is a byte that is not UTF-8, and shown as U+FFFD, as a whole decode
+    shows it). The window starts one decoded piece back, so tokenizers whose decode depends on the
+    token before (a leading space) decode as the whole text would."""
+
+    HOLD = 4  # tokens a partial UTF-8 character may span (4 bytes at most, a byte or more a token)
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0  # the window is ids[_prefix:]; ids[_prefix:_read] were decoded whole
+        self._shown = 0  # characters of the window's text already in `text`
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Appends ids; returns the text they complete (possibly empty)."""
+        self.ids.extend(ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end: the rest, a trailing incomplete character as U+FFFD."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        window = decode(self.ids[self._prefix:])
+        end = len(window)
+        if not final and window.endswith("\ufffd"):  # a character that may still complete: hold its tokens
+            for j in range(1, min(self.HOLD, len(self.ids) - self._prefix) + 1):
+                head = decode(self.ids[self._prefix:len(self.ids) - j])
+                if not head.endswith("\ufffd"):
+                    end = len(head)
+                    break
+        delta = window[self._shown:end] if end > self._shown else ""
+        self.text += delta
+        self._shown = max(self._shown, end)
+        if end == len(window):  # all shown: the next window starts where this one's new tokens began
+            self._prefix, self._read = self._read, len(self.ids)
+            self._shown = len(self.tokenizer.decode(self.ids[self._prefix:self._read]))
+        return delta
 
 
 class ByteTokenizer:
@@ -260,9 +307,7 @@ class GGUFTokenizer:
     @classmethod
     def from_gguf(cls, path: str | pathlib.Path) -> "GGUFTokenizer":
         """From a .gguf file's tokenizer.* fields (read with gguf.GGUFReader)."""
-        from talaria_jax.weights.gguf import gguf_package
-
-        GGUFReader = gguf_package().GGUFReader
+        GGUFReader = gguf_reader.gguf_package().GGUFReader
 
         try:
             reader = GGUFReader(str(path))

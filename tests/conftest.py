@@ -11,11 +11,12 @@ os.environ["XLA_FLAGS"] = (
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# One persistent compilation cache for the whole run (a fresh folder): engines built again with the same
-# shapes -- every Instance's per-model engines, each test's small engines -- load their programs
-# instead of compiling them again. Tests of the cache itself run in child processes with their own.
-import tempfile  # noqa: E402
-
+# One persistent compilation cache for every run and every pytest-xdist worker (the tests' own, beside the
+# servers' ~/.cache/talaria_jax/xla): engines built again with the same shapes -- every Instance's
+# per-model engines, each test's small engines, another worker's, the last run's -- load their programs
+# instead of compiling them again. Entries are keyed by the program, the flags and the JAX version, so a
+# stale one is never used. TALARIA_TEST_COMPILATION_CACHE names another folder (a fresh one: a cold run).
+# Tests of the cache itself run in child processes with their own.
 from talaria_jax.engine.compile_cache import enable_compilation_cache  # noqa: E402
 
-enable_compilation_cache(tempfile.mkdtemp(prefix="talaria-test-xla-"))
+enable_compilation_cache(os.environ.get("TALARIA_TEST_COMPILATION_CACHE") or "~/.cache/talaria_jax/test-xla")

@@ -5,7 +5,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from talaria_jax.engine import compile_cache
+
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
 
 # Builds a warmed-up engine over a one-layer model with the cache on ($TALARIA_COMPILATION_CACHE);
 # prints the cache's hits and writes, and the programs warm-up built.

@@ -24,6 +24,8 @@ from talaria_jax.serve.gateway import _Relay, build_gateway
 from talaria_jax.serve.local_cluster import LocalCluster
 from talaria_jax.sim.hardware import load_hardware
 
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
+
 KEY, OTHER = "sk-gw-a", "sk-gw-b"
 SMOL = "smollm2-135m-instruct"
 CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=512, prefix_cache=True,

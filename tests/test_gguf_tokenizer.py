@@ -229,3 +229,27 @@ def test_template_exceptions_are_value_errors():
         render_chat_template("{{ raise_exception('roles must alternate') }}", [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="chat template:"):
         render_chat_template("{% for %}", [{"role": "user", "content": "hi"}])  # a syntax error
+
+
+@pytest.mark.parametrize("kind", ["gguf", "bytes"])
+def test_incremental_detokenizer_gives_the_whole_decode(tok, kind):
+    """Token by token or in bursts, its text is always a prefix of the whole decode so far, never
+    shows a half character, and ends equal to it; random ids (byte soup) included."""
+    from talaria_jax.tokenizer import ByteTokenizer, IncrementalDetokenizer
+
+    t = tok if kind == "gguf" else ByteTokenizer()
+    rng = random.Random(7)
+    streams = [t.encode(s) for s in STRINGS[:40]]
+    streams += [[rng.randrange(t.vocab_size) for _ in range(200)] for _ in range(5)]
+    for k, ids in enumerate(streams):
+        d = IncrementalDetokenizer(t)
+        i = 0
+        while i < len(ids):
+            n = rng.choice([1, 1, 1, 2, 5])
+            d.add(ids[i:i + n])
+            i += n
+            assert t.decode(ids[:i]).startswith(d.text)
+            if k < 40 and "\ufffd" not in STRINGS[k]:  # text: no half character is ever shown
+                assert "\ufffd" not in d.text
+        d.flush()
+        assert d.text == t.decode(ids)

@@ -5,11 +5,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import grpo_toy  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
 
 
 def test_reward_and_advantages():

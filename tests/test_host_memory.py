@@ -14,6 +14,8 @@ from talaria_jax.serve.local_cluster import LocalCluster
 from talaria_jax.sharding import make_mesh
 from talaria_jax.sim.hardware import load_hardware
 
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
+
 KEY = "sk-host"
 CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=256, prefix_cache=True,
                       warmup=False)

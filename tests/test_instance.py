@@ -47,9 +47,9 @@ def shared4(models4):
     return instance(models4)
 
 
-def fresh(inst: Instance, drop: bool = False, tokens: SessionTokens | None = None, tenant=lambda sid: None) -> Instance:
+def fresh(inst: Instance, drop: bool = False, tokens: SessionTokens | None = None) -> Instance:
     inst.reset(host_kv=True, staging=True, drop_kv_on_switch=drop)
-    inst.tokens, inst.tenant = tokens or SessionTokens(), tenant
+    inst.tokens = tokens or SessionTokens()
     return inst
 
 
@@ -126,7 +126,7 @@ def test_slot_and_pool_addresses_stay_put_over_20_switches(shared4):
 
 def test_tenant_salt_decides_prefix_sharing(shared4):
     # every session starts with the same 32-token system prompt; the tenant is the id's prefix
-    inst = fresh(shared4, tokens=SessionTokens(shared_prefix=32), tenant=lambda sid: sid.split(":")[0])
+    inst = fresh(shared4, tokens=SessionTokens(shared_prefix=32, tenant=lambda sid: sid.split(":")[0]))
     serve(inst, Call("t1:a", 0, "A", 48, 4, 1.0, start_s=0.0))
     hit = inst.stats.device_hit_tokens
     serve(inst, Call("t1:b", 0, "A", 48, 4, 1.0, start_s=0.0))  # same tenant: the system prompt is a hit

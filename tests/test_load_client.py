@@ -13,6 +13,8 @@ from talaria_jax.serve.load import agent_sessions, run_sessions, summarize
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import load_model
 
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
+
 KEY = "sk-load-test"
 MODEL = "smollm2-135m-instruct"
 CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=8, max_model_len=1024, prefix_cache=True,

@@ -13,6 +13,8 @@ import pytest
 from talaria_jax.weights import CheckpointError, load_model, named
 from talaria_jax.weights.named import NamedModel, resolve
 
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
+
 SMOL = "smollm2-135m-instruct"
 ASSETS = pathlib.Path(__file__).parent / "assets"
 

@@ -40,6 +40,8 @@ from schemathesis.errors import FailureGroup
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, \
     status_code_conformance
 
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
+
 KEY = "sk-openapi"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = Limits(max_body_bytes=8192, max_tokens=8, max_n=2)  # small answers: each fuzzed request is quick

@@ -17,7 +17,7 @@ from talaria_jax.engine.runner import NO_TREE, attention_kind, query_tiles, seq_
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, read_kv, write_kv
 from talaria_jax.models import init_model, load_model_config
-from talaria_jax.rollout.suffix import Draft, SpecConfig
+from talaria_jax.engine.spec.suffix import Draft, SpecConfig
 from talaria_jax.sharding import make_mesh
 
 # (page-table row, first position, tokens) of each run: a 7-token prefill chunk over partial pages, a

@@ -16,7 +16,7 @@ from talaria_jax.rollout.placement import CacheAware, LeastLoaded, PlacementRequ
 from talaria_jax.rollout.replica import ReplicaSpec
 from talaria_jax.rollout.server import RolloutClient, make_app
 from talaria_jax.rollout.service import RolloutService
-from talaria_jax.rollout.suffix import SpecConfig
+from talaria_jax.engine.spec.suffix import SpecConfig
 from talaria_jax.serve.app import serving
 from talaria_jax.weights import load_model
 

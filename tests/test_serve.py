@@ -23,6 +23,8 @@ from talaria_jax.serve.protocol import Limits
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import load_model
 
+pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
+
 KEY, OTHER = "sk-test-a", "sk-test-b"
 CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=256, prefix_cache=True,
                       warmup=False)
@@ -289,9 +291,8 @@ def test_talaria_serve_drains_on_sigterm(tmp_path):
                           timeout=120) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            for _ in range(40):  # --speculate: drafts verified, some accepted, while the stream runs
-                next(lines)
-            assert metric(url, "spec_decode_num_accepted_tokens") > 0
+            while metric(url, "spec_decode_num_accepted_tokens") == 0:  # --speculate: drafts verified, some
+                assert next(lines) != "data: [DONE]"  # accepted, while the stream runs
             proc.send_signal(signal.SIGTERM)
             while httpx.get(f"{url}/health").status_code != 503:  # draining
                 time.sleep(0.02)

@@ -9,9 +9,9 @@ import pytest
 from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.models import init_model, load_model_config
-from talaria_jax.rollout.policy import SpecPolicy
-from talaria_jax.rollout.suffix import Draft, SpecConfig, SuffixDrafter, SuffixTree, TokenScan
-from talaria_jax.rollout.verify import verify
+from talaria_jax.engine.spec.policy import SpecPolicy
+from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter, SuffixTree, TokenScan
+from talaria_jax.engine.spec.verify import verify
 from talaria_jax.sharding import make_mesh
 
 # ---- drafter ---------------------------------------------------------------------------------------

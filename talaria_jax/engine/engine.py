@@ -1,11 +1,11 @@
-"""The engine loop: continuous batching over the runner, with chunked prefill mixed into decode.
+"""The engine: continuous batching over one model, with chunked prefill mixed into decode.
 
-Each step packs, oldest first, one decode token per running request and prefill chunks under a
-token budget, then admits waiting requests while pages and sequence slots last. When a running
-request needs a page and none is free, the most recently admitted request is preempted by
-recompute: its pages are freed and it goes back to the head of the queue with the tokens it has
-generated, so nothing is lost or duplicated (seeded sampling keys on the output index, so even a
-sampled request resumes with the same tokens).
+A step is three calls with plain data between them: the scheduler half decides
+(`EngineScheduler.schedule` -> a frozen `StepPlan`: queues, pages, preemption, the chunked-prefill
+budget, prefix and host admission, the draft budget), the runner executes the plan
+(`Runner.execute` -> `StepResult`), and `EngineScheduler.update` applies the result to the requests.
+The engine wires them: drafts from the suffix drafter where the speculation policy finds them worth
+a step, host copies scattered in before the step, outputs reported to whoever queued each request.
 
 Each request is reported to the caller that queued it: `step()` reports the requests of
 `add_request`, `generate()` and `stream()` their own. Whoever steps the engine, progress of
@@ -13,11 +13,8 @@ Each request is reported to the caller that queued it: `step()` reports the requ
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import hashlib
-import itertools
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -27,15 +24,17 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from talaria_jax.engine.errors import RequestError
-from talaria_jax.engine.runner import ATTENTION, DraftBatch, Runner, attention_kind
+from talaria_jax.engine.plan import StepPlan
+from talaria_jax.engine.runner import ATTENTION, Runner, attention_kind
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.kvcache.allocator import OutOfPages, SequencePages
+from talaria_jax.engine.scheduler import EngineScheduler, EngineStats, Limits, Request
+from talaria_jax.engine.spec.policy import SpecPolicy
+from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter
+from talaria_jax.kvcache.allocator import SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
 from talaria_jax.kvcache.pool import KVArena
-from talaria_jax.kvcache.prefix import PrefixCache, evict
+from talaria_jax.kvcache.prefix import PrefixCache
 from talaria_jax.models.model import ShardedModel, with_params
-from talaria_jax.rollout.policy import SpecPolicy
-from talaria_jax.rollout.suffix import Draft, SpecConfig, SuffixDrafter
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestError", "RequestOutput", "StepError"]
@@ -69,7 +68,7 @@ class EngineConfig:
     prefix_cache: bool = False
     # Speculative decoding with suffix-tree drafts (talaria_jax.rollout): drafts from the request's own
     # text and from earlier and in-flight responses of the same cache_salt, verified losslessly in
-    # the step; how many per step is chosen from the measured step-cost curve (rollout/policy.py).
+    # the step; how many per step is chosen from the measured step-cost curve (engine/spec/policy.py).
     speculation: SpecConfig | None = None
     # Which ragged paged attention the step runs: "reference" (plain jnp, engine/paged_attention.py),
     # "pallas" (the kernel of engine/kernels/, interpreted off GPU: slow, for tests) or "auto" (the
@@ -128,57 +127,6 @@ class RequestOutput:
         return self.tokenizer.decode(self.text_token_ids) if self.tokenizer is not None else ""
 
 
-@dataclasses.dataclass(eq=False)  # identity: `in` and `remove` on queues must not compare fields
-class _Request:
-    id: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    seed: int
-    arrival: int
-    seq: SequencePages
-    output: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    num_computed: int = 0
-    finish_reason: str | None = None
-    keep_kv: bool = False  # offload the KV to host memory when the request finishes
-    restore: HostKV | None = None  # KV of a prompt prefix to restore from host memory at admission
-    restore_skip: int = 0  # leading pages of `restore` the prefix cache held already (not copied in)
-    cached: int = 0  # tokens the last admission found cached (prefix cache) or restored from host memory
-    kv: HostKV | None = None  # the offloaded KV, once finished
-    cache_salt: str | None = None  # prefix-cache tenant: only requests with the same salt share KV
-    session: str | None = None  # tags the keep_kv host copy (HostTier.protect and bytes_by_session)
-    owner: str = "step"  # who reports it: "step" (add_request), "generate" or "stream"
-    reported: int = 0  # output tokens step() has handed out (owner "step")
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def token(self, i: int) -> int:
-        return self.prompt[i] if i < len(self.prompt) else self.output[i - len(self.prompt)]
-
-
-@dataclasses.dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    finished: int = 0  # stopped by a stop token or a length limit
-    aborted: int = 0
-    step_failures: int = 0
-    restored_tokens: int = 0  # prompt-prefix tokens copied back from host memory instead of prefilled
-    offloaded_tokens: int = 0  # tokens of finished keep_kv requests copied to host memory
-    offload_failures: int = 0  # keep_kv requests that finished without their KV (the copy failed)
-    prefix_query_tokens: int = 0  # tokens admitted requests looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages instead of a prefill
-    prefix_evicted_pages: int = 0  # cached pages freed because pages ran out
-    spec_steps: int = 0  # steps that verified drafts
-    draft_tokens: int = 0  # draft tokens verified
-    accepted_tokens: int = 0  # of those, accepted (each saves a step of its sequence)
-
-
 class Engine:
     """Continuous-batching generation over one model on one mesh."""
 
@@ -216,27 +164,70 @@ class Engine:
         self.allocator = arena.allocator
         self.prefix_cache = PrefixCache(self.allocator, self.page_size) if config.prefix_cache else None
         self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.cfg.name, weights=model.fingerprint)
+        spec = config.speculation
         self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
                              pages_per_block=config.pages_per_block, query_tile=config.query_tile,
-                             attention=attention_kind(config.attention, model.mesh, self.pool_spec))
-        self.waiting: collections.deque[_Request] = collections.deque()
-        self.running: list[_Request] = []
-        self.requests: dict[str, _Request] = {}  # in flight; finished ones leave at once
-        self.stats = EngineStats()
-        self._arrivals = itertools.count()
+                             attention=attention_kind(config.attention, model.mesh, self.pool_spec),
+                             draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0)
+        self.scheduler = EngineScheduler(
+            Limits(config.max_seqs, config.max_tokens_per_step, config.max_model_len, config.seed), self.allocator,
+            self.page_size, prefix_cache=self.prefix_cache, host=_HostCopies(self),
+            drafter=SuffixDrafter(spec) if spec is not None else None, eos_ids=tuple(self.cfg.eos_ids),
+            prefix_key=self.prefix_key, caches=lambda: list(arena.prefix_caches))
+        self._arena_generation = arena.generation
+        self._last = StepReport()  # what the last step computed (run_step reports it)
         # add_request requests with progress step() has not handed out yet, in the order they made it
-        self._unreported: dict[_Request, None] = {}
-        spec = config.speculation
-        self.drafter = SuffixDrafter(spec) if spec is not None else None
-        self.draft_nodes = spec.max_spec_tokens + 1 if spec is not None else 0  # K1 of the verifying step
+        self._unreported: dict[Request, None] = {}
         self._spec_policy: SpecPolicy | None = None  # measured at the first step that could draft
         # Whether steps may verify drafts at all (with config.speculation): a caller that sees the load
         # beyond this engine turns it off (the rollout service does while requests wait for a slot).
         self.speculate = True
         if config.warmup:
             self.warmup(progress=None)
-        arena.attach(self)  # last: a constructor that failed leaves nothing on the arena
+        if self.prefix_cache is not None:  # last: a constructor that failed leaves nothing on the arena
+            arena.attach(self.prefix_cache)
+
+    # ---- state (read-only views of the scheduler's) -----------------------------------------------
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Requests in flight, by id (finished ones leave at once)."""
+        return self.scheduler.requests
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    @property
+    def drafter(self) -> SuffixDrafter | None:
+        return self.scheduler.drafter
+
+    # ---- queries (what an instance asks of its engines) -------------------------------------------
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether the request is queued and not admitted (it holds no pages)."""
+        req = self.scheduler.requests.get(request_id)
+        return req is not None and req in self.scheduler.waiting
+
+    def cached_prefix(self, cache_salt: str | None, tokens) -> int:
+        """Leading tokens of `tokens` whose KV this engine's prefix cache holds for the tenant (0
+        without a prefix cache)."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.peek(self.prefix_key(cache_salt), tokens)
 
     def warmup(self, progress: bool | None = None) -> None:
         """Compiles every program serving runs: each step shape (`Runner.step_shapes`), and the host
@@ -245,7 +236,7 @@ class Engine:
         compiles nothing more. Nothing in the pool changes. progress: a bar, none, or (None) one
         only on a terminal."""
         t0, steps, copies = time.perf_counter(), self.runner.compilations, self.host_tier.compilations
-        self.runner.warmup(progress, self.draft_nodes)
+        self.runner.warmup(progress)
         self.runner.kv = self.host_tier.warmup(self.runner.kv, self.max_pages_per_seq)
         logging.info("engine warm-up: %d step programs and %d host-tier programs built in %.1f s",
                      self.runner.compilations - steps, self.host_tier.compilations - copies, time.perf_counter() - t0)
@@ -294,18 +285,8 @@ class Engine:
             raise RequestError(f"restore: the prompt differs from the restored prefix at token {i} "
                                f"({prompt[i]} vs {kv.token_ids[i]})")
 
-    def _enqueue(self, req: _Request) -> str:
-        req.arrival = next(self._arrivals)
-        rid = req.id
-        while rid is None or rid in self.requests:
-            rid = f"req-{req.arrival}" if rid is None else f"{rid}+"
-        req.id = rid
-        req.seed = req.params.seed if req.params.seed is not None else _stable_seed(self.config.seed, req.arrival)
-        self.requests[req.id] = req
-        self.waiting.append(req)
-        if self.drafter is not None:
-            self.drafter.start(req.id, req.prompt, tenant=req.cache_salt)
-        return req.id
+    def _enqueue(self, req: Request) -> str:
+        return self.scheduler.enqueue(req)
 
     def _prompt_ids(self, prompt) -> list:
         """The prompt's token ids (not yet checked one by one); RequestError for any other type: bytes,
@@ -323,7 +304,7 @@ class Engine:
                            f"got {type(prompt).__name__}{hint}")
 
     def _make_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None,
-                      restore: HostKV | None = None, owner: str = "step") -> _Request:
+                      restore: HostKV | None = None, owner: str = "step") -> Request:
         ids = self._prompt_ids(prompt)
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -332,11 +313,13 @@ class Engine:
             raise RequestError(f"request_id must be a str or None, got {type(request_id).__name__}")
         if not ids:
             raise RequestError("prompt is empty")
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise RequestError(f"prompt token {i} is {t!r}, not an integer token id")
-            if not 0 <= t < self.cfg.vocab_size:
-                raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.cfg.vocab_size})")
+        arr = _token_array(ids)  # checked at once; the loop below only names the first bad token
+        if arr is None or np.any((arr < 0) | (arr >= self.cfg.vocab_size)):
+            for i, t in enumerate(ids):
+                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                    raise RequestError(f"prompt token {i} is {t!r}, not an integer token id")
+                if not 0 <= t < self.cfg.vocab_size:
+                    raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.cfg.vocab_size})")
         limit = min(self.config.max_model_len, self.pool_spec.num_slots)
         if len(ids) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -344,23 +327,19 @@ class Engine:
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if restore is not None:
-            self._check_restore(tuple(int(t) for t in ids), restore)
+            self._check_restore(tuple(arr.tolist()), restore)
         # id, seed and arrival come at _enqueue: a request rejected here (or a batch that fails on a
         # later prompt) takes no arrival, so the next one gets the default seed it would have had
-        return _Request(request_id, tuple(int(t) for t in ids), params, -1, -1, SequencePages(self.page_size),
-                        owner=owner)
+        return Request(request_id, tuple(arr.tolist()), params, SequencePages(self.page_size), owner=owner)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request; its pages are freed and its partial output is returned (None if it is not
         in flight). For an add_request request this output is its last report: its new_token_ids are
         those step() has not handed out, and step() reports it no more."""
-        req = self.requests.get(request_id)
-        if req is None or req.finish_reason:
+        self._sync_arena()  # a lost KV buffer: nothing of it may reach the prefix cache
+        req = self.scheduler.abort(request_id)
+        if req is None:
             return None
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self._finish(req, "abort")
-        del self.requests[req.id]
         if req.owner != "step":
             return self._output(req)
         self._unreported.pop(req, None)
@@ -387,7 +366,7 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self.drafter is not None:
-            self.drafter = SuffixDrafter(self.config.speculation)
+            self.scheduler.drafter = SuffixDrafter(self.config.speculation)
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has anything left to do: requests to run, or progress still to hand out
@@ -395,116 +374,19 @@ class Engine:
         return bool(self._has_work() or self._unreported)
 
     def _has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     # ---- one step ---------------------------------------------------------------------------------
-    def _preempt(self, req: _Request) -> None:
-        req.seq.release(self.allocator)
-        req.num_computed = 0
-        self.running.remove(req)
-        self.waiting.appendleft(req)
-        self.stats.preemptions += 1
-
-    def kv_lost(self) -> None:
-        """The arena's buffer was replaced (a failed step consumed it): every running request is requeued
-        for recompute and the prefix cache, whose KV went with it, is emptied."""
-        for req in reversed(self.running[:]):  # appendleft in reverse keeps their order at the queue head
-            self._preempt(req)
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
-
-    def _schedule(self, restores: list[_Request], drafts: dict[_Request, Draft]) -> list[tuple[_Request, int, Draft | None]]:
-        """The step's (request, tokens, draft) triples (tokens count the draft's); admitted requests
-        whose prefix comes from host memory are appended to `restores` (their pages are allocated and
-        num_computed counts the prefix). A draft takes only budget that every later running request's
-        token leaves, and pages that are free: it is dropped rather than preempt anyone."""
-        budget = self.config.max_tokens_per_step
-        batch: list[tuple[_Request, int, Draft | None]] = []
-        running = list(self.running)
-        for i, req in enumerate(running):
-            if req not in self.running or budget == 0:
-                continue  # preempted below as a victim, or no budget left
-            n = min(req.num_tokens - req.num_computed, budget)
-            draft = drafts.get(req)
-            if draft is not None:
-                draft = draft.first(budget - n - (len(running) - i - 1)) or None
-            while True:
-                extra = len(draft) if draft is not None else 0
-                try:
-                    req.seq.grow(self.allocator, req.num_computed + n + extra)
-                    break
-                except OutOfPages:
-                    if draft is not None:
-                        draft = None
-                        continue
-                    if self._evict_cached(req.seq.pages_needed(req.num_computed + n)):
-                        continue  # cached pages made room: nothing needs preempting
-                    scheduled = {id(r) for r, _, _ in batch}
-                    victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
-                    self._preempt(victim)
-                    if victim is req:
-                        break
-            if req in self.running:
-                batch.append((req, n + extra, draft))
-                budget -= n + extra
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
-            req = self.waiting[0]
-            if req.restore is not None and not self.host_tier.usable(req.restore):
-                req.restore = None  # evicted (host budget) since add_request: the prefix is recomputed
-            hit = 0
-            if self.prefix_cache is not None:
-                # the last known token is always computed: its logits give the next token
-                req.seq.pages = self.prefix_cache.match(self._prefix_key(req), self._known_tokens(req),
-                                                        req.num_tokens - 1)
-                hit = len(req.seq.pages) * self.page_size
-            # a host copy fills in what the device cache lacks: its pages past the hit are restored
-            restore = req.restore is not None and req.restore.num_tokens > hit
-            cached = req.restore.num_tokens if restore else hit
-            n = min(req.num_tokens - cached, budget)
-            try:
-                while True:
-                    try:
-                        req.seq.grow(self.allocator, cached + n)
-                        break
-                    except OutOfPages:
-                        if not self._evict_cached(req.seq.pages_needed(cached + n)):
-                            raise
-            except OutOfPages:
-                req.seq.release(self.allocator)  # the matched pages go back; matched again next step
-                break
-            self.waiting.popleft()
-            self.running.append(req)
-            if restore:
-                restores.append(req)
-                req.restore_skip = hit // self.page_size
-            req.num_computed = req.cached = cached
-            if self.prefix_cache is not None:
-                self.stats.prefix_query_tokens += req.num_tokens - 1
-                self.stats.prefix_hit_tokens += hit
-            batch.append((req, n, None))
-            budget -= n
-        return batch
-
     def prefix_key(self, cache_salt: str | None = None) -> tuple:
         """The prefix-cache key of this engine's requests with `cache_salt` (model, weights, tenant)."""
         return self.cfg.name, self.model.fingerprint, cache_salt
 
-    def _prefix_key(self, req: _Request) -> tuple:
-        return self.prefix_key(req.cache_salt)
-
-    def _known_tokens(self, req: _Request) -> tuple[int, ...]:
-        return req.prompt + tuple(req.output) if req.output else req.prompt
-
-    def _evict_cached(self, need: int) -> bool:
-        """Frees cached pages so `need` can be allocated (from the prefix caches of every engine on the
-        arena, in the caches' eviction order); whether any were freed."""
-        short = need - self.allocator.num_free
-        caches = [e.prefix_cache for e in self.arena.engines if e.prefix_cache is not None]
-        if not caches or short <= 0:
-            return False
-        freed = evict(caches, short)
-        self.stats.prefix_evicted_pages += freed
-        return freed > 0
+    def run_step(self) -> StepReport:
+        """`step()`, with what the step computed: prompt tokens prefilled, tokens decoded, prefix tokens
+        restored from host memory and found in the prefix cache (all 0 when nothing ran)."""
+        self._last = StepReport()
+        outs = self.step()
+        return dataclasses.replace(self._last, outputs=outs)
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched step. Returns one output per add_request request that gained tokens or
@@ -515,7 +397,7 @@ class Engine:
         self._advance()
         return self._drain()
 
-    def _report(self, req: _Request) -> RequestOutput:
+    def _report(self, req: Request) -> RequestOutput:
         out = self._output(req, new=req.output[req.reported:])
         req.reported = len(req.output)
         return out
@@ -532,173 +414,68 @@ class Engine:
             self._spec_policy = SpecPolicy.measure(self.runner, self.config.speculation)
         return self._spec_policy
 
-    def _drafts(self) -> dict[_Request, Draft]:
+    def _drafts(self) -> dict[str, Draft]:
         """Drafts for the running requests that decode this step, as many tokens each as the policy
         finds worth verifying at this batch size (none, often), within max_tokens and max_model_len."""
         if self.drafter is None or not self.speculate:
             return {}
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        k = self.spec_policy().draft_len(len(self.running)) if decoding else 0
+        decoding = self.scheduler.decoding()
+        running = len(self.running)
+        k = self.spec_policy().draft_len(running) if decoding else 0
         if k == 0:
             return {}
         caps = [min(k, r.params.max_tokens - len(r.output) - 1, self.config.max_model_len - r.num_tokens)
                 for r in decoding]
-        drafts = {r: d for r, d in zip(decoding, self.drafter.draft([r.id for r in decoding], caps)) if len(d)}
-        if drafts and not self.spec_policy().worth(len(self.running), sum(len(d) for d in drafts.values()),
+        drafts = {r.id: d for r, d in zip(decoding, self.drafter.draft([r.id for r in decoding], caps)) if len(d)}
+        if drafts and not self.spec_policy().worth(running, sum(len(d) for d in drafts.values()),
                                                    sum(d.score for d in drafts.values())):
             return {}  # these drafts are not worth their step's cost: a plain step
         return drafts
 
-    def _advance(self) -> list[_Request]:
-        """Runs one batched step; returns the requests that gained a token (finished ones included)."""
-        restores: list[_Request] = []
-        batch = self._schedule(restores, self._drafts())
-        if not batch:
+    def _sync_arena(self) -> None:
+        """Another engine's failed step replaced the arena's buffer: every running request here is
+        requeued for recompute (the arena emptied the prefix caches)."""
+        if self._arena_generation != self.arena.generation:
+            self._arena_generation = self.arena.generation
+            self.scheduler.requeue_all()
+
+    def _advance(self) -> list[Request]:
+        """Runs one step (plan, execute, update); returns the requests that gained a token (finished
+        ones included)."""
+        self._sync_arena()
+        plan = self.scheduler.schedule(self._drafts())
+        if not plan:
             return []
-        spec = any(d is not None for _, _, d in batch)
-        b = self.runner.empty_batch(sum(n for _, n, _ in batch))
-        d = DraftBatch.empty(len(b.tokens), self.config.max_seqs, self.draft_nodes) if spec else None
-        rows: list[tuple[int, _Request]] = []  # (sampling row, request)
-        t = 0
-        max_pages = 0
-        for i, (req, n, draft) in enumerate(batch):
-            first = req.seq.pages[req.num_computed // self.page_size]
-            if self.prefix_cache is not None and self.allocator.refcount(first) != 1:
-                # the pages written from here on must be this sequence's own: cached pages are shared
-                raise AssertionError(f"request {req.id} would write into shared page {first}")
-            m = len(draft) if draft is not None else 0
-            q = n - m  # tokens of the request's own (1 beside a draft)
-            pos = np.arange(req.num_computed, req.num_computed + n)  # a draft's nodes in depth-first order
-            b.tokens[t:t + q] = [req.token(p) for p in pos[:q]]
-            b.positions[t:t + n] = pos
-            b.seq[t:t + n] = i
-            b.slots[t:t + n] = [req.seq.slot(p) for p in pos]
-            b.page_tables[i, :len(req.seq.pages)] = req.seq.pages
-            max_pages = max(max_pages, len(req.seq.pages))
-            if d is not None:
-                d.mask_pos[t:t + n] = pos
-            if m:
-                depth, anc = _tree_layout(draft.parents)
-                b.tokens[t + 1:t + n] = draft.tokens
-                b.positions[t + 1:t + n] = req.num_computed + depth
-                d.base[t + 1:t + n] = req.num_computed + 1
-                d.anc[t + 1:t + n] = anc
-            if req.num_computed + q == req.num_tokens:  # this chunk ends the known tokens: sample the next one
-                row = i if spec else len(rows)
-                if spec:
-                    d.node_idx[i, :m + 1] = t + q - 1 + np.arange(m + 1)
-                    d.parent[i, 0] = -1
-                    d.active[i] = True
-                    d.draw_step[t + q - 1] = len(req.output)
-                    if m:
-                        d.parent[i, 1:m + 1] = draft.parents + 1
-                        d.draw_step[t + 1:t + n] = len(req.output) + depth
-                else:
-                    b.logits_idx[row] = t + n - 1
-                b.sampling.set_row(row, req.params, req.seed, len(req.output))
-                rows.append((row, req))
-            t += n
-        b.num_blocks = -(-max_pages // self.runner.pages_per_block)
         try:
-            for req in restores:  # host-to-device into the donated pool, before the step reads it
-                r = req.restore
-                self.runner.kv = self.host_tier.restore(self.runner.kv, r, req.seq.pages[:r.num_pages],
-                                                        skip=req.restore_skip)
-            t0 = time.perf_counter()
-            out = self.runner.verify_step(b, d) if spec else self.runner.step(b)
-            if self._spec_policy is not None:
-                self._spec_policy.observe_step(spec, len(b.tokens), time.perf_counter() - t0)
+            for c in plan.restores:  # host-to-device into the donated pool, before the step reads it
+                r = c.restore
+                self.runner.kv = self.host_tier.restore(self.runner.kv, r.kv, list(c.pages[:r.kv.num_pages]),
+                                                        skip=r.skip)
+            result = self.runner.execute(plan)
         except Exception as e:  # the donated pool may be gone: start it afresh and recompute every sequence
-            self.stats.step_failures += 1
-            for req in restores:
-                req.restore = None  # a restore that may have failed is not retried: the prefix is recomputed
-            self.arena.reset()  # every engine on the arena recomputes (kv_lost), this one too
+            self._step_failed(plan)
             raise StepError(f"engine step failed ({type(e).__name__}: {e}); {len(self.waiting)} requests "
                             f"requeued for recompute") from e
-        self.stats.steps += 1
-        self.stats.spec_steps += spec
-        self.stats.restored_tokens += sum(req.restore.num_tokens - req.restore_skip * self.page_size
-                                          for req in restores)
-        drafted = {}
-        for req, n, draft in batch:
-            q = n - (len(draft) if draft is not None else 0)
-            if req.num_computed + q > len(req.prompt):
-                self.stats.decode_tokens += min(q, req.num_computed + q - len(req.prompt))
-            self.stats.prefill_tokens += max(0, min(req.num_computed + q, len(req.prompt)) - req.num_computed)
-            req.num_computed += q
-            if draft is not None:
-                drafted[req] = draft
-        for r, req in rows:
-            if spec:
-                count = int(out.count[r])
-                toks, lps, path = out.tokens[r, :count], out.logprobs[r, :count], out.path[r, :count]
-                top_ids, top_lps = out.top_ids[r, :count], out.top_logprobs[r, :count]
-                # accepted nodes 1, 2, ... in place hold their KV; after a jump (a tree's side branch)
-                # the accepted tokens are known but recomputed next step
-                kept = int(np.argmin(np.r_[path[1:] == np.arange(1, count), False]))
-                req.num_computed += kept
-                if req in drafted:
-                    self.stats.draft_tokens += len(drafted[req])
-                    self.stats.accepted_tokens += count - 1
-                    self.spec_policy().observe(len(drafted[req]), count - 1, drafted[req].score)
-            else:
-                toks, lps = out.tokens[r:r + 1], out.logprobs[r:r + 1]
-                top_ids, top_lps = out.top_ids[r:r + 1], out.top_logprobs[r:r + 1]
-            for j, tok in enumerate(toks.tolist()):
-                if self._append(req, tok, float(lps[j]), top_ids[j], top_lps[j]):
-                    break
-            if req in drafted and not req.finish_reason:  # the rejected drafts' pages go back
-                req.seq.truncate(self.allocator, req.num_computed)
+        if self._spec_policy is not None:
+            self._spec_policy.observe_step(plan.speculative, result.padded_tokens, result.seconds)
+        applied = self.scheduler.update(plan, result)
+        for c in plan.chunks:
+            if c.draft is not None:
+                self._spec_policy.observe(len(c.draft), len(result.drawn[c.request_id].tokens) - 1, c.draft.score)
+        for req in applied.gained:
             if req.owner == "step":
                 self._unreported.setdefault(req, None)  # kept until step() hands it out
-        return [req for _, req in rows]
+        self._last = StepReport([], applied.prefill_tokens, applied.decode_tokens, applied.restored_tokens,
+                                plan.prefix_hit_tokens)
+        return applied.gained
 
-    def _append(self, req: _Request, tok: int, logprob: float, top_ids, top_lps) -> bool:
-        """Appends one sampled token; finishes the request at a stop token or a length limit (True)."""
-        req.output.append(tok)
-        req.logprobs.append(logprob)
-        if req.params.logprobs:
-            k = req.params.logprobs
-            req.top_logprobs.append({int(i): float(l) for i, l in zip(top_ids[:k], top_lps[:k])})
-        req.num_computed = min(req.num_computed, req.num_tokens - 1)  # the KV of the tokens it keeps
-        if self.drafter is not None:
-            self.drafter.extend(req.id, (tok,))
-        reason = self._stop_reason(req, tok)
-        if reason:
-            self._finish(req, reason)
-            del self.requests[req.id]
-        return bool(reason)
+    def _step_failed(self, plan: StepPlan) -> None:
+        self.stats.step_failures += 1
+        self.scheduler.drop_restores(plan)  # a restore that may have failed is not retried: recomputed
+        self.arena.reset()  # every engine on the arena recomputes, this one now
+        self._sync_arena()
 
-    def _stop_reason(self, req: _Request, tok: int) -> str | None:
-        p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_ids):
-            return "stop"
-        if len(req.output) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, req: _Request, reason: str) -> None:
-        req.finish_reason = reason
-        if req.keep_kv and reason != "abort" and req.num_computed:
-            tokens = (req.prompt + tuple(req.output))[:req.num_computed]  # the last token has no KV yet
-            try:
-                req.kv = self.host_tier.offload(self.runner.kv, req.seq.pages, tokens, session=req.session)
-                self.stats.offloaded_tokens += len(tokens)
-            except Exception:  # e.g. host memory exhausted: the request still finishes, without its KV
-                self.stats.offload_failures += 1
-        if self.prefix_cache is not None and req.num_computed:  # its full computed pages stay for later requests
-            self.prefix_cache.insert(self._prefix_key(req), self._known_tokens(req)[:req.num_computed], req.seq.pages)
-        req.seq.release(self.allocator)
-        if req in self.running:
-            self.running.remove(req)
-        if self.drafter is not None:
-            self.drafter.finish(req.id)
-        if reason == "abort":
-            self.stats.aborted += 1
-        else:
-            self.stats.finished += 1
-
-    def _output(self, req: _Request, new: list[int] | None = None) -> RequestOutput:
+    def _output(self, req: Request, new: list[int] | None = None) -> RequestOutput:
         # "stop" is only ever set by a stop or EOS token, which the text leaves out.
         ids = list(req.output)
         text_ids = ids[:-1] if req.finish_reason == "stop" else list(ids)
@@ -751,7 +528,7 @@ class Engine:
         self._enqueue(req)
         return _Stream(self, req)
 
-    def _stream(self, req: _Request) -> Iterator[RequestOutput]:
+    def _stream(self, req: Request) -> Iterator[RequestOutput]:
         seen = 0
         try:
             while not req.finish_reason:
@@ -772,7 +549,7 @@ class _Stream:
     """The iterator `Engine.stream` returns. Closing it, or dropping it, aborts the request even
     before its first item (a bare generator skips its `finally` when it never started)."""
 
-    def __init__(self, engine: Engine, req: _Request):
+    def __init__(self, engine: Engine, req: Request):
         self._engine, self._req = engine, req
         self._gen = engine._stream(req)
 
@@ -791,19 +568,39 @@ class _Stream:
         self.close()
 
 
-def _tree_layout(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Depth (1 for the root's children) and ancestor bits (bit j: node j; each node has its own) of
-    draft nodes in depth-first order (parents[j] < j, -1 for the root)."""
-    depth = np.zeros(len(parents), np.int32)
-    anc = np.zeros(len(parents), np.int32)
-    for j, p in enumerate(parents.tolist()):
-        depth[j] = 1 if p < 0 else depth[p] + 1
-        anc[j] = (1 << j) | (0 if p < 0 else anc[p])
-    return depth, anc
+
+def _token_array(ids: list) -> np.ndarray | None:
+    """The ids as an int64 array, or None unless every one is an int (a bool is not a token id)."""
+    if any(type(t) is bool or type(t) is np.bool_ for t in ids):
+        return None
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        return None
+    return arr.astype(np.int64, copy=False)
 
 
-def _stable_seed(engine_seed: int, arrival: int) -> int:
-    """A per-request seed from the engine seed and the arrival index, the same in every process
-    (Python's hash() of strings is salted per process)."""
-    digest = hashlib.blake2b(f"{engine_seed}:{arrival}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """`Engine.run_step`'s answer: the outputs `step()` returns, and what the step computed."""
+    outputs: list[RequestOutput] = dataclasses.field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    restored_tokens: int = 0  # prefix tokens copied in from host memory
+    prefix_hit_tokens: int = 0  # prefix tokens admissions found in the prefix cache
+
+
+class _HostCopies:
+    """The scheduler's view of host memory: the engine's host tier over its runner's KV pool."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def usable(self, kv: HostKV) -> bool:
+        return self._engine.host_tier.usable(kv)
+
+    def offload(self, pages: list[int], tokens: tuple[int, ...], session: str | None) -> HostKV:
+        e = self._engine
+        return e.host_tier.offload(e.runner.kv, pages, tokens, session=session)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import numpy as np
@@ -24,10 +25,11 @@ from flax import nnx
 from talaria_jax.engine import kernels
 from talaria_jax.engine.memory_maps import MapBudget
 from talaria_jax.engine.paged_attention import ragged_paged_attention
+from talaria_jax.engine.plan import Drawn, StepPlan, StepResult
 from talaria_jax.engine.sampling import SamplingBatch, sample
 from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
 from talaria_jax.models.model import ShardedModel
-from talaria_jax.rollout.verify import verify
+from talaria_jax.engine.spec.verify import verify
 from talaria_jax.sharding import replicated
 
 
@@ -47,7 +49,7 @@ class StepBatch:
 
 @dataclasses.dataclass
 class DraftBatch:
-    """The draft trees of a speculative step (rollout/verify.py), beside a StepBatch whose `positions`
+    """The draft trees of a speculative step (engine/spec/verify.py), beside a StepBatch whose `positions`
     are the RoPE positions (a node's: its root's plus its depth) and whose sampling rows are the
     step's sequences. K1 = 1 + the most draft tokens a sequence may bring."""
     mask_pos: np.ndarray  # i32 [T], position in the sequence's pages (a node's: its root's plus its index)
@@ -66,6 +68,41 @@ class DraftBatch:
 
 
 NO_TREE = 2**30  # DraftBatch.base of a token outside any draft tree
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Everything a step's jitted function takes besides the weights and the pool: one pytree."""
+    tokens: np.ndarray
+    positions: np.ndarray
+    tile_tok: np.ndarray
+    tile_seq: np.ndarray
+    tok_slot: np.ndarray
+    slots: np.ndarray
+    page_tables: np.ndarray
+    num_blocks: np.ndarray   # i32 scalar
+    seq: np.ndarray
+    logits_idx: np.ndarray
+    sampling: SamplingBatch
+
+
+jax.tree_util.register_dataclass(SamplingBatch, data_fields=[f.name for f in dataclasses.fields(SamplingBatch)],
+                                 meta_fields=[])
+jax.tree_util.register_dataclass(DraftBatch, data_fields=[f.name for f in dataclasses.fields(DraftBatch)],
+                                 meta_fields=[])
+jax.tree_util.register_dataclass(StepInputs, data_fields=[f.name for f in dataclasses.fields(StepInputs)],
+                                 meta_fields=[])
+
+
+def tree_layout(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depth (1 for the root's children) and ancestor bits (bit j: node j; each node has its own) of
+    draft nodes in depth-first order (parents[j] < j, -1 for the root)."""
+    depth = np.zeros(len(parents), np.int32)
+    anc = np.zeros(len(parents), np.int32)
+    for j, p in enumerate(parents.tolist()):
+        depth[j] = 1 if p < 0 else depth[p] + 1
+        anc[j] = (1 << j) | (0 if p < 0 else anc[p])
+    return depth, anc
 
 
 @dataclasses.dataclass
@@ -169,13 +206,16 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
 class Runner:
     def __init__(self, model: ShardedModel, arena: KVArena, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
                  max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16,
-                 attention: str = "reference"):
+                 attention: str = "reference", draft_nodes: int = 0):
+        """draft_nodes: K1 of the verifying step (1 + the most draft tokens a sequence brings), 0 without
+        speculation."""
         if attention not in ("reference", "pallas"):
             raise ValueError(f"Runner attention must be 'reference' or 'pallas', got {attention!r}")
         self.model = model
         self.attention = attention  # the step's ragged paged attention: the jnp reference or the Pallas kernel
         self.arena, self.spec = arena, spec
         self.max_seqs = max_seqs
+        self.draft_nodes = draft_nodes
         self.pages_per_block = pages_per_block
         self.query_tile = query_tile
         # Page-table width: whole blocks, so the attention loop's dynamic slices never run past it.
@@ -259,12 +299,13 @@ class Runner:
                 return query_tiles(runs, t, q, next(n for n in counts if n >= need))
         return single_token_tiles(b.seq, b.num_tokens)
 
-    def warmup(self, progress: bool | None = True, draft_nodes: int = 0) -> None:
+    def warmup(self, progress: bool | None = True) -> None:
         """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none;
-        with draft_nodes (K1 of speculative steps), the verifying step of every shape too.
+        with draft_nodes, the verifying step of every shape too.
         progress: a bar (True), none (False), or a bar only on a terminal (None)."""
         from tqdm.auto import tqdm
 
+        draft_nodes = self.draft_nodes
         programs = [(s, False) for s in self.step_shapes()] + [(s, True) for s in self.step_shapes() if draft_nodes]
         maps = MapBudget(len(programs), f"the step programs of {self.model.cfg.name}")
         for (t, q, n), spec in tqdm(programs, desc="compiling step shapes", leave=False,
@@ -277,6 +318,17 @@ class Runner:
             else:
                 self._run(b, *tiles)
             maps.compiled()
+
+    def step_seconds(self, reps: int = 3) -> tuple[dict[int, float], dict[int, float]]:
+        """Seconds of a plain and of a verifying step (draft_nodes must be set) at each token bucket:
+        best of `reps` all-padding steps, after one that pays any lazy transfer."""
+        plain, verify = {}, {}
+        for t in self.buckets:
+            b = self.empty_batch(t)
+            d = DraftBatch.empty(len(b.tokens), self.max_seqs, self.draft_nodes)
+            plain[t] = _best_time(lambda: self.step(b), reps)
+            verify[t] = _best_time(lambda: self.verify_step(b, d), reps)
+        return plain, verify
 
     def _forward(self, graphdef, params, kv, tokens, positions, mask_pos, tree, tile_tok, tile_seq, tok_slot, slots,
                  page_tables, num_blocks, layout):
@@ -308,20 +360,20 @@ class Runner:
         h, kv = model.hidden(tokens, positions, attn, kv)
         return model, h, kv
 
-    def _step_fn(self, graphdef, params, kv, tokens, positions, tile_tok, tile_seq, tok_slot, slots, page_tables,
-                 num_blocks, logits_idx, temperature, top_k, top_p, seed, step, layout=None):
-        model, h, kv = self._forward(graphdef, params, kv, tokens, positions, positions, None, tile_tok, tile_seq,
-                                     tok_slot, slots, page_tables, num_blocks, layout)
-        logits = model.logits(h[logits_idx])
-        return (kv, *sample(logits, temperature, top_k, top_p, seed, step), logits)
+    def _step_fn(self, graphdef, params, kv, x: StepInputs, layout=None):
+        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, x.positions, None, x.tile_tok,
+                                     x.tile_seq, x.tok_slot, x.slots, x.page_tables, x.num_blocks, layout)
+        logits = model.logits(h[x.logits_idx])
+        s = x.sampling
+        return (kv, *sample(logits, s.temperature, s.top_k, s.top_p, s.seed, s.step), logits)
 
-    def _verify_fn(self, graphdef, params, kv, tokens, positions, mask_pos, base, anc, tile_tok, tile_seq, tok_slot,
-                   slots, page_tables, num_blocks, seq, draw_step, node_idx, parent, active, temperature, top_k, top_p,
-                   seed, layout=None):
-        model, h, kv = self._forward(graphdef, params, kv, tokens, positions, mask_pos, (base, anc), tile_tok,
-                                     tile_seq, tok_slot, slots, page_tables, num_blocks, layout)
+    def _verify_fn(self, graphdef, params, kv, x: StepInputs, d: DraftBatch, layout=None):
+        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, d.mask_pos, (d.base, d.anc),
+                                     x.tile_tok, x.tile_seq, x.tok_slot, x.slots, x.page_tables, x.num_blocks, layout)
         logits = model.logits(h)  # every token's: each draft node is verified
-        return (kv, *verify(logits, tokens, seq, draw_step, node_idx, parent, active, temperature, top_k, top_p, seed))
+        s = x.sampling
+        return (kv, *verify(logits, x.tokens, x.seq, d.draw_step, d.node_idx, d.parent, d.active, s.temperature,
+                            s.top_k, s.top_p, s.seed))
 
     def step(self, b: StepBatch) -> StepOutput:
         if self.slot is not None:
@@ -330,31 +382,103 @@ class Runner:
 
     def verify_step(self, b: StepBatch, d: DraftBatch) -> VerifyOutput:
         """A step whose sequences bring draft trees: every node's logits are computed and the drafts
-        verified (rollout/verify.py). b.sampling's rows are the sequences of node_idx's rows."""
+        verified (engine/spec/verify.py). b.sampling's rows are the sequences of node_idx's rows."""
         if self.slot is not None:
             self.slot.require_active(self.layout, self.model.fingerprint)
         return self._run_verify(b, d, *self.tiling(b))
 
+    def inputs(self, b: StepBatch, tiles=None) -> StepInputs:
+        """The jitted step's inputs for `b` (its query tiles: `tiling(b)` unless given)."""
+        tile_tok, tile_seq, tok_slot = tiles if tiles is not None else self.tiling(b)
+        return StepInputs(b.tokens, b.positions, tile_tok, tile_seq, tok_slot, b.slots, b.page_tables,
+                          np.int32(b.num_blocks), b.seq, b.logits_idx, b.sampling)
+
     def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
-        s = b.sampling
         params = self.model.state if self.slot is None else self.slot.array
         with jax.set_mesh(self.model.mesh):
-            self.kv, *out = self._verify(
-                self.model.graphdef, params, self.kv, b.tokens, b.positions, d.mask_pos, d.base, d.anc, tile_tok,
-                tile_seq, tok_slot, b.slots, b.page_tables, np.int32(b.num_blocks), b.seq, d.draw_step, d.node_idx,
-                d.parent, d.active, s.temperature, s.top_k, s.top_p, s.seed, layout=self.layout)
+            self.kv, *out = self._verify(self.model.graphdef, params, self.kv,
+                                         self.inputs(b, (tile_tok, tile_seq, tok_slot)), d, layout=self.layout)
         return VerifyOutput(*jax.device_get(out))
 
     def _run(self, b: StepBatch, tile_tok, tile_seq, tok_slot) -> StepOutput:
-        s = b.sampling
         params = self.model.state if self.slot is None else self.slot.array
         with jax.set_mesh(self.model.mesh):
-            self.kv, *out = self._step(
-                self.model.graphdef, params, self.kv, b.tokens, b.positions, tile_tok, tile_seq, tok_slot,
-                b.slots, b.page_tables, np.int32(b.num_blocks), b.logits_idx, s.temperature, s.top_k, s.top_p, s.seed,
-                s.step, layout=self.layout)
+            self.kv, *out = self._step(self.model.graphdef, params, self.kv,
+                                       self.inputs(b, (tile_tok, tile_seq, tok_slot)), layout=self.layout)
         toks, lp, top_ids, top_lp = jax.device_get(out[:4])
         return StepOutput(toks, lp, top_ids, top_lp, out[4])
+
+    # ---- plans ------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs a plan (its restores scattered in by the caller first): one step, or one verifying step
+        when the plan brings drafts. Returns what each sampling chunk drew."""
+        b, d = self.batch(plan)
+        t0 = time.perf_counter()
+        out = self.verify_step(b, d) if d is not None else self.step(b)
+        seconds = time.perf_counter() - t0
+        drawn, row = {}, 0
+        for r, c in enumerate(plan.chunks):
+            if c.sample is None:
+                continue
+            if d is not None:  # the verifier's rows are the step's sequences
+                count = int(out.count[r])
+                path = out.path[r, :count]
+                # accepted nodes 1, 2, ... in place hold their KV; after a jump (a tree's side branch)
+                # the accepted tokens are known but recomputed next step
+                kept = int(np.argmin(np.r_[path[1:] == np.arange(1, count), False]))
+                drawn[c.request_id] = Drawn(out.tokens[r, :count], out.logprobs[r, :count], out.top_ids[r, :count],
+                                            out.top_logprobs[r, :count], kept)
+            else:
+                drawn[c.request_id] = Drawn(out.tokens[row:row + 1], out.logprobs[row:row + 1],
+                                            out.top_ids[row:row + 1], out.top_logprobs[row:row + 1])
+                row += 1
+        return StepResult(drawn, seconds, len(b.tokens))
+
+    def batch(self, plan: StepPlan) -> tuple[StepBatch, DraftBatch | None]:
+        """The host arrays of a plan: its chunks' tokens, positions and KV slots in page-table row order,
+        sampling rows, and (for a speculative plan) the draft trees."""
+        spec = plan.speculative
+        b = self.empty_batch(plan.num_tokens)
+        d = DraftBatch.empty(len(b.tokens), self.max_seqs, self.draft_nodes) if spec else None
+        ps = self.spec.page_size
+        t = rows = max_pages = 0
+        for i, c in enumerate(plan.chunks):
+            q, n = len(c.tokens), c.num_tokens
+            m = n - q
+            pos = np.arange(c.start, c.start + n)  # a draft's nodes in depth-first order
+            pages = np.asarray(c.pages, np.int32)
+            b.tokens[t:t + q] = c.tokens
+            b.positions[t:t + n] = pos
+            b.seq[t:t + n] = i
+            b.slots[t:t + n] = pages[pos // ps] * ps + pos % ps
+            b.page_tables[i, :len(pages)] = pages
+            max_pages = max(max_pages, len(pages))
+            if d is not None:
+                d.mask_pos[t:t + n] = pos
+            if m:
+                depth, anc = tree_layout(c.draft.parents)
+                b.tokens[t + 1:t + n] = c.draft.tokens
+                b.positions[t + 1:t + n] = c.start + depth
+                d.base[t + 1:t + n] = c.start + 1
+                d.anc[t + 1:t + n] = anc
+            if c.sample is not None:
+                row = i if spec else rows
+                out_idx = c.sample.step
+                if spec:
+                    d.node_idx[i, :m + 1] = t + q - 1 + np.arange(m + 1)
+                    d.parent[i, 0] = -1
+                    d.active[i] = True
+                    d.draw_step[t + q - 1] = out_idx
+                    if m:
+                        d.parent[i, 1:m + 1] = c.draft.parents + 1
+                        d.draw_step[t + 1:t + n] = out_idx + depth
+                else:
+                    b.logits_idx[row] = t + n - 1
+                b.sampling.set_row(row, c.sample.params, c.sample.seed, out_idx)
+                rows += 1
+            t += n
+        b.num_blocks = -(-max_pages // self.pages_per_block)
+        return b, d
 
     def empty_batch(self, num_tokens: int) -> StepBatch:
         """A padded batch of the bucket for num_tokens: every token writes out of bounds."""
@@ -364,3 +488,13 @@ class Runner:
             slots=np.full(t, self.spec.num_slots, np.int32),
             page_tables=np.zeros((self.max_seqs, self.table_width), np.int32), num_blocks=0, num_tokens=num_tokens,
             logits_idx=np.zeros(self.max_seqs, np.int32), sampling=SamplingBatch.empty(self.max_seqs))
+
+
+def _best_time(fn, reps: int) -> float:
+    fn()  # compiled already after a warm-up; this one pays any lazy transfer
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

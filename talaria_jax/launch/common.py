@@ -32,7 +32,7 @@ def load_on_devices(model: str, tp: int, *, dtype: str | None, compilation_cache
 
 def spec_config(max_spec_tokens: int):
     """The engines' speculation for a launcher's --speculate (0: none)."""
-    from talaria_jax.rollout.suffix import SpecConfig
+    from talaria_jax.engine.spec.suffix import SpecConfig
 
     return SpecConfig(max_spec_tokens=max_spec_tokens) if max_spec_tokens else None
 

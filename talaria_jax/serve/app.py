@@ -15,6 +15,7 @@ on the text: the request is aborted there and the text cut before the match.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -23,12 +24,12 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import uvicorn
 from absl import logging
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,8 +41,10 @@ from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
 from talaria_jax.serve.protocol import ApiError, Limits, Parsed
+from talaria_jax.tokenizer import IncrementalDetokenizer
 
-__all__ = ["ServedModel", "build_app", "serve_in_thread", "serving", "tenant_salt"]
+__all__ = ["ServedModel", "build_app", "key_checker", "openai_errors", "read_json", "serve_in_thread", "serving",
+           "session_header", "tenant_salt"]
 
 
 @dataclasses.dataclass
@@ -70,9 +73,10 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
               session_idle_s: float = 60.0, tenant_secret: bytes | None = None,
               backend: InstanceEngine | None = None) -> FastAPI:
     """The app; `app.state.engine` is its `AsyncEngine` (stop it with `.close()`), `app.state.metrics`
-    its metrics. `tenant_secret` keys the tenant salts (default: random for this process). `backend`:
-    an `InstanceEngine` serving every one of `models` on one instance under the scheduler (it adds the
-    router's route, `POST /talaria/probe`); None: the one model's own engine."""
+    its metrics, `app.state.server` what the routes read. `tenant_secret` keys the tenant salts
+    (default: random for this process). `backend`: an `InstanceEngine` serving every one of `models`
+    on one instance under the scheduler (it adds the router's route, `POST /talaria/probe`); None: the
+    one model's own engine."""
     models = [models] if isinstance(models, ServedModel) else list(models)
     if backend is None and len(models) != 1:
         raise ValueError(f"build_app: {len(models)} models need a backend (an InstanceEngine serving them)")
@@ -80,115 +84,204 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
         raise ValueError(f"build_app: the models {[m.name for m in models]} are not the backend's {backend.models}")
     if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
         raise ValueError("build_app: give at least one non-empty API key")
-    by_name = {m.name: m for m in models}
-    secret = tenant_secret or secrets.token_bytes(32)
     app = FastAPI(title="talaria-serve", version=schema.VERSION, description=DESCRIPTION, docs_url="/docs",
                   redoc_url=None, openapi_url="/openapi.json")
     schema.publish(app, limits)
-    metrics_box: list[ServerMetrics] = []
-    ae = AsyncEngine(backend or models[0].engine, on_output=lambda *a: metrics_box[0].on_output(*a))
-    metrics = ServerMetrics(ae, ",".join(by_name), session_idle_s)
-    metrics_box.append(metrics)
+    ae = AsyncEngine(backend or models[0].engine)
+    metrics = ServerMetrics(ae, ",".join(m.name for m in models), session_idle_s)
+    ae.on_output = metrics.on_output
     app.state.engine, app.state.metrics, app.state.limits = ae, metrics, limits
-    caller = key_checker(api_keys)
+    app.state.server = _Server(ae, metrics, limits, {m.name: m for m in models}, backend,
+                               tenant_secret or secrets.token_bytes(32), key_checker(api_keys), _Probed())
     openai_errors(app)
-
-    @app.get("/health", **schema.HEALTH)
-    async def health():
-        if ae.state != "running":
-            return JSONResponse({"status": ae.state}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/v1/models", **schema.MODELS)
-    async def list_models(request: Request):
-        caller(request)
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "talaria",
-                                            "max_model_len": m.engine.config.max_model_len} for m in models]}
-
-    @app.get("/metrics", **schema.METRICS)
-    def get_metrics(request: Request):  # a plain def: FastAPI runs it in a thread (it reads the engine)
-        caller(request)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/v1/completions", **schema.COMPLETIONS)
-    async def completions(request: Request):
-        return await _generate(request, chat=False)
-
-    @app.post("/v1/chat/completions", **schema.CHAT_COMPLETIONS)
-    async def chat_completions(request: Request):
-        return await _generate(request, chat=True)
-
-    @app.post("/talaria/probe", **schema.PROBE)
-    async def probe(request: Request, kind: Literal["completion", "chat"] = "completion"):
-        """The router's view of this instance for one request (which it checks as if it were sent):
-        the instance's state, and the tokens of the request's prompt it holds on device and on host."""
-        if backend is None:
-            raise ApiError(404, "this server has no scheduler (one engine): nothing to probe", code="not_found")
-        served, p, prompt, salt, session = await _prepare(request, kind == "chat")
-        try:
-            served.engine.check_request(prompt, p.params[0])
-        except RequestError as e:
-            raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
-
-        def read():
-            with ae._lock:
-                loc = backend.prefix_of(session, served.name, prompt, salt)
-                return {**backend.state(session), "prompt_tokens": len(prompt), "device_tokens": loc.device_tokens,
-                        "host_tokens": loc.host_tokens}
-        return await asyncio.to_thread(read)
-
-    async def _prepare(request: Request, chat: bool) -> tuple[ServedModel, Parsed, list[int], str, str | None]:
-        """Checks the caller and the request; the model, the request, its prompt ids, the caller's
-        tenant salt and the session (named within the tenant)."""
-        key = caller(request)
-        if ae.state != "running":
-            raise ApiError(503, f"the server is {ae.state}", code="unavailable")
-        body = await _read_json(request, limits.max_body_bytes)
-        p = protocol.parse_chat(body, limits) if chat else protocol.parse_completion(body, limits)
-        served = by_name.get(p.model)
-        if served is None:
-            raise ApiError(404, f"the model '{p.model}' does not exist (this server serves "
-                           f"{', '.join(repr(n) for n in by_name)})", "model", "model_not_found")
-        p.session = session_header(request) or p.session
-        prompt = await asyncio.to_thread(_prompt_ids, served, p)  # a template and up to a MiB of text
-        if p.max_tokens is None:  # chat's default: the rest of the context
-            room = served.engine.config.max_model_len - len(prompt)
-            p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
-        salt = tenant_salt(key, secret)
-        session = None if p.session is None else f"{salt[:16]}:{p.session}"  # tenants' sessions never mix
-        return served, p, prompt, salt, session
-
-    async def _generate(request: Request, chat: bool):
-        served, p, prompt, salt, session = await _prepare(request, chat)
-        if session is not None:
-            metrics.session_started(session)
-        loop = asyncio.get_running_loop()
-        route = {} if backend is None else {"model": served.name}
-        choices: list[_Choice] = []
-        try:
-            for i, params in enumerate(p.params):
-                rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=salt, session=session,
-                                                     **route)
-                choices.append(_Choice(i, rid, queue, p, served.tokenizer))
-        except RequestError as e:
-            _abort_all(ae, choices)
-            raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
-        except Unavailable as e:
-            _abort_all(ae, choices)
-            raise ApiError(503, str(e), code="unavailable") from None
-        rid = protocol.new_id(chat)
-        if p.stream:
-            return StreamingResponse(_stream(ae, request, choices, chat, rid, p, len(prompt)),
-                                     media_type="text/event-stream")
-        try:
-            await _wait_all(request, choices, ae)
-        finally:
-            _abort_all(ae, choices)
-        body = protocol.envelope(chat, rid, p.model, [c.body(chat) for c in choices], chunk=False,
-                                 usage_=_usage(choices, len(prompt)))
-        return body
-
+    app.include_router(routes)
     return app
+
+
+@dataclasses.dataclass(frozen=True)
+class _Server:
+    """What an instance server's routes read (`app.state.server`)."""
+    ae: AsyncEngine
+    metrics: ServerMetrics
+    limits: Limits
+    by_name: dict[str, ServedModel]
+    backend: InstanceEngine | None
+    secret: bytes  # keys the tenant salts
+    caller: Callable[[Request], str]  # the request's API key, or ApiError 401
+    probes: "_Probed"
+
+
+def _server(request: Request) -> _Server:
+    return request.app.state.server
+
+
+routes = APIRouter()
+
+
+@routes.get("/health", **schema.HEALTH)
+async def health(request: Request):
+    ae = _server(request).ae
+    if ae.state != "running":
+        return JSONResponse({"status": ae.state}, status_code=503)
+    return {"status": "ok"}
+
+
+@routes.get("/v1/models", **schema.MODELS)
+async def list_models(request: Request):
+    srv = _server(request)
+    srv.caller(request)
+    return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "talaria",
+                                        "max_model_len": m.engine.config.max_model_len} for m in srv.by_name.values()]}
+
+
+@routes.get("/metrics", **schema.METRICS)
+def get_metrics(request: Request):  # a plain def: FastAPI runs it in a thread (it reads the engine)
+    srv = _server(request)
+    srv.caller(request)
+    return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@routes.post("/v1/completions", **schema.COMPLETIONS)
+async def completions(request: Request):
+    return await _generate(request, chat=False)
+
+
+@routes.post("/v1/chat/completions", **schema.CHAT_COMPLETIONS)
+async def chat_completions(request: Request):
+    return await _generate(request, chat=True)
+
+
+@routes.post("/talaria/probe", **schema.PROBE)
+async def probe(request: Request, kind: Literal["completion", "chat"] = "completion", tokens: bool = False):
+    """The router's view of this instance for one request (which it checks as if it were sent):
+    the instance's state, the tokens of the request's prompt it holds on device and on host, and
+    `probe`, an id under which the checked request is kept: the request sent with the header
+    `x-talaria-probe: <id>` skips its parsing, rendering and tokenizing. `tokens=true` adds the
+    prompt's token ids to the answer; a request that brings them (`talaria_prompt_token_ids`, what
+    another instance of the same model answered) is not rendered or tokenized here."""
+    srv = _server(request)
+    backend = srv.backend
+    if backend is None:
+        raise ApiError(404, "this server has no scheduler (one engine): nothing to probe", code="not_found")
+    prep = await _prepare(request, kind == "chat", probing=True)
+    try:
+        prep.served.engine.check_request(prep.prompt, prep.p.params[0])
+    except RequestError as e:
+        raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
+
+    def read():
+        with srv.ae.locked():
+            loc = backend.prefix_of(prep.session, prep.served.name, prep.prompt, prep.salt)
+            return {**backend.state(prep.session), "prompt_tokens": len(prep.prompt),
+                    "device_tokens": loc.device_tokens, "host_tokens": loc.host_tokens}
+    answer = await asyncio.to_thread(read)
+    answer["probe"] = srv.probes.put(prep)
+    if tokens:
+        answer["prompt_token_ids"] = prep.prompt
+    return JSONResponse(answer)  # plain JSON already: no walk of every token id by FastAPI's encoder
+
+
+async def _prepare(request: Request, chat: bool, probing: bool = False) -> Prepared:
+    """Checks the caller and the request; the model, the request, its prompt ids, the caller's
+    tenant salt and the session (named within the tenant). A request named by an `x-talaria-probe`
+    header that this server's probe checked for the same caller is taken as it was then (its body is
+    not read again)."""
+    srv = _server(request)
+    key = srv.caller(request)
+    if srv.ae.state != "running":
+        raise ApiError(503, f"the server is {srv.ae.state}", code="unavailable")
+    salt = tenant_salt(key, srv.secret)
+    probed = request.headers.get("x-talaria-probe")
+    if probed is not None and not probing:
+        prep = srv.probes.take(probed, salt)
+        if prep is not None:
+            return prep
+    limits = srv.limits
+    body = await read_json(request, limits.max_body_bytes)
+    given = body.pop("talaria_prompt_token_ids", None) if probing and isinstance(body, dict) else None
+    p = protocol.parse_chat(body, limits) if chat else protocol.parse_completion(body, limits)
+    served = srv.by_name.get(p.model)
+    if served is None:
+        raise ApiError(404, f"the model '{p.model}' does not exist (this server serves "
+                       f"{', '.join(repr(n) for n in srv.by_name)})", "model", "model_not_found")
+    p.session = session_header(request) or p.session
+    if given is not None:  # rendered and tokenized by another instance of this model
+        prompt = protocol.token_ids(given, "talaria_prompt_token_ids")
+    else:
+        prompt = await asyncio.to_thread(_prompt_ids, served, p)  # a template and up to a MiB of text
+    if p.max_tokens is None:  # chat's default: the rest of the context
+        room = served.engine.config.max_model_len - len(prompt)
+        p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
+    session = None if p.session is None else f"{salt[:16]}:{p.session}"  # tenants' sessions never mix
+    return Prepared(served, p, prompt, salt, session)
+
+
+async def _generate(request: Request, chat: bool):
+    srv = _server(request)
+    ae = srv.ae
+    prep = await _prepare(request, chat)
+    served, p, prompt, salt, session = prep.served, prep.p, prep.prompt, prep.salt, prep.session
+    if session is not None:
+        srv.metrics.session_started(session)
+    loop = asyncio.get_running_loop()
+    route = {} if srv.backend is None else {"model": served.name}
+    choices: list[_Choice] = []
+    try:
+        for i, params in enumerate(p.params):
+            rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=salt, session=session,
+                                                 **route)
+            choices.append(_Choice(i, rid, queue, p, served.tokenizer))
+    except RequestError as e:
+        _abort_all(ae, choices)
+        raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
+    except Unavailable as e:
+        _abort_all(ae, choices)
+        raise ApiError(503, str(e), code="unavailable") from None
+    rid = protocol.new_id(chat)
+    if p.stream:
+        return StreamingResponse(_stream(ae, request, choices, chat, rid, p, len(prompt)),
+                                 media_type="text/event-stream")
+    try:
+        await _wait_all(request, choices, ae)
+    finally:
+        _abort_all(ae, choices)
+    return protocol.envelope(chat, rid, p.model, [c.body(chat) for c in choices], chunk=False,
+                             usage_=_usage(choices, len(prompt)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A request checked and tokenized: what serving it needs."""
+    served: ServedModel
+    p: Parsed
+    prompt: list[int]
+    salt: str  # the caller's tenant salt
+    session: str | None  # the session, named within the tenant
+
+
+class _Probed:
+    """Requests the probe checked, by a random id, for the router's forward of one of them: each is
+    taken once, by the caller that probed it, within `ttl_s`; the oldest go past `capacity`."""
+
+    def __init__(self, capacity: int = 4096, ttl_s: float = 300.0):
+        self.capacity, self.ttl_s = capacity, ttl_s
+        self._items: collections.OrderedDict[str, tuple[float, Prepared]] = collections.OrderedDict()
+        self._mu = threading.Lock()
+
+    def put(self, prep: Prepared) -> str:
+        pid = secrets.token_hex(16)
+        with self._mu:
+            self._items[pid] = (time.monotonic(), prep)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+        return pid
+
+    def take(self, pid: str, salt: str) -> Prepared | None:
+        with self._mu:
+            t, prep = self._items.pop(pid, (0.0, None))
+        if prep is None or prep.salt != salt or time.monotonic() - t > self.ttl_s:
+            return None
+        return prep
 
 
 def key_checker(api_keys: Sequence[str]):
@@ -239,7 +332,8 @@ def session_header(request: Request) -> str | None:
     return header
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON; ApiError 413 past `limit` bytes, 400 when it is not JSON."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise ApiError(413, f"the request body is {size} bytes, over the limit of {limit}", code="body_too_large")
@@ -289,6 +383,9 @@ class _Choice:
         self.finish_reason: str | None = None
         self.stopped = False  # a stop string matched: the engine request is aborted, reported as "stop"
         self.holdback = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be completing
+        self.detok = IncrementalDetokenizer(tokenizer)  # the output's text, decoded as it grows
+        self._fed = 0  # token ids given to detok
+        self._searched = 0  # text searched for stop strings (a match may still start in its last holdback)
 
     @property
     def done(self) -> bool:
@@ -298,14 +395,18 @@ class _Choice:
         if isinstance(out, EngineDead):
             raise ApiError(503, f"the engine failed: {out}", code="engine_dead")
         self.out = out
-        text = out.text
-        cut = min((k for k in (text.find(s) for s in self.p.stop) if k >= 0), default=-1)  # the earliest match
-        if cut >= 0:
-            text, self.finish_reason, self.stopped = text[:cut], "stop", True
+        self.detok.add(out.text_token_ids[self._fed:])  # text_token_ids leave out a final stop token
+        self._fed = len(out.text_token_ids)
+        if out.finished:
+            self.detok.flush()
+        text = self.detok.text
+        start = max(0, self._searched - self.holdback)
+        found = [k for k in (text.find(s, start) for s in self.p.stop) if k >= 0]
+        self._searched = len(text)
+        if found:  # the earliest match
+            text, self.finish_reason, self.stopped = text[:min(found)], "stop", True
         if self.finish_reason is None and out.finished:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
-        if not self.done and text.endswith("\ufffd"):
-            text = text[:-1]  # an incomplete UTF-8 character: wait for its other bytes
         self.text = text
 
     def delta(self) -> str:

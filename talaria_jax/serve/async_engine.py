@@ -14,6 +14,7 @@ and the server answers 503 from then on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -45,7 +46,8 @@ class _Stream:
 
 class AsyncEngine:
     """See the module docstring. `on_output(output, arrival_s, session)` runs on the engine thread for
-    every output, including the final one of a request aborted by `abort` (metrics)."""
+    every output, including the final one of a request aborted by `abort` (metrics); it may be set
+    after construction, before the first request."""
 
     def __init__(self, engine: Engine, on_output: Callable[[RequestOutput, float, str | None], None] | None = None,
                  max_step_failures: int = 3):
@@ -88,6 +90,13 @@ class AsyncEngine:
                 self._aborts.append((rid, stream, reason))
         if stream is not None:
             self._wake.set()
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Holds the engine between steps for a block (no step runs, nothing is added): yields the
+        engine, for reads that must not see a step half done."""
+        with self._lock:
+            yield self.engine
 
     def num_in_flight(self) -> int:
         with self._mu:

@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 from absl import logging
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,10 +58,10 @@ from talaria_jax.scheduler.api import PrefixLocation, WeightState
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, Session
 from talaria_jax.serve import protocol, schema
-from talaria_jax.serve.app import _read_json, key_checker, openai_errors, session_header
+from talaria_jax.serve.app import key_checker, openai_errors, read_json, session_header
 from talaria_jax.serve.protocol import ApiError, Limits
 
-__all__ = ["Upstream", "build_gateway"]
+__all__ = ["Gateway", "Upstream", "build_gateway", "routes"]
 
 _SEED_MAX = 2**62  # a seed the gateway adds leaves room for n choices' seed + i
 _MAX_N = 128  # choices per request the gateway forwards at most (each instance has its own --max_n)
@@ -243,70 +243,95 @@ there costs more), and placed again if that instance is lost. Every route but `/
 def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: PolicyConfig,
                   max_body_bytes: int = 1 << 20, probe_interval_s: float = 1.0, fail_after: int = 2,
                   probe_timeout_s: float = 30.0, instance_key: str | None = None) -> FastAPI:
-    """The gateway app over instance servers at `instances` (base URLs). `api_keys`: the callers'
-    keys (the instances must take them too); `instance_key`: the key of the gateway's own requests
-    (model lists; default the first of `api_keys`). Start it under uvicorn: its health checks run
-    while it serves. `app.state.upstreams` are the instances, `app.state.registry` its metrics."""
-    if not instances:
-        raise ValueError("build_gateway: give at least one instance URL")
-    if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
-        raise ValueError("build_gateway: give at least one non-empty API key")
-    ups = [Upstream(f"i{k}", url.rstrip("/")) for k, url in enumerate(instances)]
-    own_key = instance_key or api_keys[0]
-    secret = secrets.token_bytes(32)  # groups the gateway's sessions by tenant (never sent anywhere)
-    reg = CollectorRegistry()
-    m_requests = Counter("talaria:router_requests", "Calls forwarded, by instance", ["instance"], registry=reg)
-    m_replaced = Counter("talaria:router_replacements", "Calls placed again after their instance was lost",
-                         registry=reg)
-    m_refused = Counter("talaria:router_refused", "Requests refused by the gateway's own checks (never forwarded)",
-                        registry=reg)
-    m_up = Gauge("talaria:router_instance_up", "1 while the instance takes calls", ["instance"], registry=reg)
-    m_inflight = Gauge("talaria:router_inflight", "Calls forwarded and not yet answered", ["instance"], registry=reg)
-    m_e2e = Histogram("talaria:router_request_latency_seconds", "Arrival to the end of the answer", registry=reg,
-                      buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
-    open_limits = Limits(max_body_bytes=max_body_bytes, max_tokens=1 << 30, max_n=_MAX_N)
-    sessions: dict[str, str] = {}  # tenant-scoped session -> the instance of its last call (least recent first)
-    anonymous = itertools.count()
-    http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=1000))
+    """The gateway app over instance servers at `instances` (base URLs): a `Gateway` (`app.state.gateway`)
+    behind the module's routes. `api_keys`: the callers' keys (the instances must take them too);
+    `instance_key`: the key of the gateway's own requests (model lists; default the first of
+    `api_keys`). Start it under uvicorn: its health checks run while it serves. `app.state.upstreams`
+    are the instances, `app.state.registry` its metrics, `app.state.sessions` each session's last
+    instance."""
+    gw = Gateway(instances, api_keys=api_keys, policy=policy, max_body_bytes=max_body_bytes,
+                 probe_interval_s=probe_interval_s, fail_after=fail_after, probe_timeout_s=probe_timeout_s,
+                 instance_key=instance_key)
+    app = FastAPI(title="talaria-route", version=schema.VERSION, description=DESCRIPTION, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json", lifespan=gw.lifespan)
+    schema.publish(app, None)
+    app.state.gateway = gw
+    app.state.upstreams, app.state.registry, app.state.sessions = gw.upstreams, gw.registry, gw.sessions
+    openai_errors(app)
+    app.include_router(routes)
+    return app
+
+
+class Gateway:
+    """The router gateway's state and parts: the instances and their health checks (`check`,
+    `health_loop`), placement (`place`: probes and the policy's router), forwarding (`call`) and the
+    stream relay (`streamed`). The module's routes call it; so can a test, alone."""
+
+    def __init__(self, instances: Sequence[str], *, api_keys: Sequence[str], policy: PolicyConfig,
+                 max_body_bytes: int = 1 << 20, probe_interval_s: float = 1.0, fail_after: int = 2,
+                 probe_timeout_s: float = 30.0, instance_key: str | None = None):
+        if not instances:
+            raise ValueError("build_gateway: give at least one instance URL")
+        if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
+            raise ValueError("build_gateway: give at least one non-empty API key")
+        self.upstreams = [Upstream(f"i{k}", url.rstrip("/")) for k, url in enumerate(instances)]
+        self.policy, self.max_body_bytes = policy, max_body_bytes
+        self.probe_interval_s, self.fail_after, self.probe_timeout_s = probe_interval_s, fail_after, probe_timeout_s
+        self.own_key = instance_key or api_keys[0]
+        self.caller = key_checker(api_keys)
+        self.secret = secrets.token_bytes(32)  # groups the gateway's sessions by tenant (never sent anywhere)
+        self.registry = reg = CollectorRegistry()
+        self.m_requests = Counter("talaria:router_requests", "Calls forwarded, by instance", ["instance"],
+                                  registry=reg)
+        self.m_replaced = Counter("talaria:router_replacements", "Calls placed again after their instance was lost",
+                                  registry=reg)
+        self.m_refused = Counter("talaria:router_refused",
+                                 "Requests refused by the gateway's own checks (never forwarded)", registry=reg)
+        self.m_up = Gauge("talaria:router_instance_up", "1 while the instance takes calls", ["instance"], registry=reg)
+        self.m_inflight = Gauge("talaria:router_inflight", "Calls forwarded and not yet answered", ["instance"],
+                                registry=reg)
+        self.m_e2e = Histogram("talaria:router_request_latency_seconds", "Arrival to the end of the answer",
+                               registry=reg,
+                               buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
+        self.open_limits = Limits(max_body_bytes=max_body_bytes, max_tokens=1 << 30, max_n=_MAX_N)
+        self.sessions: dict[str, str] = {}  # tenant-scoped session -> the instance of its last call (least recent first)
+        self._anonymous = itertools.count()
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None),
+                                      limits=httpx.Limits(max_connections=1000))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await asyncio.gather(*(check(up) for up in ups))
-        task = asyncio.create_task(health_loop())
+    async def lifespan(self, app: FastAPI):
+        await asyncio.gather(*(self.check(up) for up in self.upstreams))
+        task = asyncio.create_task(self.health_loop())
         yield
         task.cancel()
-        await http.aclose()
-
-    app = FastAPI(title="talaria-route", version=schema.VERSION, description=DESCRIPTION, docs_url="/docs",
-                  redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
-    schema.publish(app, None)
-    app.state.upstreams, app.state.registry, app.state.sessions = ups, reg, sessions
-
-    caller = key_checker(api_keys)
+        await self.http.aclose()
 
     # --- instance health ---------------------------------------------------------------------------
-    def taken_out(up: Upstream, why: str) -> None:
+    def taken_out(self, up: Upstream, why: str) -> None:
         if up.alive or up.accepting:
             logging.warning("instance %s (%s) taken out: %s", up.name, up.url, why)
         up.alive = up.accepting = False
         up.lost.set()
-        m_up.labels(up.name).set(0)
+        self.m_up.labels(up.name).set(0)
 
-    async def check(up: Upstream) -> None:
+    async def check(self, up: Upstream) -> None:
+        """One health check of `up`: a refused connection takes it out at once, `fail_after` misses in a
+        row too; back in service, its models are listed again."""
         try:
-            r = await http.get(f"{up.url}/health", timeout=max(0.5, probe_interval_s))
+            r = await self.http.get(f"{up.url}/health", timeout=max(0.5, self.probe_interval_s))
         except httpx.ConnectError as e:  # nothing listens: the process is gone
-            up.misses = fail_after
-            return taken_out(up, f"connection refused ({e})")
+            up.misses = self.fail_after
+            return self.taken_out(up, f"connection refused ({e})")
         except httpx.HTTPError as e:
             up.misses += 1
-            if up.misses >= fail_after:
-                taken_out(up, f"{up.misses} health checks missed ({type(e).__name__})")
+            if up.misses >= self.fail_after:
+                self.taken_out(up, f"{up.misses} health checks missed ({type(e).__name__})")
             return
         if not up.alive or not up.models:  # (back) in service: what does it serve?
             try:
-                lst = await http.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {own_key}"},
-                                     timeout=probe_timeout_s)
+                lst = await self.http.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {self.own_key}"},
+                                          timeout=self.probe_timeout_s)
                 lst.raise_for_status()
                 up.models = tuple(m["id"] for m in lst.json()["data"])
             except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -314,127 +339,98 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                 return
             up.lost = asyncio.Event()
         up.misses, up.alive, up.accepting = 0, True, r.status_code == 200
-        m_up.labels(up.name).set(int(up.accepting))
+        self.m_up.labels(up.name).set(int(up.accepting))
 
-    async def health_loop() -> None:
+    async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(check(up) for up in ups))
-            await asyncio.sleep(probe_interval_s)
+            await asyncio.gather(*(self.check(up) for up in self.upstreams))
+            await asyncio.sleep(self.probe_interval_s)
 
-    # --- routes --------------------------------------------------------------------------------------
-    openai_errors(app)
-
-    @app.get("/health", **schema.HEALTH)
-    async def health():
-        n = sum(up.accepting for up in ups)
-        instances = [{"name": up.name, "url": up.url, "up": up.accepting, "models": list(up.models)} for up in ups]
-        return JSONResponse({"status": "ok" if n else "no instance", "instances_up": n, "instances": instances},
-                            status_code=200 if n else 503)
-
-    @app.get("/v1/models", **schema.MODELS)
-    async def list_models(request: Request):
-        caller(request)
-        names = dict.fromkeys(m for up in ups if up.alive for m in up.models)
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "talaria"}
-                                           for n in names]}
-
-    @app.get("/metrics", **schema.METRICS)
-    async def get_metrics(request: Request):
-        caller(request)
-        for up in ups:
-            m_inflight.labels(up.name).set(up.inflight)
-        return Response(generate_latest(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/v1/completions", **schema.COMPLETIONS)
-    async def completions(request: Request):
-        return await _call(request, "/v1/completions", chat=False)
-
-    @app.post("/v1/chat/completions", **schema.CHAT_COMPLETIONS)
-    async def chat_completions(request: Request):
-        return await _call(request, "/v1/chat/completions", chat=True)
-
-    # --- placing and forwarding one call ------------------------------------------------------------
-    @dataclasses.dataclass
-    class _Ctx:
-        """One call as the gateway forwards it (again, after a loss)."""
-        raw: bytes
-        headers: dict
-        path: str
-        model: str
-        sid: str | None
-        tenant: str
-        chat: bool
-        tried: set = dataclasses.field(default_factory=set)  # instances that failed this call
-        error: httpx.Response | None = None  # the last 5xx an instance answered, if every one fails
-
-        @property
-        def session_key(self) -> str | None:
-            return None if self.sid is None else f"{self.tenant}:{self.sid}"
-
-    def served(ctx: _Ctx, up: Upstream) -> None:
+    # --- placing one call --------------------------------------------------------------------------
+    def served(self, call: _Call, up: Upstream) -> None:
         """The call was answered by `up`: where its session ran last."""
-        if ctx.session_key is not None:
-            sessions.pop(ctx.session_key, None)
-            sessions[ctx.session_key] = up.name
-            if len(sessions) > MAX_SESSIONS:
-                del sessions[next(iter(sessions))]
+        if call.session_key is not None:
+            self.sessions.pop(call.session_key, None)
+            self.sessions[call.session_key] = up.name
+            if len(self.sessions) > MAX_SESSIONS:
+                del self.sessions[next(iter(self.sessions))]
 
-    def failed(up: Upstream, ctx: _Ctx, why) -> None:
+    def failed(self, up: Upstream, call: _Call, why) -> None:
         logging.warning("a call on instance %s failed (%s): placing it again", up.name, why)
-        ctx.tried.add(up.name)
-        m_replaced.inc()
-        asyncio.ensure_future(check(up))
+        call.tried.add(up.name)
+        self.m_replaced.inc()
+        asyncio.ensure_future(self.check(up))
 
-    async def place(ctx: _Ctx) -> Upstream:
+    async def place(self, call: _Call) -> tuple[Upstream, str | None]:
         """The best instance for the call under the policy's router, after probing every accepting
-        instance that serves the model (and has not failed this call). Instances whose probe refuses
-        the request (a 4xx: their own limits) are passed over; if all do, the first refusal is the
-        caller's answer. An instance that fails its probe (5xx, no answer) is skipped."""
-        if not any(ctx.model in up.models for up in ups):
+        instance that serves the model (and has not failed this call), and the id its probe kept the
+        checked request under. The request is rendered and tokenized once: the first instance probed
+        (the session's last, if it is a candidate) answers the prompt's token ids, and the others
+        are probed with them. Instances whose probe refuses the request (a 4xx: their own limits)
+        are passed over; if all do, the first refusal is the caller's answer. An instance that fails
+        its probe (5xx, no answer) is skipped."""
+        ups = self.upstreams
+        if not any(call.model in up.models for up in ups):
             served = sorted({m for up in ups for m in up.models})
-            raise ApiError(404, f"the model '{ctx.model}' does not exist (served: {', '.join(served) or 'none'})",
+            raise ApiError(404, f"the model '{call.model}' does not exist (served: {', '.join(served) or 'none'})",
                            "model", "model_not_found")
-        cands = [up for up in ups if up.accepting and ctx.model in up.models and up.name not in ctx.tried]
+        cands = [up for up in ups if up.accepting and call.model in up.models and up.name not in call.tried]
         if not cands:
-            if ctx.error is not None:  # every instance up answered a server error: the client gets the last
-                raise _Relayed(ctx.error)
-            raise ApiError(503, f"no instance that serves '{ctx.model}' is up", code="unavailable")
-
-        async def probe(up: Upstream):
-            try:
-                kind = "chat" if ctx.chat else "completion"
-                return up, await http.post(f"{up.url}/talaria/probe", params={"kind": kind}, content=ctx.raw,
-                                           headers=ctx.headers, timeout=probe_timeout_s)
-            except httpx.HTTPError:
-                asyncio.ensure_future(check(up))
-                return up, None
-
+            if call.error is not None:  # every instance up answered a server error: the client gets the last
+                raise _Relayed(call.error)
+            raise ApiError(503, f"no instance that serves '{call.model}' is up", code="unavailable")
+        last = self.sessions.get(call.session_key) if call.session_key is not None else None
+        cands.sort(key=lambda up: up.name != last)  # stable: the session's last instance first
+        answers = []
+        if len(cands) > 1:
+            first = await self._probe(call, cands[0], call.raw, tokens=True)
+            answers.append(first)
+            ids = first[2].pop("prompt_token_ids", None) if first[2] is not None else None
+            content = call.raw if ids is None else json.dumps({**call.body, "talaria_prompt_token_ids": ids}).encode()
+            answers += await asyncio.gather(*(self._probe(call, up, content) for up in cands[1:]))
+        else:
+            answers.append(await self._probe(call, cands[0], call.raw))
         snaps, bad = [], None
-        for up, r in await asyncio.gather(*(probe(up) for up in cands)):
+        for up, r, answer in answers:
             if r is None or r.status_code >= 500:
-                ctx.tried.add(up.name)
-                ctx.error = r if r is not None and r.status_code != 503 else ctx.error
+                call.tried.add(up.name)
+                call.error = r if r is not None and r.status_code != 503 else call.error
             elif r.status_code != 200:
                 bad = bad or r
             else:
-                snaps.append(_Snapshot(up, r.json()))
+                snaps.append(_Snapshot(up, answer))
         if not snaps:
             if bad is not None:  # every instance that answered refused the request: its fault, as they said
                 raise _Relayed(bad)
-            return await place(ctx)  # every candidate failed: the next round finds none (503) or others
-        call = Call(ctx.session_key or f"~{next(anonymous)}", 0, ctx.model, int(snaps[0].s["prompt_tokens"]), 0, 0.0)
-        session = Session(call.session, [call], last_instance=sessions.get(ctx.session_key))
-        return router.rank(policy, call, session, snaps, {s.name: s.routed() for s in snaps})[0].up
+            return await self.place(call)  # every candidate failed: the next round finds none (503) or others
+        c = Call(call.session_key or f"~{next(self._anonymous)}", 0, call.model, int(snaps[0].s["prompt_tokens"]),
+                 0, 0.0)
+        session = Session(c.session, [c], last_instance=last)
+        best = router.rank(self.policy, c, session, snaps, {s.name: s.routed() for s in snaps})[0]
+        return best.up, best.s.get("probe")
 
-    async def _call(request: Request, path: str, chat: bool):
+    async def _probe(self, call: _Call, up: Upstream, content: bytes, tokens: bool = False):
+        """(up, its answer or None, the answer's JSON when it is a 200)."""
+        params = {"kind": "chat" if call.chat else "completion"} | ({"tokens": "true"} if tokens else {})
+        try:
+            r = await self.http.post(f"{up.url}/talaria/probe", params=params, content=content, headers=call.headers,
+                                     timeout=self.probe_timeout_s)
+        except httpx.HTTPError:
+            asyncio.ensure_future(self.check(up))
+            return up, None, None
+        return up, r, r.json() if r.status_code == 200 else None
+
+    # --- forwarding ----------------------------------------------------------------------------------
+    async def call(self, request: Request, path: str, chat: bool):
+        """One client call: checked, placed, forwarded (placed again while instances fail), answered."""
         t0 = time.perf_counter()
-        key = caller(request)
-        body = await _read_json(request, max_body_bytes)
+        key = self.caller(request)
+        body = await read_json(request, self.max_body_bytes)
         try:  # what every instance would refuse is refused here, before any instance is asked
-            (protocol.parse_chat if chat else protocol.parse_completion)(body, open_limits)
+            (protocol.parse_chat if chat else protocol.parse_completion)(body, self.open_limits)
         except ApiError as e:
             if e.param not in _INSTANCE_LIMITS:  # (those the instances check, naming their own limits)
-                m_refused.inc()
+                self.m_refused.inc()
                 raise
         sid = _session_id(request, body)
         if _sampled(body) and body.get("seed") is None:
@@ -442,57 +438,46 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         if request.headers.get("x-session-id") is not None:  # (a body's session_id travels in the body)
             headers["x-session-id"] = request.headers["x-session-id"]
-        ctx = _Ctx(json.dumps(body).encode(), headers, path, body["model"], sid,
-                   hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:16], chat)
+        call = _Call(body, json.dumps(body).encode(), headers, path, body["model"], sid,
+                     hmac.new(self.secret, key.encode(), hashlib.sha256).hexdigest()[:16], chat)
         if body.get("stream") is True:
-            return await streamed(ctx, t0)
+            return await self.streamed(call, t0)
         while True:
-            up = await place(ctx)
-            m_requests.labels(up.name).inc()
+            up, probed = await self.place(call)
+            self.m_requests.labels(up.name).inc()
             up.inflight += 1
             try:
-                r = await _until_lost(http.post(f"{up.url}{path}", content=ctx.raw, headers=ctx.headers), up, request)
+                r = await _until_lost(self.http.post(f"{up.url}{path}", content=call.raw,
+                                                     headers=_forward(call.headers, probed)), up, request)
             except (_Lost, httpx.HTTPError) as e:
-                failed(up, ctx, e)
+                self.failed(up, call, e)
                 continue
             finally:
                 up.inflight -= 1
             if r.status_code >= 500:
-                ctx.error = r if r.status_code != 503 else ctx.error
-                failed(up, ctx, f"HTTP {r.status_code}")
+                call.error = r if r.status_code != 503 else call.error
+                self.failed(up, call, f"HTTP {r.status_code}")
                 continue
             if r.status_code != 200:
                 raise _Relayed(r)  # the instance's refusal, as it wrote it (JSON or not)
-            served(ctx, up)
-            m_e2e.observe(time.perf_counter() - t0)
+            self.served(call, up)
+            self.m_e2e.observe(time.perf_counter() - t0)
             return JSONResponse(r.json())
 
-    class _Open:
-        """The upstream stream a streamed call reads now; `release` closes it and counts it off its
-        instance, once (from the relay on a loss, or after the response, however it ended)."""
-
-        def __init__(self, r: httpx.Response, up: Upstream):
-            self.r, self.up, self.released = r, up, False
-
-        async def release(self) -> None:
-            if not self.released:
-                self.released = True
-                self.up.inflight -= 1
-                await self.r.aclose()
-
-    async def open_stream(ctx: _Ctx) -> _Open:
+    async def open_stream(self, call: _Call) -> _Open:
         """A streamed call's upstream response (200) on the best instance; the instance's refusal
         (4xx) as an ApiError."""
         while True:
-            up = await place(ctx)
-            m_requests.labels(up.name).inc()
+            up, probed = await self.place(call)
+            self.m_requests.labels(up.name).inc()
             up.inflight += 1
             try:
-                r = await _until_lost(http.send(http.build_request("POST", f"{up.url}{ctx.path}", content=ctx.raw,
-                                                                   headers=ctx.headers), stream=True), up)
+                req = self.http.build_request("POST", f"{up.url}{call.path}", content=call.raw,
+                                              headers=_forward(call.headers, probed))
+                r = await _until_lost(self.http.send(req, stream=True), up)
             except (_Lost, httpx.HTTPError) as e:
                 up.inflight -= 1
-                failed(up, ctx, e)
+                self.failed(up, call, e)
                 continue
             if r.status_code == 200:
                 return _Open(r, up)
@@ -500,23 +485,24 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
             await r.aclose()
             up.inflight -= 1
             if r.status_code >= 500:
-                ctx.error = r if r.status_code != 503 else ctx.error
-                failed(up, ctx, f"HTTP {r.status_code}")
+                call.error = r if r.status_code != 503 else call.error
+                self.failed(up, call, f"HTTP {r.status_code}")
                 continue
             raise _Relayed(r)
 
-    async def streamed(ctx: _Ctx, t0: float) -> StreamingResponse:
-        box = [await open_stream(ctx)]
+    async def streamed(self, call: _Call, t0: float) -> StreamingResponse:
+        box = [await self.open_stream(call)]
 
         async def release():  # after the response, also when the client left before it started
             await box[0].release()
-        return _Streamed(relay_events(ctx, box, t0), media_type="text/event-stream", background=BackgroundTask(release))
+        return _Streamed(self.relay_events(call, box, t0), media_type="text/event-stream",
+                         background=BackgroundTask(release))
 
-    async def relay_events(ctx: _Ctx, box: list, t0: float):
+    async def relay_events(self, call: _Call, box: list, t0: float):
         """The client's SSE stream: the upstream's events, and after a loss the events of the call
         placed again, trimmed of what was sent (`_Relay`). The client going away closes the upstream
         stream, which aborts the call there."""
-        relay = _Relay(ctx.chat)
+        relay = _Relay(call.chat)
         while True:
             cur = box[0]
             try:
@@ -529,8 +515,8 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                     if not line.startswith("data: "):
                         continue
                     if line[6:] == "[DONE]":
-                        served(ctx, cur.up)
-                        m_e2e.observe(time.perf_counter() - t0)
+                        self.served(call, cur.up)
+                        self.m_e2e.observe(time.perf_counter() - t0)
                         yield "data: [DONE]\n\n"
                         return
                     out = relay.feed(json.loads(line[6:]))
@@ -541,10 +527,10 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                 if relay.complete:  # only [DONE] was missing: the answer is whole
                     yield "data: [DONE]\n\n"
                     return
-                failed(cur.up, ctx, e)
+                self.failed(cur.up, call, e)
                 relay.attempt()
                 try:
-                    box[0] = await open_stream(ctx)
+                    box[0] = await self.open_stream(call)
                 except ApiError as err:
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
@@ -553,7 +539,82 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
                 yield f"data: {json.dumps(ApiError(500, f'internal error ({type(e).__name__})').body())}\n\n"
                 return
 
-    return app
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+routes = APIRouter()
+
+
+@routes.get("/health", **schema.HEALTH)
+async def health(request: Request):
+    ups = _gateway(request).upstreams
+    n = sum(up.accepting for up in ups)
+    instances = [{"name": up.name, "url": up.url, "up": up.accepting, "models": list(up.models)} for up in ups]
+    return JSONResponse({"status": "ok" if n else "no instance", "instances_up": n, "instances": instances},
+                        status_code=200 if n else 503)
+
+
+@routes.get("/v1/models", **schema.MODELS)
+async def list_models(request: Request):
+    gw = _gateway(request)
+    gw.caller(request)
+    names = dict.fromkeys(m for up in gw.upstreams if up.alive for m in up.models)
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "talaria"}
+                                       for n in names]}
+
+
+@routes.get("/metrics", **schema.METRICS)
+async def get_metrics(request: Request):
+    gw = _gateway(request)
+    gw.caller(request)
+    for up in gw.upstreams:
+        gw.m_inflight.labels(up.name).set(up.inflight)
+    return Response(generate_latest(gw.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@routes.post("/v1/completions", **schema.COMPLETIONS)
+async def completions(request: Request):
+    return await _gateway(request).call(request, "/v1/completions", chat=False)
+
+
+@routes.post("/v1/chat/completions", **schema.CHAT_COMPLETIONS)
+async def chat_completions(request: Request):
+    return await _gateway(request).call(request, "/v1/chat/completions", chat=True)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call as the gateway forwards it (again, after a loss)."""
+    body: dict
+    raw: bytes
+    headers: dict
+    path: str
+    model: str
+    sid: str | None
+    tenant: str
+    chat: bool
+    tried: set = dataclasses.field(default_factory=set)  # instances that failed this call
+    error: httpx.Response | None = None  # the last 5xx an instance answered, if every one fails
+
+    @property
+    def session_key(self) -> str | None:
+        return None if self.sid is None else f"{self.tenant}:{self.sid}"
+
+
+class _Open:
+    """The upstream stream a streamed call reads now; `release` closes it and counts it off its
+    instance, once (from the relay on a loss, or after the response, however it ended)."""
+
+    def __init__(self, r: httpx.Response, up: Upstream):
+        self.r, self.up, self.released = r, up, False
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.up.inflight -= 1
+            await self.r.aclose()
 
 
 class _Streamed(StreamingResponse):
@@ -587,6 +648,11 @@ async def _until_lost(aw, up: Upstream, request: Request | None = None):
         lost.cancel()
         if not task.done():
             task.cancel()
+
+
+def _forward(headers: dict, probed: str | None) -> dict:
+    """The headers of a call forwarded to the instance whose probe kept it as `probed`."""
+    return headers if probed is None else {**headers, "x-talaria-probe": probed}
 
 
 def _error_fields(r: httpx.Response) -> dict:

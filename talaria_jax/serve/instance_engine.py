@@ -73,7 +73,7 @@ class LiveSessions(SessionTable):
 
 class InstanceEngine:
     """See the module docstring. `instance.tokens` must be a `LiveTokens` (the instance's models'
-    tokenizers are `tokenizers[model]`), and `instance.tenant` is replaced by the salts requests bring."""
+    tokenizers are `tokenizers[model]`): each request's prompt, params and tenant salt go there."""
 
     def __init__(self, instance: Instance, policy: PolicyConfig, session_ttl_s: float = 3600.0,
                  max_sessions: int = 10_000):
@@ -84,8 +84,6 @@ class InstanceEngine:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.instance, self.session_ttl_s, self.max_sessions = instance, session_ttl_s, max_sessions
         self.forgotten_sessions = 0  # named sessions forgotten before their ttl (past max_sessions)
-        instance.tenant = lambda sid: self.sessions.salt(sid)
-        instance.returns = lambda sid: not sid.startswith("~")  # a single-call session's KV is not kept
         self._t0 = time.monotonic()
         self._ids = itertools.count()
         self.reset(policy)
@@ -96,7 +94,7 @@ class InstanceEngine:
             raise RuntimeError(f"instance {self.instance.name}: reset with {len(self.requests)} requests in flight")
         self.policy = policy
         self.instance.reset(host_kv=policy.host_kv, staging=policy.staging, drop_kv_on_switch=policy.drop_kv_on_switch)
-        self.instance.tokens.history.clear()
+        self.instance.tokens.clear()
         self.idle_s = 0.0  # after a step that ran nothing: how long to wait before the next (AsyncEngine)
         self.sessions = LiveSessions()
         self.scheduler = Scheduler(policy, [self.instance], self.sessions)
@@ -131,7 +129,7 @@ class InstanceEngine:
         rid = f"req-{next(self._ids)}"
         call = self.sessions.next_call(session if session is not None else f"~{rid}", session is None, cache_salt,
                                        model, len(ids), params.max_tokens)
-        self.instance.tokens.calls[call.key] = (ids, params)
+        self.instance.tokens.begin(call, ids, params, salt=cache_salt, single=session is None)
         self.requests[rid], self._rid[call.key] = call, rid
         self.scheduler.on_arrival(call, self.clock())
         return rid
@@ -143,7 +141,7 @@ class InstanceEngine:
         if call is None:
             return None
         self._rid.pop(call.key)
-        self.instance.tokens.calls.pop(call.key)
+        self.instance.tokens.end(call)
         out = None if self.scheduler.withdraw(call) else self.instance.cancel(call)
         if out is not None:
             out.request_id = rid
@@ -175,7 +173,7 @@ class InstanceEngine:
                 outs.append(out)
         for call in finished:
             inst.outputs.pop(call.key, None)
-            self.instance.tokens.calls.pop(call.key, None)
+            self.instance.tokens.end(call)
             rid = self._rid.pop(call.key, None)
             self.requests.pop(rid, None)
             self.sessions.complete(call, inst.name, end)

@@ -80,7 +80,7 @@ class LocalCluster:
             deadline = time.monotonic() + timeout_s
             while ae.num_in_flight() and time.monotonic() < deadline:
                 time.sleep(0.02)
-            with ae._lock:
+            with ae.locked():
                 ie.reset(policy)
 
     @contextlib.contextmanager

@@ -94,9 +94,9 @@ class ServerMetrics:
         ae = self.async_engine
         backend = ae.engine  # an Engine, or an InstanceEngine: several engines on one KV arena
         engines = getattr(backend, "engines", [backend])
-        with ae._lock:
-            running = sum(len(e.running) for e in engines)
-            waiting = sum(len(e.waiting) for e in engines)
+        with ae.locked():
+            running = sum(e.num_running() for e in engines)
+            waiting = sum(e.num_waiting() for e in engines)
             cached = sum(e.prefix_cache.num_pages for e in engines if e.prefix_cache is not None)
             budgets = list({id(e.host_tier.budget): e.host_tier.budget for e in engines}.values())  # shared or own
             host = sum(b.used_bytes for b in budgets)

@@ -152,6 +152,15 @@ def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str], max_tok
             "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens}
 
 
+def token_ids(value: Any, field: str) -> list[int]:
+    """A non-empty list of integer token ids (8.0 is 8), as ints; ApiError 400 naming `field`."""
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return value  # JSON's integers: nothing to convert
+    if not (isinstance(value, list) and value and all(_is_int(t) for t in value)):
+        raise ApiError(400, f"'{field}' must be a non-empty list of token ids", field, "invalid_type")
+    return [int(t) for t in value]
+
+
 def parse_completion(body: Any, limits: Limits) -> Parsed:
     """POST /v1/completions. `prompt` is a string or a list of token ids (one prompt per request)."""
     c = _common(body, limits, ("max_tokens",), 16)  # OpenAI's default for completions
@@ -162,7 +171,7 @@ def parse_completion(body: Any, limits: Limits) -> Parsed:
         if not prompt:
             raise ApiError(400, "'prompt' is empty", "prompt", "invalid_value")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompt = [int(t) for t in prompt]
+        prompt = token_ids(prompt, "prompt")
     elif prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt", "missing_required_parameter")
     else:

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from talaria_jax.scheduler.api import PrefixLocation, WeightState
+from talaria_jax.scheduler.api import InstanceStats, PrefixLocation, WeightState
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
@@ -45,21 +45,6 @@ class _DevKV:
     last_used: float
     protect_until: float = -math.inf
     in_use: bool = False
-
-
-@dataclasses.dataclass
-class InstanceStats:
-    switches: int = 0
-    switch_s: float = 0.0
-    restored_tokens: int = 0  # prefix tokens restored from host memory
-    recomputed_tokens: int = 0  # prefix tokens that an earlier call computed, prefilled again
-    device_hit_tokens: int = 0  # prefix tokens found on device
-    prefill_tokens: int = 0
-    peak_device_bytes: float = 0.0
-    peak_kv_pages: int = 0
-    chunks: int = 0  # chunks started (switches, prefills, decode runs)
-    truncated_chunks: int = 0  # decode chunks cut short by `truncate_chunk`
-    switch_log: list = dataclasses.field(default_factory=list)  # (start time, model, seconds)
 
 
 class SimInstance:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from talaria_jax import gguf_reader
 from talaria_jax.models.config import ModelConfig, default_compute_dtype
 from talaria_jax.models.model import ShardedModel, weights_fingerprint
 from talaria_jax.sharding import make_mesh, mesh_platform
@@ -29,19 +30,16 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 
-class GGUFPackageMissing(CheckpointError, ImportError):
+class GGUFPackageMissing(CheckpointError, gguf_reader.GGUFPackageMissing):
     """A GGUF file was to be read and the gguf package is not installed."""
 
 
 def gguf_package():
-    """The gguf package, imported here on first use (not at module level: see the module docstring)."""
+    """The gguf package, imported on first use (see the module docstring)."""
     try:
-        import gguf
-    except ModuleNotFoundError as e:
-        if e.name != "gguf":  # the package is there, one of its own imports failed: show that
-            raise
-        raise GGUFPackageMissing("reading GGUF files needs the gguf package: pip install gguf") from None
-    return gguf
+        return gguf_reader.gguf_package()
+    except gguf_reader.GGUFPackageMissing as e:
+        raise GGUFPackageMissing(str(e)) from None
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")

@@ -44,7 +44,7 @@ class SpecConfig:
     the global trees' bound; the oldest finished responses are evicted past it. max_prompt_tokens:
     a request's own text holds at most this many of its prompt's last tokens. policy: "auto" drafts
     as many tokens per step as the measured step-cost curve makes worth verifying at the batch size
-    (rollout/policy.py), "always" max_spec_tokens at any batch size."""
+    (engine/spec/policy.py), "always" max_spec_tokens at any batch size."""
     max_spec_tokens: int = 16
     max_spec_factor: float = 1.0
     max_spec_offset: float = 0.0

@@ -12,8 +12,6 @@ hardware, the model and the workload's acceptance.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 
@@ -48,18 +46,12 @@ class SpecPolicy:
 
     @classmethod
     def measure(cls, runner, spec, reps: int = 3) -> "SpecPolicy":
-        """Times the runner's plain and verifying steps at each bucket (best of `reps`, all-padding
-        batches: the weights' read and the logits, what a decode step's cost grows with)."""
+        """Times the runner's plain and verifying steps at each bucket (`Runner.step_seconds`: best of
+        `reps`, all-padding batches: the weights' read and the logits, what a decode step's cost grows
+        with)."""
         if spec.policy == "always":
             return cls(spec.max_spec_tokens, runner.buckets, None, None, always=True)
-        from talaria_jax.engine.runner import DraftBatch  # here: the runner imports this package
-
-        plain, verify = {}, {}
-        for t in runner.buckets:
-            b = runner.empty_batch(t)
-            d = DraftBatch.empty(len(b.tokens), runner.max_seqs, spec.max_spec_tokens + 1)
-            plain[t] = _best_time(lambda: runner.step(b), reps)
-            verify[t] = _best_time(lambda: runner.verify_step(b, d), reps)
+        plain, verify = runner.step_seconds(reps)
         return cls(spec.max_spec_tokens, runner.buckets, plain, verify)
 
     @property
@@ -115,12 +107,3 @@ class SpecPolicy:
         gains = [1.0] + [self.gain(batch, k) for k in range(1, self.max_spec_tokens + 1)]
         return int(np.argmax(gains))
 
-
-def _best_time(fn, reps: int) -> float:
-    fn()  # compiled already after a warm-up; this one pays any lazy transfer
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
