@@ -4,11 +4,13 @@ server's detokenization of a streamed output, for this checkout and a baseline c
     python benchmarks/request_path.py                   # baseline: main at 9948464, from a git worktree
     python benchmarks/request_path.py --calls=20 --instances=1,4,16 --baseline_ref=<commit>
 
-Per call: a chat completion of an agent-like conversation (about 15,000 prompt tokens of SmolLM2's
-tokenizer, a mid-session context: agent sessions start at 2-6K tokens and reach about 27K on average
-by their deepest turn; one output token) through `talaria-route`'s gateway over K in-process instance servers, each
-a 2-layer random model with SmolLM2's tokenizer and chat template (so rendering and tokenizing cost
-what they cost with the real model, and the model step is small). The CPU counted is that of every
+Per call: the next turn of one of two agent sessions (a chat completion whose conversation grows by a
+tool call and its result each turn, from about 15,000 prompt tokens of SmolLM2's tokenizer: a
+mid-session context, as agent sessions start at 2-6K tokens and reach about 27K on average by their
+deepest turn; one output token) through `talaria-route`'s gateway over K in-process instance servers,
+each a 2-layer random model with SmolLM2's tokenizer and chat template (so rendering and tokenizing
+cost what they cost with the real model, and the model step is small: each turn prefills only what
+it adds, the rest is in the prefix cache). The CPU counted is that of every
 Python thread of the gateway and the instance servers (event loops, their worker threads) between the
 first and the last call, read from /proc per thread: the engine threads ("talaria-engine"), XLA's own
 threads and the client's are left out. Detokenization: a `_Choice` of the instance server fed the
@@ -28,7 +30,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAX_LEN = 32768  # the instances' context
+MAX_LEN = 24576  # the instances' context
 KEY = "bench-key"
 SUBPACKAGES = ("sharding", "kvcache", "scheduler", "rollout")  # pyproject's package-dir mapping
 
@@ -83,27 +85,31 @@ def child_path(k: int, calls: int, model: str) -> dict:
     from talaria_jax.sim.hardware import load_hardware
 
     policy = get_policy("talaria")
-    cfg = EngineConfig(page_size=16, max_seqs=2, max_tokens_per_step=1024, max_model_len=MAX_LEN)
+    # few step shapes (buckets up to 128 tokens, query tiles of one token): 16 instances' programs in one
+    # process stay under vm.max_map_count (XLA:CPU maps ~3 regions per compiled kernel)
+    cfg = EngineConfig(page_size=16, max_seqs=2, max_tokens_per_step=128, query_tile=1, max_model_len=MAX_LEN)
     apps = instance_apps({"m": model}, load_hardware("cpu"), policy, instances=k, devices_per_instance=1,
                          engine_config=cfg, kv_bytes_per_device=None, api_keys=[KEY])
     servers = [serve_in_thread(a) for a in apps]
     url, gw = serve_in_thread(build_gateway([u for u, _ in servers], api_keys=[KEY], policy=policy))
     client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600)
 
-    def call(i: int) -> dict:
-        r = client.post("/v1/chat/completions", json={"model": "m", "messages": conversation(i), "max_tokens": 1,
-                                                      "temperature": 0}, headers={"x-session-id": f"s{i}"})
+    def call(session: int, turn: int) -> dict:
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": conversation(session, EXCHANGES + turn),
+                                                      "max_tokens": 1, "temperature": 0},
+                        headers={"x-session-id": f"s{session}"})
         r.raise_for_status()
         return r.json()
 
-    for i in range(2):  # warm: the first calls of each path compile or load nothing new later
-        call(10_000 + i)
+    for turn in range(2):  # warm: each session's first turn prefills it whole; nothing compiles later
+        for session in range(2):
+            call(session, turn)
     exclude = {threading.main_thread().native_id} | {t.native_id for t in threading.enumerate()
                                                      if t.name == "talaria-engine"}
     c0, t0 = thread_cpu(exclude), time.perf_counter()
     prompt_tokens = 0
     for i in range(calls):
-        prompt_tokens += call(i)["usage"]["prompt_tokens"]
+        prompt_tokens += call(i % 2, 2 + i // 2)["usage"]["prompt_tokens"]
     cpu, wall = thread_cpu(exclude) - c0, time.perf_counter() - t0
     gw.should_exit = True
     for _, s in servers:

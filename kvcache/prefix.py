@@ -81,8 +81,10 @@ class PrefixCache:
 
     def _chunks(self, token_ids: Sequence[int], n_pages: int):
         ps = self.page_size
+        if hasattr(token_ids, "tolist"):  # a numpy or array.array: Python ints, as the tree's keys are
+            token_ids = token_ids.tolist()
         for i in range(n_pages):
-            yield i, tuple(int(t) for t in token_ids[i * ps:(i + 1) * ps])
+            yield i, tuple(token_ids[i * ps:(i + 1) * ps])
 
     def match(self, key: Hashable, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """The pages of the longest cached run of full pages that is a prefix of `token_ids` (at most

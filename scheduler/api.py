@@ -47,6 +47,20 @@ class PrefixLocation:
     host_tokens: int = 0
 
 
+class DerivedQueries:
+    """The queries of `InstanceAPI` that follow from its others, written once: a backend class
+    inherits them (the real instance, the simulated one, the gateway's view of a probe answer)."""
+
+    def kv_pages_free(self) -> int:
+        """Pages neither in use nor reserved for likely returns."""
+        return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
+
+    def pressure(self) -> float:
+        """The share of the pages in use or reserved (1.0 for an instance with none)."""
+        total = self.kv_pages_total()
+        return 1.0 if total <= 0 else (self.kv_pages_used() + self.kv_pages_reserved()) / total
+
+
 @runtime_checkable
 class InstanceAPI(Protocol):
     """One serving instance (one TP group). Methods are cheap queries unless documented as actions.

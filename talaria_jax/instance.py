@@ -42,7 +42,7 @@ from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.host_tier import HostBudget, HostKV
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.models.model import ShardedModel
-from talaria_jax.scheduler.api import InstanceStats, PrefixLocation, WeightState
+from talaria_jax.scheduler.api import DerivedQueries, InstanceStats, PrefixLocation, WeightState
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
@@ -164,7 +164,7 @@ class _Served:
     shape: ModelShape
 
 
-class Instance:
+class Instance(DerivedQueries):
     """A real instance; see the module docstring. `models` maps the trace's model names to loaded
     models, all on `mesh`'s devices. `hw` and `shapes` (the calibrated profile of this machine, e.g.
     configs/hardware/cpu.yaml) give the scheduler's estimates; `tokens` the calls' prompts and each
@@ -317,9 +317,6 @@ class Instance:
         slot = self.slot.bytes_per_device * self.slot.mesh.devices.size
         return slot * (2 if self._staged else 1) + self.kv_pages_used() * self.page_bytes
 
-    def kv_pages_free(self) -> int:
-        return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
-
     def _device_tokens(self, session: str, model: str) -> int:
         return self.served[model].engine.cached_prefix(self.tokens.tenant(session), self.tokens.history.get(session, ()))
 
@@ -366,10 +363,6 @@ class Instance:
 
     def is_busy(self) -> bool:
         return self.busy_until is not None
-
-    def pressure(self) -> float:
-        total = self.kv_pages_total()
-        return 1.0 if total <= 0 else (self.kv_pages_used() + self.kv_pages_reserved()) / total
 
     def estimate_service_s(self, call: Call) -> float:
         loc = self.cached_prefix(call.session, call.model)

@@ -149,6 +149,33 @@ def test_edge_inputs_pass_the_gateway(cluster, raw):
     assert r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_call_is_rendered_and_tokenized_once_and_a_probe_is_its_callers_only(cluster, monkeypatch):
+    from talaria_jax.serve import app as instance_app
+
+    gw, url, instances = cluster
+    renders = []
+    real = instance_app._prompt_ids
+    monkeypatch.setattr(instance_app, "_prompt_ids", lambda served, p: renders.append(p.messages) or real(served, p))
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    through = client(url).chat.completions.create(model=SMOL, messages=messages, max_tokens=6, temperature=0)
+    # two instances probed: the first rendered, the other was probed with its token ids, and the one
+    # chosen served the call as its probe checked it
+    assert renders == [messages]
+    direct = client(instances[1]).chat.completions.create(model=SMOL, messages=messages, max_tokens=6, temperature=0)
+    assert through.choices[0].message.content == direct.choices[0].message.content
+    assert through.usage.prompt_tokens == direct.usage.prompt_tokens
+    # a probe's id names a request for the caller that probed it only: another key's request is read anew
+    body = {"model": SMOL, "messages": messages, "max_tokens": 6, "temperature": 0}
+    probe = httpx.post(f"{instances[0]}/talaria/probe", params={"kind": "chat", "tokens": "true"}, json=body,
+                       headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert probe["prompt_token_ids"] and len(probe["prompt_token_ids"]) == probe["prompt_tokens"]
+    other = {**body, "messages": [{"role": "user", "content": "Name three colors of the rainbow, please."}]}
+    r = httpx.post(f"{instances[0]}/v1/chat/completions", json=other, timeout=300,
+                   headers={"Authorization": f"Bearer {OTHER}", "x-talaria-probe": probe["probe"]})
+    assert r.status_code == 200 and renders[-1] == other["messages"]
+    assert r.json()["usage"]["prompt_tokens"] != probe["prompt_tokens"]
+
+
 def test_tenants_stay_apart_through_the_gateway(cluster):
     gw, url, instances = cluster
     prompt = list(range(1040, 1090))  # 50 tokens: 6 full pages of SmolLM2 (tiny-dense's pages hold ~200 tokens)

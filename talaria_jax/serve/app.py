@@ -199,7 +199,7 @@ async def _prepare(request: Request, chat: bool, probing: bool = False) -> Prepa
     limits = srv.limits
     body = await read_json(request, limits.max_body_bytes)
     given = body.pop("talaria_prompt_token_ids", None) if probing and isinstance(body, dict) else None
-    p = protocol.parse_chat(body, limits) if chat else protocol.parse_completion(body, limits)
+    p = protocol.parse_chat(body, limits, given is not None) if chat else protocol.parse_completion(body, limits)
     served = srv.by_name.get(p.model)
     if served is None:
         raise ApiError(404, f"the model '{p.model}' does not exist (this server serves "
@@ -261,9 +261,10 @@ class Prepared:
 
 class _Probed:
     """Requests the probe checked, by a random id, for the router's forward of one of them: each is
-    taken once, by the caller that probed it, within `ttl_s`; the oldest go past `capacity`."""
+    taken once, by the caller that probed it, within `ttl_s`; the oldest go past `capacity` (a
+    forward follows its probe at once: this bounds the memory of those never forwarded here)."""
 
-    def __init__(self, capacity: int = 4096, ttl_s: float = 300.0):
+    def __init__(self, capacity: int = 256, ttl_s: float = 60.0):
         self.capacity, self.ttl_s = capacity, ttl_s
         self._items: collections.OrderedDict[str, tuple[float, Prepared]] = collections.OrderedDict()
         self._mu = threading.Lock()

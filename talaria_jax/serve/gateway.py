@@ -54,7 +54,7 @@ from starlette.background import BackgroundTask
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from talaria_jax.scheduler import router
-from talaria_jax.scheduler.api import PrefixLocation, WeightState
+from talaria_jax.scheduler.api import DerivedQueries, PrefixLocation, WeightState
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, Session
 from talaria_jax.serve import protocol, schema
@@ -100,7 +100,7 @@ class _Lost(Exception):
     """The instance died or stopped answering while it served the call: place it again."""
 
 
-class _Snapshot:
+class _Snapshot(DerivedQueries):
     """The router's `InstanceAPI` queries over one probe answer (`InstanceEngine.state` plus the
     prompt's cached tokens); `routed`: calls forwarded to it that its counts do not show yet."""
 
@@ -130,9 +130,6 @@ class _Snapshot:
 
     def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
         return int(self.s["kv_pages_reserved"])  # the probe left out the session's own
-
-    def kv_pages_free(self) -> int:
-        return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
 
     def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
         return PrefixLocation(int(self.s["device_tokens"]), int(self.s["host_tokens"]))
@@ -386,7 +383,7 @@ class Gateway:
             first = await self._probe(call, cands[0], call.raw, tokens=True)
             answers.append(first)
             ids = first[2].pop("prompt_token_ids", None) if first[2] is not None else None
-            content = call.raw if ids is None else json.dumps({**call.body, "talaria_prompt_token_ids": ids}).encode()
+            content = call.raw if ids is None else _with_ids(call.body, ids)
             answers += await asyncio.gather(*(self._probe(call, up, content) for up in cands[1:]))
         else:
             answers.append(await self._probe(call, cands[0], call.raw))
@@ -648,6 +645,12 @@ async def _until_lost(aw, up: Upstream, request: Request | None = None):
         lost.cancel()
         if not task.done():
             task.cancel()
+
+
+def _with_ids(body: dict, ids: list[int]) -> bytes:
+    """A probe's body that brings the prompt's token ids instead of what renders them."""
+    rest = {k: v for k, v in body.items() if k not in ("messages", "tools")}
+    return json.dumps({**rest, "talaria_prompt_token_ids": ids}).encode()
 
 
 def _forward(headers: dict, probed: str | None) -> dict:

@@ -185,9 +185,13 @@ def parse_completion(body: Any, limits: Limits) -> Parsed:
     return Parsed(prompt=prompt, logprobs=logprobs, **_with_logprobs(c, logprobs))
 
 
-def parse_chat(body: Any, limits: Limits) -> Parsed:
-    """POST /v1/chat/completions: `messages` (and `tools`) for the model's chat template."""
+def parse_chat(body: Any, limits: Limits, rendered: bool = False) -> Parsed:
+    """POST /v1/chat/completions: `messages` (and `tools`) for the model's chat template. `rendered`:
+    the prompt's token ids come with the request (another instance rendered the messages), so
+    `messages` and `tools` may be left out."""
     c = _common(body, limits, ("max_tokens", "max_completion_tokens"), None)
+    if rendered and "messages" not in body:
+        body = {**body, "messages": [{"role": "user", "content": ""}]}  # checked as such; never rendered
     messages = _field(body, "messages", lambda v: isinstance(v, list) and v, "a non-empty list of messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

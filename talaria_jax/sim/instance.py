@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from talaria_jax.scheduler.api import InstanceStats, PrefixLocation, WeightState
+from talaria_jax.scheduler.api import DerivedQueries, InstanceStats, PrefixLocation, WeightState
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
@@ -47,7 +47,7 @@ class _DevKV:
     in_use: bool = False
 
 
-class SimInstance:
+class SimInstance(DerivedQueries):
     """A simulated instance; see the module docstring. `reusable_prefix(call)` gives the tokens of
     call's prompt that an earlier call of its session produced (for the recomputed-token count)."""
 
@@ -233,9 +233,6 @@ class SimInstance:
         k = bisect.bisect_right(until, now)
         return until[k] if k < len(until) else math.inf
 
-    def kv_pages_free(self) -> int:
-        return max(0, self.kv_pages_total() - self.kv_pages_used() - self.kv_pages_reserved())
-
     def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
         e = self.kv_dev.get(session_id)
         dev = e.tokens if e is not None and e.model == model and not e.in_use else 0
@@ -252,10 +249,6 @@ class SimInstance:
 
     def is_busy(self) -> bool:
         return self.busy_until is not None
-
-    def pressure(self) -> float:
-        total = self.kv_pages_total()
-        return 1.0 if total <= 0 else (self.kv_pages_used() + self.kv_pages_reserved()) / total
 
     def estimate_service_s(self, call: Call) -> float:
         m = self.shapes[call.model]
