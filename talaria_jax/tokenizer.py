@@ -39,7 +39,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []  # the text, as handed out (joined on reading `text`)
         self._prefix = self._read = 0  # the window is ids[_prefix:]; ids[_prefix:_read] were decoded whole
         self._shown = 0  # characters of the window's text already in `text`
 
@@ -47,6 +47,13 @@ class IncrementalDetokenizer:
         """Appends ids; returns the text they complete (possibly empty)."""
         self.ids.extend(ids)
         return self._advance(final=False)
+
+    @property
+    def text(self) -> str:
+        """The text handed out so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def flush(self) -> str:
         """At the end: the rest, a trailing incomplete character as U+FFFD."""
@@ -63,7 +70,8 @@ class IncrementalDetokenizer:
                     end = len(head)
                     break
         delta = window[self._shown:end] if end > self._shown else ""
-        self.text += delta
+        if delta:
+            self._pieces.append(delta)
         self._shown = max(self._shown, end)
         if end == len(window):  # all shown: the next window starts where this one's new tokens began
             self._prefix, self._read = self._read, len(self.ids)

@@ -375,45 +375,60 @@ def _param_of(message: str) -> str | None:
 
 class _Choice:
     """One choice of a request: its engine request, the text so far with `stop` strings applied, and
-    what a stream has sent."""
+    what a stream has sent. Each update costs time in the new text only (a stop string is looked for
+    in the new text and the `holdback` characters before it), so a whole output is linear in its length."""
 
     def __init__(self, index: int, rid: str, queue: asyncio.Queue, p: Parsed, tokenizer):
         self.index, self.rid, self.queue, self.p, self.tok = index, rid, queue, p, tokenizer
         self.out: RequestOutput | None = None
-        self.text, self.sent, self.sent_tokens = "", 0, 0
+        self.sent_tokens = 0
         self.finish_reason: str | None = None
         self.stopped = False  # a stop string matched: the engine request is aborted, reported as "stop"
         self.holdback = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be completing
         self.detok = IncrementalDetokenizer(tokenizer)  # the output's text, decoded as it grows
         self._fed = 0  # token ids given to detok
-        self._searched = 0  # text searched for stop strings (a match may still start in its last holdback)
+        self._text: list[str] = []  # the text, stop strings applied (joined on reading `text`)
+        self._unsent: list[str] = []  # its end that delta() has not handed out
+        self._tail = ""  # its last `holdback` characters, where a stop string may have begun
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        return _joined(self._text)
+
     def update(self, out: RequestOutput | EngineDead) -> None:
         if isinstance(out, EngineDead):
             raise ApiError(503, f"the engine failed: {out}", code="engine_dead")
         self.out = out
-        self.detok.add(out.text_token_ids[self._fed:])  # text_token_ids leave out a final stop token
+        new = self.detok.add(out.text_token_ids[self._fed:])  # text_token_ids leave out a final stop token
         self._fed = len(out.text_token_ids)
         if out.finished:
-            self.detok.flush()
-        text = self.detok.text
-        start = max(0, self._searched - self.holdback)
-        found = [k for k in (text.find(s, start) for s in self.p.stop) if k >= 0]
-        self._searched = len(text)
-        if found:  # the earliest match
-            text, self.finish_reason, self.stopped = text[:min(found)], "stop", True
+            new += self.detok.flush()
+        window = self._tail + new
+        found = [k for k in (window.find(s) for s in self.p.stop) if k >= 0]
+        if found:  # the earliest match: drop it and what follows, some of it maybe already in the text
+            cut = len(self._tail) - min(found)
+            new = "" if cut >= 0 else new[:-cut]
+            if cut > 0:
+                self._text = [_joined(self._text)[:-cut]]
+                self._unsent = [_joined(self._unsent)[:-cut]]
+            self.finish_reason, self.stopped = "stop", True
+        if new:
+            self._text.append(new)
+            self._unsent.append(new)
+        if self.holdback:
+            self._tail = (self._tail + new)[-self.holdback:]
         if self.finish_reason is None and out.finished:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
-        self.text = text
 
     def delta(self) -> str:
-        end = len(self.text) if self.done else max(self.sent, len(self.text) - self.holdback)
-        d, self.sent = self.text[self.sent:end], end
-        return d
+        unsent = _joined(self._unsent)
+        end = len(unsent) if self.done else max(0, len(unsent) - self.holdback)
+        self._unsent = [unsent[end:]] if end < len(unsent) else []
+        return unsent[:end]
 
     def logprobs(self, chat: bool, new_only: bool = False) -> dict | None:
         if self.p.logprobs is None or self.out is None:
@@ -428,6 +443,13 @@ class _Choice:
 
     def body(self, chat: bool) -> dict:
         return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat))
+
+
+def _joined(parts: list[str]) -> str:
+    """The parts as one string, kept as the list's only part (joined once, however often read)."""
+    if len(parts) > 1:
+        parts[:] = ["".join(parts)]
+    return parts[0] if parts else ""
 
 
 def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
