@@ -93,6 +93,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, i: int) -> bytes:
+        return bytes([i]) if 0 <= i < 256 else {256: b"<bos>", 257: b"<eos>", 258: b"<pad>"}.get(i, b"")
+
+    def is_special(self, i: int) -> bool:
+        return i >= 256
+
     def save(self, folder: str | pathlib.Path) -> None:
         """Nothing to write: a folder without a tokenizer file loads as the byte tokenizer."""
 
@@ -504,6 +510,14 @@ class GGUFTokenizer:
             return data.decode("utf-8", "surrogatepass")  # surrogatepass: lone surrogates round-trip
         except UnicodeDecodeError:
             return data.decode("utf-8", "replace")
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id i stands for in text (a special token: its text)."""
+        return self._token_bytes(i)
+
+    def is_special(self, i: int) -> bool:
+        """Control or unknown: not text (a grammar never spells it)."""
+        return self._is_control(i)
 
     def _token_bytes(self, i: int) -> bytes:
         got = self._id_bytes.get(i)

@@ -176,6 +176,56 @@ def test_a_call_is_rendered_and_tokenized_once_and_a_probe_is_its_callers_only(c
     assert r.json()["usage"]["prompt_tokens"] != probe["prompt_tokens"]
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}}]
+USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def test_tool_calls_through_the_gateway_stream_as_they_answer(cluster):
+    """A required tool call through the gateway (its probes and relay): the streamed deltas add up to
+    the answer; the turn after the tool ran is served in the same session."""
+    _, url, _ = cluster
+    c = client(url)
+    kw = dict(model=SMOL, messages=USER, tools=WEATHER, tool_choice="required", temperature=0, max_tokens=60,
+              extra_headers={"x-session-id": "tools"})
+    whole = c.chat.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+    calls = [t for ch in chunks for t in (ch.delta.tool_calls or [])]
+    assert whole.finish_reason == chunks[-1].finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in calls] == \
+           [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert json.loads(calls[0].function.arguments)["city"]
+    turn = USER + [{"role": "assistant", "content": None, "tool_calls": [whole.message.tool_calls[0].model_dump()]},
+                   {"role": "tool", "tool_call_id": whole.message.tool_calls[0].id, "content": "-3 C"}]
+    after = c.chat.completions.create(**{**kw, "messages": turn, "tool_choice": "none"})
+    assert after.choices[0].message.content and after.usage.prompt_tokens_details.cached_tokens > 0
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema"),  # malformed schema
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "no-such-format"}}}}, "response_format.json_schema.schema"),  # unsupported
+    ({"tools": WEATHER, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [CALL]},
+                          {"role": "tool", "content": "-3 C"}]}, "messages[2].tool_call_id"),
+    ({"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [CALL]},
+                          {"role": "user", "content": "and?"}]}, "messages[1].tool_calls"),  # dangling call
+])
+def test_bad_agent_requests_are_named_and_the_next_call_is_served(cluster, extra, param):
+    _, url, _ = cluster
+    c = client(url)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**{"model": SMOL, "messages": USER, "max_tokens": 4, **extra})
+    assert e.value.body["param"] == param, e.value.body
+    ok = c.chat.completions.create(model=SMOL, messages=USER, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
 def test_tenants_stay_apart_through_the_gateway(cluster):
     gw, url, instances = cluster
     prompt = list(range(1040, 1090))  # 50 tokens: 6 full pages of SmolLM2 (tiny-dense's pages hold ~200 tokens)
@@ -227,6 +277,26 @@ def test_a_stream_placed_again_continues_without_repeating():
         assert "".join(c["text"] for c in mine) == want_text
         assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == want_tokens
     assert two.complete
+
+
+def test_a_tool_call_stream_placed_again_sends_its_calls_once():
+    """An instance lost mid-answer; the retry's stream repeats the content and ends with the calls:
+    the client gets the content once and the calls once, whole, with the finish reason."""
+    call = {"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+
+    def ev(content=None, role=False, calls=None, finish=None):
+        delta = ({"role": "assistant", "content": ""} if role else {}) | (
+            {"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        return {"id": "x", "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    full = [ev(role=True), ev("Let me check."), ev(calls=[call], finish="tool_calls")]
+    relay = _Relay(chat=True)
+    sent = [relay.feed(json.loads(json.dumps(e))) for e in full[:2]]  # lost before its last chunk
+    relay.attempt()
+    sent += [relay.feed(json.loads(json.dumps(e))) for e in full]
+    deltas = [c["delta"] for e in sent if e for c in e["choices"]]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+    assert [t for d in deltas for t in d.get("tool_calls", [])] == [call]
+    assert [c["finish_reason"] for e in sent if e for c in e["choices"] if c["finish_reason"]] == ["tool_calls"]
 
 
 _STATE = {"name": "i", "policy": "talaria", "models": ["tiny-dense"], "active_model": "tiny-dense",

@@ -24,6 +24,7 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from talaria_jax.engine.errors import RequestError
+from talaria_jax.engine.grammar import Grammars
 from talaria_jax.engine.plan import StepPlan
 from talaria_jax.engine.runner import ATTENTION, Runner, attention_kind
 from talaria_jax.engine.sampling import SamplingParams
@@ -176,6 +177,8 @@ class Engine:
             drafter=SuffixDrafter(spec) if spec is not None else None, eos_ids=tuple(self.cfg.eos_ids),
             prefix_key=self.prefix_key, caches=lambda: list(arena.prefix_caches))
         self._arena_generation = arena.generation
+        # grammar-constrained requests' masks (llguidance's view of the tokenizer, built at the first)
+        self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, tuple(self.cfg.eos_ids))
         self._last = StepReport()  # what the last step computed (run_step reports it)
         # add_request requests with progress step() has not handed out yet, in the order they made it
         self._unreported: dict[Request, None] = {}
@@ -328,9 +331,11 @@ class Engine:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if restore is not None:
             self._check_restore(tuple(arr.tolist()), restore)
+        constraint = self.grammars.constraint(params.grammar) if params.grammar is not None else None
         # id, seed and arrival come at _enqueue: a request rejected here (or a batch that fails on a
         # later prompt) takes no arrival, so the next one gets the default seed it would have had
-        return Request(request_id, tuple(arr.tolist()), params, SequencePages(self.page_size), owner=owner)
+        return Request(request_id, tuple(arr.tolist()), params, SequencePages(self.page_size), owner=owner,
+                       constraint=constraint)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request; its pages are freed and its partial output is returned (None if it is not
@@ -476,9 +481,9 @@ class Engine:
         self._sync_arena()
 
     def _output(self, req: Request, new: list[int] | None = None) -> RequestOutput:
-        # "stop" is only ever set by a stop or EOS token, which the text leaves out.
+        # "stop" is set by a stop or EOS token, which the text leaves out, or by a complete grammar
         ids = list(req.output)
-        text_ids = ids[:-1] if req.finish_reason == "stop" else list(ids)
+        text_ids = ids[:-1] if req.finish_reason == "stop" and not req.grammar_done else list(ids)
         return RequestOutput(req.id, req.prompt, ids, list(req.logprobs), list(req.top_logprobs), req.finish_reason,
                              list(new or []), text_ids, self.tokenizer, req.kv, req.cached)
 

@@ -20,10 +20,14 @@ from talaria_jax.kvcache.host_tier import HostKV
 @dataclasses.dataclass(frozen=True)
 class Sample:
     """A chunk that ends its request's known tokens draws the next one: with these params and seed,
-    at output index `step` (the seeded key of a draw depends on it, not on the batch)."""
+    at output index `step` (the seeded key of a draw depends on it, not on the batch), among the
+    tokens its grammar allows."""
     params: SamplingParams
     seed: int
     step: int
+    # a grammar's token masks (engine/grammar.py), i32 [1 + draft nodes, W]: the draw after the
+    # chunk's last token, then one per draft node (a draft is then a chain); None: unconstrained
+    allowed: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

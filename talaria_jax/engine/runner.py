@@ -19,14 +19,16 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from talaria_jax.engine import kernels
+from talaria_jax.engine.grammar import mask_words
 from talaria_jax.engine.memory_maps import MapBudget
 from talaria_jax.engine.paged_attention import ragged_paged_attention
 from talaria_jax.engine.plan import Drawn, StepPlan, StepResult
-from talaria_jax.engine.sampling import SamplingBatch, sample
+from talaria_jax.engine.sampling import SamplingBatch, constrain, sample
 from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.engine.spec.verify import verify
@@ -45,6 +47,9 @@ class StepBatch:
     num_tokens: int          # real tokens (the rest is padding); each sequence's tokens are consecutive
     logits_idx: np.ndarray   # i32 [R], token index whose logits each sampling row uses
     sampling: SamplingBatch
+    allowed: np.ndarray      # i32 [M, W], grammar masks of draws (engine/grammar.py); -1 words: all allowed
+    allowed_at: np.ndarray   # i32 [M], the logits row each mask is for (a sampling row, or a verifying
+    #                          step's token); NO_MASK for unused rows
 
 
 @dataclasses.dataclass
@@ -68,6 +73,7 @@ class DraftBatch:
 
 
 NO_TREE = 2**30  # DraftBatch.base of a token outside any draft tree
+NO_MASK = 2**30  # StepBatch.allowed_at of an unused mask row (dropped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +90,8 @@ class StepInputs:
     seq: np.ndarray
     logits_idx: np.ndarray
     sampling: SamplingBatch
+    allowed: np.ndarray
+    allowed_at: np.ndarray
 
 
 jax.tree_util.register_dataclass(SamplingBatch, data_fields=[f.name for f in dataclasses.fields(SamplingBatch)],
@@ -216,6 +224,8 @@ class Runner:
         self.arena, self.spec = arena, spec
         self.max_seqs = max_seqs
         self.draft_nodes = draft_nodes
+        self.mask_rows = max_seqs * max(draft_nodes, 1)  # a draw's grammar mask per sampling row or draft node
+        self.mask_words = mask_words(model.cfg.vocab_size)
         self.pages_per_block = pages_per_block
         self.query_tile = query_tile
         # Page-table width: whole blocks, so the attention loop's dynamic slices never run past it.
@@ -365,15 +375,17 @@ class Runner:
                                      x.tile_seq, x.tok_slot, x.slots, x.page_tables, x.num_blocks, layout)
         logits = model.logits(h[x.logits_idx])
         s = x.sampling
-        return (kv, *sample(logits, s.temperature, s.top_k, s.top_p, s.seed, s.step), logits)
+        drawn_from = constrain(logits, jnp.arange(logits.shape[0]), s.bias_ids, s.bias, x.allowed, x.allowed_at)
+        return (kv, *sample(logits, s.temperature, s.top_k, s.top_p, s.seed, s.step, drawn_from), logits)
 
     def _verify_fn(self, graphdef, params, kv, x: StepInputs, d: DraftBatch, layout=None):
         model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, d.mask_pos, (d.base, d.anc),
                                      x.tile_tok, x.tile_seq, x.tok_slot, x.slots, x.page_tables, x.num_blocks, layout)
         logits = model.logits(h)  # every token's: each draft node is verified
         s = x.sampling
+        drawn_from = constrain(logits, x.seq, s.bias_ids, s.bias, x.allowed, x.allowed_at)
         return (kv, *verify(logits, x.tokens, x.seq, d.draw_step, d.node_idx, d.parent, d.active, s.temperature,
-                            s.top_k, s.top_p, s.seed))
+                            s.top_k, s.top_p, s.seed, drawn_from))
 
     def step(self, b: StepBatch) -> StepOutput:
         if self.slot is not None:
@@ -391,7 +403,7 @@ class Runner:
         """The jitted step's inputs for `b` (its query tiles: `tiling(b)` unless given)."""
         tile_tok, tile_seq, tok_slot = tiles if tiles is not None else self.tiling(b)
         return StepInputs(b.tokens, b.positions, tile_tok, tile_seq, tok_slot, b.slots, b.page_tables,
-                          np.int32(b.num_blocks), b.seq, b.logits_idx, b.sampling)
+                          np.int32(b.num_blocks), b.seq, b.logits_idx, b.sampling, b.allowed, b.allowed_at)
 
     def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
         params = self.model.state if self.slot is None else self.slot.array
@@ -441,7 +453,7 @@ class Runner:
         b = self.empty_batch(plan.num_tokens)
         d = DraftBatch.empty(len(b.tokens), self.max_seqs, self.draft_nodes) if spec else None
         ps = self.spec.page_size
-        t = rows = max_pages = 0
+        t = rows = max_pages = masks = 0
         for i, c in enumerate(plan.chunks):
             q, n = len(c.tokens), c.num_tokens
             m = n - q
@@ -475,6 +487,11 @@ class Runner:
                 else:
                     b.logits_idx[row] = t + n - 1
                 b.sampling.set_row(row, c.sample.params, c.sample.seed, out_idx)
+                if c.sample.allowed is not None:  # one mask per draw: the sampling row's, or each node's
+                    k = len(c.sample.allowed) if spec else 1
+                    b.allowed[masks:masks + k] = c.sample.allowed[:k]
+                    b.allowed_at[masks:masks + k] = t + q - 1 + np.arange(k) if spec else row
+                    masks += k
                 rows += 1
             t += n
         b.num_blocks = -(-max_pages // self.pages_per_block)
@@ -487,7 +504,9 @@ class Runner:
             tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), seq=np.zeros(t, np.int32),
             slots=np.full(t, self.spec.num_slots, np.int32),
             page_tables=np.zeros((self.max_seqs, self.table_width), np.int32), num_blocks=0, num_tokens=num_tokens,
-            logits_idx=np.zeros(self.max_seqs, np.int32), sampling=SamplingBatch.empty(self.max_seqs))
+            logits_idx=np.zeros(self.max_seqs, np.int32), sampling=SamplingBatch.empty(self.max_seqs),
+            allowed=np.full((self.mask_rows, self.mask_words), -1, np.int32),
+            allowed_at=np.full(self.mask_rows, NO_MASK, np.int32))
 
 
 def _best_time(fn, reps: int) -> float:

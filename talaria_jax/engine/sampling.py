@@ -15,6 +15,7 @@ import numpy as np
 from talaria_jax.engine.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias (each step carries this many per row)
 
 
 class SamplingError(RequestError):
@@ -46,6 +47,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per token, besides the chosen token's
+    # (token id, bias) pairs added to the logits before drawing (OpenAI's logit_bias: [-100, 100])
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # an llguidance grammar the output must match (engine.grammar.json_schema / lark / regex make one)
+    grammar: str | None = None
 
     def validate(self, vocab_size: int) -> None:
         """SamplingError (a RequestError) naming the field unless every field has its type and range:
@@ -82,6 +87,16 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise SamplingError(f"stop_token_ids {bad} out of vocabulary [0, {vocab_size})")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise SamplingError(f"grammar must be a non-empty string or None, got {_kind(self.grammar)}")
+        bias = self.logit_bias
+        if not isinstance(bias, (tuple, list)) or len(bias) > MAX_LOGIT_BIAS:
+            raise SamplingError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
+        for t, b in ((x[0], x[1]) if isinstance(x, (tuple, list)) and len(x) == 2 else (None, None) for x in bias):
+            if not _is_int(t) or not 0 <= t < vocab_size:
+                raise SamplingError(f"logit_bias token {t!r} is not a token id in [0, {vocab_size})")
+            if not _is_real(b) or not -100.0 <= b <= 100.0:
+                raise SamplingError(f"logit_bias of token {t} must be in [-100, 100], got {_kind(b)}")
 
 
 @dataclasses.dataclass
@@ -92,11 +107,14 @@ class SamplingBatch:
     top_p: np.ndarray        # f32 [R]
     seed: np.ndarray         # u32 [R, 2] (hi, lo words of a 64-bit seed)
     step: np.ndarray         # i32 [R], index of the token being sampled in the request's output
+    bias_ids: np.ndarray     # i32 [R, MAX_LOGIT_BIAS], logit_bias tokens (padding: token 0, bias 0)
+    bias: np.ndarray         # f32 [R, MAX_LOGIT_BIAS]
 
     @classmethod
     def empty(cls, rows: int) -> "SamplingBatch":
         return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
-                   np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32))
+                   np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32),
+                   np.zeros((rows, MAX_LOGIT_BIAS), np.int32), np.zeros((rows, MAX_LOGIT_BIAS), np.float32))
 
     def set_row(self, i: int, p: SamplingParams, seed: int, step: int) -> None:
         self.temperature[i] = p.temperature
@@ -104,6 +122,27 @@ class SamplingBatch:
         self.top_p[i] = p.top_p
         self.seed[i] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
         self.step[i] = step
+        if p.logit_bias:
+            n = len(p.logit_bias)
+            self.bias_ids[i, :n] = [t for t, _ in p.logit_bias]
+            self.bias[i, :n] = [b for _, b in p.logit_bias]
+
+
+def constrain(logits: jax.Array, row, bias_ids, bias, allowed, allowed_at):
+    """The logits a draw reads: each row's logit bias added (`row` [L]: its sampling row) and the
+    tokens its grammar mask clears at -inf. allowed: i32 [M, W] token masks (bit t % 32 of word
+    t // 32; -1 words allow all), for the logits rows allowed_at [M] (out of range: none). Costs
+    nothing when no row has a bias or a mask (lax.cond)."""
+    def apply(lg):
+        n, v = lg.shape
+        lg = lg.at[jnp.arange(n)[:, None], bias_ids[row]].add(bias[row])
+        words = jnp.full((n, allowed.shape[1]), -1, jnp.int32).at[allowed_at].set(allowed, mode="drop")
+        tok = jnp.arange(v)
+        keep = (jnp.right_shift(words[:, tok // 32], tok % 32) & 1) != 0
+        return jnp.where(keep, lg, -jnp.inf)
+
+    needed = jnp.any(allowed != -1) | jnp.any(bias != 0.0)
+    return jax.lax.cond(needed, apply, lambda lg: lg, logits)
 
 
 def _filtered(scaled, top_k, top_p):
@@ -121,21 +160,24 @@ def _filtered(scaled, top_k, top_p):
     return jnp.where(scaled >= jnp.maximum(cutoff, kth), scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, temperature, top_k, top_p, seed, step):
+def sample(logits: jax.Array, temperature, top_k, top_p, seed, step, draw_logits: jax.Array | None = None):
     """logits [R, V] fp32 -> (tokens [R], chosen logprob [R], top ids [R, N], top logprobs [R, N]).
+    draw_logits: what the draw reads instead (`constrain`'s: logit bias and grammar masks applied).
 
-    Logprobs are of the model's distribution (before temperature / top-k / top-p), as in vLLM.
+    Logprobs are of the model's distribution (before logit bias, grammar masks, temperature, top-k
+    and top-p), as in vLLM.
     The vocabulary sort runs only when some row uses top-k or top-p, and the draw only when some
     row samples (lax.cond on flags computed from the arrays, so no recompilation): on a CPU a sort
     of a 32K vocabulary costs more than the model's forward.
     """
     v = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn_from = logits if draw_logits is None else draw_logits
+    greedy = jnp.argmax(drawn_from, axis=-1).astype(jnp.int32)
     sampling = temperature > 0.0
 
     def draw_all(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = drawn_from / jnp.maximum(temperature, 1e-6)[:, None]
         needs_filter = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0)))
         masked = jax.lax.cond(needs_filter, lambda x: _filtered(x, top_k, top_p), lambda x: x, scaled)
 

@@ -16,9 +16,14 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+from absl import logging
+
+from talaria_jax.engine.grammar import Constraint
 from talaria_jax.engine.plan import Chunk, Restore, Sample, StepPlan, StepResult
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.engine.spec.suffix import Draft, SuffixDrafter
@@ -45,6 +50,9 @@ class EngineStats:
     spec_steps: int = 0  # steps that verified drafts
     draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of those, accepted (each saves a step of its sequence)
+    grammar_masks: int = 0  # grammar token masks computed (one per constrained draw and draft node)
+    grammar_mask_s: float = 0.0  # host seconds spent on them
+    grammar_errors: int = 0  # constrained requests ended because their grammar failed (see the log)
 
 
 @dataclasses.dataclass(eq=False)  # identity: `in` and `remove` on queues must not compare fields
@@ -69,6 +77,8 @@ class Request:
     session: str | None = None  # tags the keep_kv host copy (HostTier.protect and bytes_by_session)
     owner: str = "step"  # who reports it: "step" (add_request), "generate" or "stream"
     reported: int = 0  # output tokens step() has handed out (owner "step")
+    constraint: Constraint | None = None  # params.grammar's state, at the end of `output`
+    grammar_done: bool = False  # finished ("stop") because the grammar was complete: the last token is text
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +198,9 @@ class EngineScheduler:
                 continue  # preempted below as a victim, or no budget left
             n = min(req.num_tokens - req.num_computed, budget)
             draft = drafts.get(req.id)
+            if draft is not None and req.constraint is not None:  # a chain, as far as the grammar allows it
+                chain = int(np.argmin(np.r_[draft.parents == np.arange(-1, len(draft) - 1), False]))
+                draft = draft.first(req.constraint.valid_prefix(draft.tokens[:chain]))
             if draft is not None:
                 draft = draft.first(budget - n - (len(running) - i - 1)) or None
             while True:
@@ -261,7 +274,15 @@ class EngineScheduler:
         else:
             tokens = tuple(req.token(p) for p in range(start, start + q))
         ends = start + q == req.num_tokens  # this chunk ends the known tokens: it samples the next one
-        sample = Sample(req.params, req.seed, len(req.output)) if ends else None
+        sample = None
+        if ends:
+            allowed = None
+            if req.constraint is not None:
+                t0 = time.perf_counter()
+                allowed = req.constraint.chain(draft.tokens if draft is not None else ())
+                self.stats.grammar_mask_s += time.perf_counter() - t0
+                self.stats.grammar_masks += len(allowed)
+            sample = Sample(req.params, req.seed, len(req.output), allowed)
         return Chunk(req.id, start, tokens, tuple(req.seq.pages), draft, sample, restore)
 
     def _preempt(self, req: Request) -> None:
@@ -331,20 +352,25 @@ class EngineScheduler:
             req.top_logprobs.append({int(i): float(l) for i, l in zip(top_ids[:k], top_lps[:k])})
         if self.drafter is not None:
             self.drafter.extend(req.id, (tok,))
-        reason = self._stop_reason(req, tok)
+        p = req.params
+        stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)
+        reason = "stop" if stop_token else None
+        if req.constraint is not None and not stop_token:  # before the length check: a grammar done on the
+            if not req.constraint.accept(tok):  # last allowed token is a stop; drawn from its mask, a refusal
+                self.stats.grammar_errors += 1  # is the grammar's own failure
+                logging.warning("request %s: the grammar refused token %d it allowed (%s); the request ends",
+                                req.id, tok, req.constraint.error)
+                reason = "stop"
+            elif req.constraint.finished:
+                reason = "stop"  # the grammar is complete: nothing may follow
+            req.grammar_done = reason is not None
+        if reason is None and (len(req.output) >= p.max_tokens or req.num_tokens >= self.limits.max_model_len):
+            reason = "length"
         if reason or last:  # the last token drawn has no KV yet; accepted drafts before it keep theirs
             req.num_computed = min(req.num_computed, req.num_tokens - 1)
         if reason:
             self._finish(req, reason)
         return bool(reason)
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            return "stop"
-        if len(req.output) >= p.max_tokens or req.num_tokens >= self.limits.max_model_len:
-            return "length"
-        return None
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

@@ -45,6 +45,8 @@ _SPECULATE = flags.DEFINE_integer("speculate", 0, "Local instances: suffix-tree 
                                   "and step at most (0: off). Drafts come from the request's own text and its tenant's "
                                   "earlier and in-flight responses; how many a step verifies follows the step cost "
                                   "measured at start.", lower_bound=0, upper_bound=31)
+_TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", "llama3_json"],
+                                 "Local instances: how the models write tool calls (see talaria-serve).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Local instances: compile every step shape before serving.")
 _HOST_KV = flags.DEFINE_string("host_kv_bytes", "auto", "Local instances: host memory for session KV copies, per "
                                "instance: a size (8G, 512M, bytes; 0: none), 'auto' (20% of the host memory available "
@@ -97,6 +99,7 @@ def start_local_instances(keys: list[str]):
     args = [f"--model={','.join(_MODEL.value)}", f"--policy={_POLICY.value}", f"--max_model_len={_MAX_LEN.value}",
             f"--max_seqs={_MAX_SEQS.value}", f"--speculate={_SPECULATE.value}", f"--max_body_bytes={_MAX_BODY.value}",
             f"--max_sessions={_MAX_SESSIONS.value}", f"--session_ttl_s={_SESSION_TTL.value}",
+            f"--tool_call_parser={_TOOL_PARSER.value}",
             "--warmup" if _WARMUP.value else "--nowarmup",
             f"--host_kv_bytes={'unbounded' if host_kv is None else host_kv}"]
     if _KV_MB.value:

@@ -64,6 +64,9 @@ _MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 10_000, "Sessions kept at m
 _SESSION_TTL = flags.DEFINE_float("session_ttl_s", 3600.0, "Seconds a session is kept after its last call.",
                                   lower_bound=0.0)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving.")
+_TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", "llama3_json"],
+                                 "How the models write tool calls (auto: read from each chat template; a template "
+                                 "without a tools section gets the hermes fallback). See docs/agents.md.")
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
                                  "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
 
@@ -92,7 +95,8 @@ def main(argv):
                                                        max_n=_MAX_N.value),
                           tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None,
                           compilation_cache=_XLA_CACHE.value, host_kv_bytes=host_kv_bytes(_HOST_KV.value),
-                          max_sessions=_MAX_SESSIONS.value, session_ttl_s=_SESSION_TTL.value)
+                          max_sessions=_MAX_SESSIONS.value, session_ttl_s=_SESSION_TTL.value,
+                          tool_call_parser=_TOOL_PARSER.value)
     server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning",
                                            timeout_graceful_shutdown=max(1, int(_DRAIN.value))),
                             api.state.engine, _DRAIN.value)

@@ -36,7 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from talaria_jax.engine.engine import Engine, RequestOutput
 from talaria_jax.engine.errors import RequestError
-from talaria_jax.serve import protocol, schema
+from talaria_jax.engine.grammar import GrammarError
+from talaria_jax.serve import protocol, schema, tools
 from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
@@ -49,13 +50,22 @@ __all__ = ["ServedModel", "build_app", "key_checker", "openai_errors", "read_jso
 
 @dataclasses.dataclass
 class ServedModel:
-    """The model a server answers for: its name in requests, its engine and tokenizer."""
+    """The model a server answers for: its name in requests, its engine and tokenizer, and how its
+    tool calls are written (`tool_call_parser`: a format of serve.tools, or auto: its chat template's)."""
     name: str
     engine: Engine
+    tool_call_parser: str = "auto"
+
+    def __post_init__(self):
+        self.tool_format = tools.parser_for(self.chat_template, self.tool_call_parser)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.engine.tokenizer, "chat_template", None)
 
 
 def tenant_salt(api_key: str, secret: bytes) -> str:
@@ -209,6 +219,8 @@ async def _prepare(request: Request, chat: bool, probing: bool = False) -> Prepa
         prompt = protocol.token_ids(given, "talaria_prompt_token_ids")
     else:
         prompt = await asyncio.to_thread(_prompt_ids, served, p)  # a template and up to a MiB of text
+    if chat:
+        await asyncio.to_thread(_constrain, served, p)
     if p.max_tokens is None:  # chat's default: the rest of the context
         room = served.engine.config.max_model_len - len(prompt)
         p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
@@ -230,7 +242,8 @@ async def _generate(request: Request, chat: bool):
         for i, params in enumerate(p.params):
             rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=salt, session=session,
                                                  **route)
-            choices.append(_Choice(i, rid, queue, p, served.tokenizer))
+            choices.append(_Choice(i, rid, queue, p, served.tokenizer,
+                                   served.tool_format if chat and p.tool_choice.mode != "none" else None))
     except RequestError as e:
         _abort_all(ae, choices)
         raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
@@ -350,14 +363,33 @@ async def read_json(request: Request, limit: int) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
 
 
+def _constrain(model: ServedModel, p: Parsed) -> None:
+    """The grammar a chat request's output must follow (tool_choice required or named, else
+    response_format), compiled once here so a schema the library cannot take is a 400 naming it."""
+    try:
+        if p.tools and p.tool_choice.mode == "required":
+            field, g = "tools", tools.call_grammar(p.tools, p.tool_choice, model.tool_format)
+        else:
+            field, g = "response_format", tools.response_grammar(p.response_format)
+        if g is None:
+            return
+        model.engine.grammars.check(g)
+    except GrammarError as e:
+        if field == "response_format" and p.response_format["type"] == "json_schema":
+            field = "response_format.json_schema.schema"
+        raise ApiError(400, f"'{field}' cannot be enforced: {e}"[:500], field, "unsupported_schema") from None
+    p.params = [dataclasses.replace(x, grammar=g) for x in p.params]
+
+
 def _prompt_ids(model: ServedModel, p: Parsed) -> list[int]:
     tok = model.tokenizer
     if p.messages is not None:
-        if getattr(tok, "chat_template", None) is None:
+        if model.chat_template is None:
             raise ApiError(400, f"the model '{model.name}' has no chat template; use /v1/completions", "messages",
                            "no_chat_template")
+        messages, listed = tools.render_messages(p.messages, p.tools, model.chat_template)
         try:
-            text = tok.apply_chat_template(p.messages, add_generation_prompt=True, tools=p.tools)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=listed)
         except Exception as e:  # noqa: BLE001 - the template refused the conversation (raise_exception)
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages", "invalid_messages") from None
         return tok.encode(text)
@@ -370,7 +402,7 @@ def _param_of(message: str) -> str | None:
     """The request field an engine error names (its messages start with it)."""
     first = message.split(" ", 1)[0].strip("'")
     return {"prompt": "prompt", "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-            "seed": "seed", "logprobs": "logprobs"}.get(first)
+            "seed": "seed", "logprobs": "logprobs", "logit_bias": "logit_bias"}.get(first)
 
 
 class _Choice:
@@ -378,8 +410,12 @@ class _Choice:
     what a stream has sent. Each update costs time in the new text only (a stop string is looked for
     in the new text and the `holdback` characters before it), so a whole output is linear in its length."""
 
-    def __init__(self, index: int, rid: str, queue: asyncio.Queue, p: Parsed, tokenizer):
+    def __init__(self, index: int, rid: str, queue: asyncio.Queue, p: Parsed, tokenizer,
+                 tool_format: str | None = None):
         self.index, self.rid, self.queue, self.p, self.tok = index, rid, queue, p, tokenizer
+        self.tool_format = tool_format  # the output is parsed for tool calls in this format
+        self.tool_names = [t["function"]["name"] for t in p.tools or ()]
+        self.tool_stream = tools.ToolStream(tool_format, self.tool_names) if tool_format else None
         self.out: RequestOutput | None = None
         self.sent_tokens = 0
         self.finish_reason: str | None = None
@@ -441,8 +477,32 @@ class _Choice:
         return protocol.logprobs_body(chat, [dec([t]) for t in ids], self.out.logprobs[start:],
                                       [[(dec([k]), v) for k, v in top.items()] for top in tops])
 
+    def _calls(self, calls: list[dict]) -> list[dict]:
+        return calls if self.p.tool_choice.parallel else calls[:1]
+
+    def _reason(self, calls: list[dict]) -> str | None:
+        return "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
+
     def body(self, chat: bool) -> dict:
-        return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat))
+        if self.tool_format is None:
+            return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat))
+        content, calls = tools.parse(self.text, self.tool_format, self.tool_names)
+        calls = self._calls(calls)
+        return protocol.choice(chat, self.index, tools.message_content(content, calls), self._reason(calls),
+                               self.logprobs(chat), tool_calls=calls)
+
+    def stream_delta(self, final: bool) -> tuple[str, list[dict] | None, str | None]:
+        """A stream's next content, its tool calls (at the end, with their indexes), and (when
+        `final`) the finish reason."""
+        d = self.delta()
+        if self.tool_stream is None:
+            return d, None, self.finish_reason if final else None
+        d = self.tool_stream.feed(d)
+        if not final:
+            return d, None, None
+        rest, calls = self.tool_stream.finish()
+        calls = self._calls(calls)
+        return d + rest, tools.delta_calls(calls) or None, self._reason(calls)
 
 
 def _joined(parts: list[str]) -> str:
@@ -506,10 +566,11 @@ async def _stream(ae: AsyncEngine, request: Request, choices: list[_Choice], cha
         ended: set[int] = set()
         while True:
             for c in choices:
-                d, final = c.delta(), c.done and c.index not in ended
+                final = c.done and c.index not in ended
+                d, calls, reason = c.stream_delta(final)
                 if d or final:
-                    yield event(protocol.choice(chat, c.index, d, c.finish_reason if final else None,
-                                                c.logprobs(chat, new_only=True), delta=True))
+                    yield event(protocol.choice(chat, c.index, d, reason, c.logprobs(chat, new_only=True), delta=True,
+                                                tool_calls=calls))
                 if final:
                     ended.add(c.index)
             if len(ended) == len(choices):

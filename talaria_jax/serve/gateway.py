@@ -147,7 +147,8 @@ class _Snapshot(DerivedQueries):
 class _Relay:
     """What the client has been sent of one streamed call, so that a retry on another instance
     continues it: per choice, the characters and logprob entries sent, whether the role (chat) and
-    the finish reason went out, and whether the usage did."""
+    the finish reason (with an answer's tool calls, which come whole in its last chunk) went out, and
+    whether the usage did."""
 
     def __init__(self, chat: bool):
         self.chat = chat
@@ -200,14 +201,16 @@ class _Relay:
                 self.tokens[i] = self.tokens.get(i, 0) + max(0, n - skip)
                 ch["logprobs"] = lp if (lp.get("content") or lp.get("tokens")) else None
             role = self.chat and "role" in (ch.get("delta") or {}) and i not in self.roles
+            calls = self.chat and (ch.get("delta") or {}).get("tool_calls")  # whole, with the finish: sent once
             if self.chat:
                 ch["delta"] = ({"role": "assistant"} if role else {}) | ({"content": new} if new or role else {})
+                ch["delta"] |= {"tool_calls": calls} if calls else {}
                 self.roles |= {i} if role else set()
             else:
                 ch["text"] = new
             if ch.get("finish_reason"):
                 self.ended.add(i)
-            if new or role or ch.get("finish_reason") or ch.get("logprobs"):
+            if new or role or calls or ch.get("finish_reason") or ch.get("logprobs"):
                 choices.append(ch)
         usage = event.get("usage") is not None and not self.usage_sent
         self.usage_sent |= usage
@@ -648,8 +651,9 @@ async def _until_lost(aw, up: Upstream, request: Request | None = None):
 
 
 def _with_ids(body: dict, ids: list[int]) -> bytes:
-    """A probe's body that brings the prompt's token ids instead of what renders them."""
-    rest = {k: v for k, v in body.items() if k not in ("messages", "tools")}
+    """A probe's body that brings the prompt's token ids instead of the messages (the tools stay: the
+    instance that serves the call parses its output for them and may constrain it to them)."""
+    rest = {k: v for k, v in body.items() if k != "messages"}
     return json.dumps({**rest, "talaria_prompt_token_ids": ids}).encode()
 
 

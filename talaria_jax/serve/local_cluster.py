@@ -32,19 +32,21 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
                   instances: int, devices_per_instance: int, engine_config: EngineConfig,
                   kv_bytes_per_device: int | None, api_keys: Sequence[str], limits: Limits = Limits(),
                   dtype: str | None = None, tenant_secret: bytes | None = None, host_kv_bytes: int | None = None,
-                  max_sessions: int = 10_000, session_ttl_s: float = 3600.0) -> list:
+                  max_sessions: int = 10_000, session_ttl_s: float = 3600.0, tool_call_parser: str = "auto") -> list:
     """`instances` instance servers (FastAPI apps, not started), each an `InstanceEngine` under `policy`
     over every model of `models` (served name -> what `load_local_model` loads, or a list of names) on
     its own `devices_per_instance` devices; `app.state.backend` is its InstanceEngine. Each keeps at
     most `host_kv_bytes` of session KV in host memory (None: unbounded) and `max_sessions` sessions,
-    each until idle for `session_ttl_s`."""
+    each until idle for `session_ttl_s`; `tool_call_parser`: how every model's tool calls are read
+    (`serve.tools`; auto: from its chat template)."""
     insts = build_instances(models, hw, instances=instances, devices_per_instance=devices_per_instance,
                             engine_config=engine_config, tokens=None, kv_bytes_per_device=kv_bytes_per_device,
                             dtype=dtype, host_kv_bytes=host_kv_bytes)
     apps = []
     for inst in insts:
         ie = InstanceEngine(inst, policy, session_ttl_s=session_ttl_s, max_sessions=max_sessions)
-        a = build_app([ServedModel(m, ie.engine_of(m)) for m in ie.models], api_keys=api_keys, limits=limits,
+        a = build_app([ServedModel(m, ie.engine_of(m), tool_call_parser) for m in ie.models], api_keys=api_keys,
+                      limits=limits,
                       tenant_secret=tenant_secret, backend=ie)
         a.state.backend = ie
         apps.append(a)

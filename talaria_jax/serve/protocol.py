@@ -16,7 +16,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from talaria_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from talaria_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from talaria_jax.serve.tools import ToolChoice
 
 __all__ = ["ApiError", "Limits", "Parsed", "parse_chat", "parse_completion"]
 
@@ -61,6 +62,8 @@ class Parsed:
     max_tokens: int | None  # as asked; None: the rest of the context (chat's default)
     messages: list[dict] | None = None
     tools: list[dict] | None = None
+    tool_choice: ToolChoice = ToolChoice("none")
+    response_format: dict | None = None  # json_object or json_schema ({"type": ..., "json_schema": ...})
 
 
 # ---- parsing -----------------------------------------------------------------------------------
@@ -145,11 +148,29 @@ def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str], max_tok
                        "stream_options.include_usage", "invalid_type")
     session = _field(body, "session_id", lambda v: isinstance(v, str) and 0 < len(v) <= 256,
                      "a string of 1 to 256 characters", None)
+    bias = _logit_bias(body)
     # max_tokens None (chat without one): the rest of the context, set once the prompt is known
-    base = SamplingParams(max_tokens=max_tokens or 1, temperature=float(temperature), top_p=float(top_p), seed=seed)
+    base = SamplingParams(max_tokens=max_tokens or 1, temperature=float(temperature), top_p=float(top_p), seed=seed,
+                          logit_bias=bias)
     params = [dataclasses.replace(base, seed=None if seed is None else (seed + i) % SEED_LIMIT) for i in range(n)]
     return {"model": model, "params": params, "stream": stream, "include_usage": include_usage,
             "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens}
+
+
+def _logit_bias(body: Mapping) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"<token id>": bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries."""
+    bias = _field(body, "logit_bias", lambda v: isinstance(v, dict), "an object of token ids to biases", {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias", "too_many")
+    out = []
+    for k, v in bias.items():
+        if not (k.isascii() and k.isdigit() and len(k) < 12 and str(int(k)) == k):  # "01" would repeat "1"
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {k!r}"[:300], "logit_bias", "invalid_value")
+        if not (_is_finite(v) and -100 <= v <= 100):
+            raise ApiError(400, f"'logit_bias' of token {k} must be a number in [-100, 100], got {v!r}"[:300],
+                           "logit_bias", "out_of_range")
+        out.append((int(k), float(v)))
+    return tuple(out)
 
 
 def token_ids(value: Any, field: str) -> list[int]:
@@ -205,11 +226,18 @@ def parse_chat(body: Any, limits: Limits, rendered: bool = False) -> Parsed:
                        for p in content):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
                                "unsupported")
-            messages[i] = {**m, "content": "".join(p["text"] for p in content)}
-        elif content is not None and not isinstance(content, str):
+            messages[i] = m = {**m, "content": "".join(p["text"] for p in content)}
+        elif content is None:
+            if not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+                raise ApiError(400, f"messages[{i}].content is required (only an assistant message with "
+                               "'tool_calls' may leave it null)", f"messages[{i}].content",
+                               "missing_required_parameter")
+        elif not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                            f"messages[{i}].content", "invalid_type")
+    _tool_history(messages)
     tools = _field(body, "tools", lambda v: isinstance(v, list), "a list of tool objects", None)
+    names: list[str] = []
     for i, t in enumerate(tools or ()):
         fn = t.get("function") if isinstance(t, dict) else None
         if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
@@ -219,13 +247,105 @@ def parse_chat(body: Any, limits: Limits, rendered: bool = False) -> Parsed:
         if not isinstance(fn.get("parameters", {}), dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
                            f"tools[{i}].function.parameters", "invalid_type")
+        if fn["name"] in names:
+            raise ApiError(400, f"tools[{i}].function.name {fn['name']!r} is declared twice"[:300],
+                           f"tools[{i}].function.name", "invalid_value")
+        names.append(fn["name"])
+    choice = _tool_choice(body, names)
+    response_format = _response_format(body)
     logprobs = None
     if _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False):
         logprobs = _field(body, "top_logprobs", _is_int, "an integer", 0)
         if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ApiError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "top_logprobs",
                            "out_of_range")
-    return Parsed(prompt=None, logprobs=logprobs, messages=messages, tools=tools, **_with_logprobs(c, logprobs))
+    return Parsed(prompt=None, logprobs=logprobs, messages=messages, tools=tools or None, tool_choice=choice,
+                  response_format=response_format, **_with_logprobs(c, logprobs))
+
+
+def _tool_history(messages: list[dict]) -> None:
+    """Tool calls and their results, as OpenAI checks them: each assistant tool call is well formed
+    and answered by a `tool` message (its `tool_call_id`) before the next other message; each tool
+    message answers a call made before it."""
+    open_calls: dict[str, int] = {}  # call id -> the assistant message that made it
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise ApiError(400, f"messages[{i}].tool_call_id is required: a tool message answers a tool call",
+                               f"messages[{i}].tool_call_id", "missing_required_parameter")
+            if open_calls.pop(cid, None) is None:
+                raise ApiError(400, f"messages[{i}].tool_call_id {cid!r} answers no tool call of the assistant "
+                               "message before it"[:300], f"messages[{i}].tool_call_id", "invalid_value")
+            continue
+        if open_calls:
+            j = min(open_calls.values())
+            raise ApiError(400, f"messages[{j}].tool_calls: {', '.join(map(repr, open_calls))} have no tool message "
+                           f"answering them before messages[{i}]"[:300], f"messages[{j}].tool_calls", "invalid_value")
+        calls = m.get("tool_calls")
+        if calls is None:
+            continue
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list, on an assistant message",
+                           f"messages[{i}].tool_calls", "invalid_type")
+        for k, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not (isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
+                    and c.get("type", "function") == "function" and isinstance(fn, dict)
+                    and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments", ""), str)):
+                raise ApiError(400, f"messages[{i}].tool_calls[{k}] must be {{'id': ..., 'type': 'function', "
+                               "'function': {'name': ..., 'arguments': <a JSON string>}}",
+                               f"messages[{i}].tool_calls[{k}]", "invalid_type")
+            open_calls[c["id"]] = i
+    if open_calls:
+        j = min(open_calls.values())
+        raise ApiError(400, f"messages[{j}].tool_calls: {', '.join(map(repr, open_calls))} have no tool message "
+                       "answering them"[:300], f"messages[{j}].tool_calls", "invalid_value")
+
+
+def _tool_choice(body: Mapping, names: list[str]) -> ToolChoice:
+    tc = body.get("tool_choice")
+    parallel = _field(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean", None)
+    if not names:
+        for f, v in (("tool_choice", tc), ("parallel_tool_calls", parallel)):
+            if v is not None:
+                raise ApiError(400, f"'{f}' is only allowed when 'tools' are given", f, "invalid_value")
+        return ToolChoice("none")
+    parallel = True if parallel is None else parallel
+    if tc is None:
+        return ToolChoice("auto", None, parallel)
+    if tc in ("none", "auto", "required"):
+        return ToolChoice(tc, None, parallel)
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not (isinstance(tc, dict) and tc.get("type") == "function" and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)):
+        raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                       "{'name': ...}}", "tool_choice", "invalid_value")
+    if fn["name"] not in names:
+        raise ApiError(400, f"'tool_choice' names the function {fn['name']!r}, which is not in 'tools' "
+                       f"({', '.join(names)})"[:300], "tool_choice.function.name", "invalid_value")
+    return ToolChoice("required", fn["name"], parallel)
+
+
+def _response_format(body: Mapping) -> dict | None:
+    rf = _field(body, "response_format", lambda v: isinstance(v, dict), "an object", None)
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, f"'response_format.type' must be 'text', 'json_object' or 'json_schema', "
+                       f"got {kind!r}"[:300], "response_format.type", "invalid_value")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not js["name"]:
+            raise ApiError(400, "'response_format.json_schema' must be an object with a 'name' and a 'schema'",
+                           "response_format.json_schema", "invalid_type")
+        if not isinstance(js.get("schema", {}), dict):
+            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON Schema object",
+                           "response_format.json_schema.schema", "invalid_type")
+    return rf
 
 
 def _with_logprobs(c: dict, logprobs: int | None) -> dict:
@@ -254,15 +374,21 @@ def logprobs_body(chat: bool, tokens: list[str], logprobs: list[float], tops: li
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": [dict(top) for top in tops] or None}
 
 
-def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-           delta: bool = False, first: bool = False) -> dict:
+def choice(chat: bool, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+           delta: bool = False, first: bool = False, tool_calls: list[dict] | None = None) -> dict:
+    """A choice of a response, or of a stream chunk (`delta`; `first`: the chunk with the role). Chat
+    tool calls: whole in a message, each with its `index` in a delta."""
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if delta:
         msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
         return {"index": index, "delta": msg, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    msg = {"role": "assistant", "content": text}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def envelope(chat: bool, rid: str, model: str, choices: list[dict], chunk: bool, usage_: dict | None = None) -> dict:

@@ -6,8 +6,9 @@ The models describe; they validate nothing a server receives. The hand parser
 (`protocol.parse_completion`, `protocol.parse_chat`) stays the validator, so every error keeps
 OpenAI's error body. A constraint written here is one the server enforces (the parser's, or the
 engine's for `temperature` and `top_p`), never a stricter one: a request the server accepts is valid
-under its schema. Fields that OpenAI defines and the server does not read (`tool_choice`,
-`response_format`, a message's `name`, ...) carry their OpenAI shape as an example and no type. An
+under its schema. Fields that OpenAI defines and the server checks by hand or does not read
+(`tool_choice`, `response_format`, a message's `name`, ...) carry their OpenAI shape as an example
+and no type. An
 instance's limits (`protocol.Limits`) are written into its own document; the gateway's leaves them
 to its instances.
 """
@@ -96,9 +97,11 @@ class ChatMessage(_Open):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = Field(None, description="Text, or text parts (joined).")
     name: Any = Field(None, description="The author's name, passed to the chat template.", examples=["alice"])
-    tool_calls: Any = Field(None, description="An assistant's tool calls, passed to the chat template.", examples=[
+    tool_calls: Any = Field(None, description=(
+        "An assistant's tool calls (its content may then be null); each needs a tool message answering it "
+        "before the next other message."), examples=[
         [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]])
-    tool_call_id: Any = Field(None, description="The call a tool message answers, passed to the chat template.",
+    tool_call_id: Any = Field(None, description="The call a tool message answers (required on tool messages).",
                               examples=["call_1"])
 
 
@@ -125,9 +128,21 @@ class ChatCompletionRequest(_Request):
     max_tokens: int | None = Field(None, ge=1, description=(
         "Tokens to generate per choice. Default: the rest of the context, up to the server's limit."))
     max_completion_tokens: int | None = Field(None, ge=1, description="`max_tokens`, OpenAI's newer name (wins).")
-    tools: list[Tool] | None = None
-    tool_choice: Any = Field(None, description="Accepted and not used.", examples=["auto"])
-    response_format: Any = Field(None, description="Accepted and not enforced.", examples=[{"type": "text"}])
+    tools: list[Tool] | None = Field(None, description=(
+        "Functions the model may call: its answer's tool calls come parsed in `message.tool_calls`."))
+    tool_choice: Any = Field(None, description=(
+        "`none`, `auto` (the default with tools), `required`, or "
+        "`{\"type\": \"function\", \"function\": {\"name\": ...}}`; required and named are enforced by a grammar. "
+        "Only with `tools`."), examples=["auto"])
+    parallel_tool_calls: bool | None = Field(None, description="Several calls in one answer (default true). Only "
+                                                                "with `tools`.")
+    response_format: Any = Field(None, description=(
+        "`{\"type\": \"text\"}`, `{\"type\": \"json_object\"}` or `{\"type\": \"json_schema\", \"json_schema\": "
+        "{\"name\": ..., \"schema\": {...}}}`: the JSON kinds are enforced by a grammar (a schema feature it "
+        "cannot enforce: 400)."), examples=[{"type": "text"}])
+    logit_bias: Any = Field(None, description=(
+        "Token id (as a string) to a bias in [-100, 100] added to its logit before sampling."),
+        examples=[{"50256": -100}])
     logprobs: bool | None = Field(None, description="Log probabilities of the chosen tokens.")
     top_logprobs: Any = Field(None, description=(
         f"With `logprobs: true`, an integer in [0, {MAX_TOP_LOGPROBS}]: the most likely tokens at each position "
@@ -135,7 +150,7 @@ class ChatCompletionRequest(_Request):
 
 
 # ---- responses -----------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -209,10 +224,25 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments, as a JSON text.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    index: int = Field(description="The call's place in the answer's list (a stream sends each call whole).")
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str | None = Field(description="The generated text (OpenAI's is null with tool calls; this server's "
-                                            "is always text).")
+    content: str | None = Field(description="The generated text; null when the answer is only tool calls.")
+    tool_calls: list[ToolCall] | None = Field(None, description="The calls parsed from the answer (with `tools`).")
 
 
 class ChatChoice(BaseModel):
@@ -233,6 +263,7 @@ class ChatDelta(BaseModel):
     """What a chunk adds to a choice's message: the role in its first chunk, then text (empty: none)."""
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(None, description="In the choice's last chunk: its calls.")
 
 
 class ChatChunkChoice(BaseModel):

@@ -25,20 +25,23 @@ import jax.numpy as jnp
 from talaria_jax.engine.sampling import sample
 
 
-def verify(logits, tokens, row, draw_step, node_idx, parent, active, temperature, top_k, top_p, seed):
+def verify(logits, tokens, row, draw_step, node_idx, parent, active, temperature, top_k, top_p, seed,
+           draw_logits=None):
     """logits: [T, V] fp32, the target's logits at each of the step's tokens; tokens: [T], the step's
     tokens (a draft node's token is its draft); row: [T], each token's sequence row; draw_step: [T],
     the output index a draw at that token gets (its root's plus its depth); node_idx: [B, K1] token
     index of each sequence's nodes (node 0 the root); parent: [B, K1] each node's parent node (-1 for
     the root, -2 for padding: neither is anyone's child); active: [B] bool, rows that sample;
-    temperature, top_k, top_p: [B]; seed: [B, 2].
+    temperature, top_k, top_p: [B]; seed: [B, 2]; draw_logits: what the draws read instead of logits
+    (logit bias and grammar masks applied: sampling.constrain).
 
     Returns (tokens [B, K1], logprobs [B, K1], top ids [B, K1, N], top logprobs [B, K1, N], path
     [B, K1] the node whose logits gave each token, count [B] tokens emitted: accepted drafts + 1, 0
     for inactive rows). Entries past count are meaningless."""
     b, k1 = node_idx.shape
     # one draw per token (T rows: B x K1 node slots are mostly padding at small batches)
-    drawn, chosen, top_ids, top_lp = sample(logits, temperature[row], top_k[row], top_p[row], seed[row], draw_step)
+    drawn, chosen, top_ids, top_lp = sample(logits, temperature[row], top_k[row], top_p[row], seed[row], draw_step,
+                                            draw_logits)
     drawn, chosen = drawn[node_idx], chosen[node_idx]
     draft = tokens[node_idx]
     cur = jnp.zeros(b, jnp.int32)
