@@ -210,10 +210,11 @@ ACCEPTED_COMPLETIONS = [  # bodies the parser takes, at the edges of what it tak
      "top_p": 1, "temperature": 100, "stop": ["a" * 256] * 4},
 ]
 ACCEPTED_CHATS = [
-    {"model": "tiny", "messages": [{"role": "user"}]},
-    {"model": "tiny", "messages": [{"role": "system", "content": None, "name": 5},
+    {"model": "tiny", "messages": [{"role": "user", "content": ""}]},
+    {"model": "tiny", "messages": [{"role": "system", "content": "", "name": 5},
                                    {"role": "user", "content": [{"type": "text", "text": "a", "extra": 1}]},
-                                   {"role": "assistant", "content": [], "tool_calls": [{"id": "c"}]},
+                                   {"role": "assistant", "content": None, "tool_calls": [
+                                       {"id": "c", "function": {"name": "f", "arguments": "{}"}, "x": 2}]},
                                    {"role": "tool", "content": "42", "tool_call_id": "c"},
                                    {"role": "developer", "content": ""}, {"role": "function", "content": "f"}],
      "tools": [{"type": "function", "function": {"name": "f"}},
