@@ -135,8 +135,8 @@ def _call(name: Any, arguments: Any, names: Sequence[str] | None = None) -> dict
             json.loads(arguments)
         except ValueError:
             return None
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else _compact(arguments)}}
+    text = arguments if isinstance(arguments, str) else _compact(arguments)
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def _hermes(text: str) -> tuple[str, list[dict]]:
