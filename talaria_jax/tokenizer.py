@@ -26,6 +26,13 @@ class Tokenizer(Protocol):
         """Writes what `load_tokenizer(folder)` needs to rebuild this tokenizer."""
 
 
+def joined(parts: list[str]) -> str:
+    """The parts as one string, kept as the list's only part (joined once, however often read)."""
+    if len(parts) > 1:
+        parts[:] = ["".join(parts)]
+    return parts[0] if parts else ""
+
+
 class IncrementalDetokenizer:
     """The text of a growing list of token ids, decoding only a short window at each step, so a whole
     output costs time linear in its length (decoding every token again at every step is quadratic).
@@ -51,9 +58,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """The text handed out so far."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return joined(self._pieces)
 
     def flush(self) -> str:
         """At the end: the rest, a trailing incomplete character as U+FFFD."""

@@ -42,7 +42,7 @@ from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
 from talaria_jax.serve.protocol import ApiError, Limits, Parsed
-from talaria_jax.tokenizer import IncrementalDetokenizer
+from talaria_jax.tokenizer import IncrementalDetokenizer, joined
 
 __all__ = ["ServedModel", "build_app", "key_checker", "openai_errors", "read_json", "serve_in_thread", "serving",
            "session_header", "tenant_salt"]
@@ -433,7 +433,7 @@ class _Choice:
 
     @property
     def text(self) -> str:
-        return _joined(self._text)
+        return joined(self._text)
 
     def update(self, out: RequestOutput | EngineDead) -> None:
         if isinstance(out, EngineDead):
@@ -449,8 +449,8 @@ class _Choice:
             cut = len(self._tail) - min(found)
             new = "" if cut >= 0 else new[:-cut]
             if cut > 0:
-                self._text = [_joined(self._text)[:-cut]]
-                self._unsent = [_joined(self._unsent)[:-cut]]
+                self._text = [joined(self._text)[:-cut]]
+                self._unsent = [joined(self._unsent)[:-cut]]
             self.finish_reason, self.stopped = "stop", True
         if new:
             self._text.append(new)
@@ -461,7 +461,7 @@ class _Choice:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
 
     def delta(self) -> str:
-        unsent = _joined(self._unsent)
+        unsent = joined(self._unsent)
         end = len(unsent) if self.done else max(0, len(unsent) - self.holdback)
         self._unsent = [unsent[end:]] if end < len(unsent) else []
         return unsent[:end]
@@ -503,13 +503,6 @@ class _Choice:
         rest, calls = self.tool_stream.finish()
         calls = self._calls(calls)
         return d + rest, tools.delta_calls(calls) or None, self._reason(calls)
-
-
-def _joined(parts: list[str]) -> str:
-    """The parts as one string, kept as the list's only part (joined once, however often read)."""
-    if len(parts) > 1:
-        parts[:] = ["".join(parts)]
-    return parts[0] if parts else ""
 
 
 def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
