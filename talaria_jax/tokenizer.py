@@ -627,6 +627,16 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], a
         raise ValueError(f"chat template: {e}") from None
 
 
+def chat_text(tok: Tokenizer, template: str, messages: Sequence[Mapping[str, Any]],
+              tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The prompt text of a chat under `template` (the tokenizer's own or one given in its place):
+    the tokenizer's apply_chat_template where it has one (its special tokens are template variables),
+    else render_chat_template. ValueError when the template refuses the messages."""
+    if hasattr(tok, "apply_chat_template"):
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools, chat_template=template)
+    return render_chat_template(template, messages, True, tools)
+
+
 def load_tokenizer(checkpoint_dir: str | pathlib.Path | None = None, bos_id: int | None = None,
                    eos_id: int | None = None) -> Tokenizer:
     """A .gguf file's tokenizer; else the folder's tokenizer.json, else its GGUF tokenizer metadata

@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 
+from conftest import OPTIMIZED
 from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.serve.app import ServedModel, build_app, serving
 from talaria_jax.sharding import make_mesh
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow  # SmolLM2 behind a real server
 
 KEY = "sk-agent"
 CONFIG = EngineConfig(page_size=16, max_seqs=16, max_tokens_per_step=256, max_model_len=1024, prefix_cache=True,
-                      warmup=False)
+                      warmup=False, compiler_options=OPTIMIZED)
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The current weather of a city",
                                       "parameters": {"type": "object", "properties": {

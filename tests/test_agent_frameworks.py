@@ -5,6 +5,7 @@ call, and sends the tool's answer back. Each run stops by itself (max turns, ste
 import httpx
 import pytest
 
+from conftest import OPTIMIZED
 from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.serve.local_cluster import LocalCluster
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.slow  # SmolLM2 behind a real server
 
 KEY = "sk-frameworks"
 CONFIG = EngineConfig(page_size=16, max_seqs=4, max_tokens_per_step=256, max_model_len=2048, prefix_cache=True,
-                      warmup=False)
+                      warmup=False, compiler_options=OPTIMIZED)
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,19 @@ def test_greedy_matches_full_forward(dense1, reference, page_size, chunk, ppb, t
     assert eng.allocator.num_free == eng.allocator.num_pages
 
 
+def test_compiler_options_are_the_steps_xla_options(dense1, reference):
+    """EngineConfig.compiler_options reach the compiled steps: an option XLA does not know fails the
+    first step, naming it; LLVM at -O2 (the process runs at -O0) gives the same tokens."""
+    with pytest.raises(ValueError, match="EngineConfig.compiler_options must be a dict"):
+        EngineConfig(compiler_options=["xla_backend_optimization_level"]).validate()
+    kw = dict(page_size=8, max_seqs=5, max_tokens_per_step=32, max_model_len=128)
+    optimized = Engine(dense1, config(**kw, compiler_options={"xla_backend_optimization_level": 2}))
+    assert [o.token_ids for o in optimized.generate(prompts(), GREEDY, progress=False)] == reference
+    unknown = Engine(dense1, config(**kw, compiler_options={"xla_no_such_option": 1}))
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        unknown.generate(prompts()[:1], GREEDY, progress=False)
+
+
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_greedy_on_tp8_mesh(name):
     cfg = load_model_config(name)

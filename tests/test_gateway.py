@@ -388,15 +388,61 @@ def _session(url: str, sid: str, task: int, turns: int, stream: bool) -> list[st
     return replies
 
 
+# A plain chat template (the tiny models' byte tokenizer has none): tools reach the model in the
+# fallback format of serve.tools, their calls constrained by the grammar of tool_choice required.
+TINY_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+LIST_FILES = [{"type": "function", "function": {"name": "list_files", "description": "List a repository's files", "parameters": {
+    "type": "object", "properties": {"repo": {"enum": ["flask", "numpy", "requests"]}, "depth": {"enum": [1, 2]}},
+    "required": ["repo", "depth"]}}}]
+
+
+def _tool_session(url: str, sid: str, turns: int, stream: bool, in_flight=None) -> list[tuple]:
+    """A tool-calling chat session of tiny-dense through `url` (tool_choice required, one call a turn):
+    each call's tool result joins the history. Returns each answer's (content, calls, finish reason),
+    streamed deltas joined; `in_flight(turn)` runs while a streamed answer is open, after its first chunk."""
+    c = client(url)
+    messages = [{"role": "user", "content": "Which files does the flask repository have?"}]
+    answers = []
+    for t in range(turns):
+        kw = dict(model="tiny-dense", messages=messages, tools=LIST_FILES, tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=120, temperature=0, extra_headers={"x-session-id": sid})
+        if stream:
+            content, calls, reason = "", [], None
+            for n, ch in enumerate(c.chat.completions.create(stream=True, **kw)):
+                if n == 0 and in_flight is not None:
+                    in_flight(t)
+                for choice in ch.choices:
+                    content += choice.delta.content or ""
+                    calls += [(d.function.name, d.function.arguments) for d in choice.delta.tool_calls or []]
+                    reason = choice.finish_reason or reason
+            answer = (content or None, calls, reason)
+        else:
+            choice = c.chat.completions.create(**kw).choices[0]
+            answer = (choice.message.content, [(d.function.name, d.function.arguments)
+                                               for d in choice.message.tool_calls or []], choice.finish_reason)
+        answers.append(answer)
+        ids = [f"call_{t}_{k}" for k in range(len(answer[1]))]
+        messages += [{"role": "assistant", "content": answer[0], "tool_calls": [
+                          {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                          for i, (n, a) in zip(ids, answer[1])]},
+                     *({"role": "tool", "tool_call_id": i, "content": f"README.md setup.py src/ ({t})"} for i in ids)]
+    return answers
+
+
 def test_a_killed_instance_loses_no_call(tmp_path):
-    """Two talaria-serve processes behind the gateway; one is killed (SIGKILL) while it serves calls of
-    running sessions. Every session completes, each reply what it is without the fault. The tiny
-    random model keeps the two servers' start-up short (the real-client test above runs SmolLM2)."""
+    """Two talaria-serve processes behind the gateway; one is killed (SIGKILL) while it streams a tool
+    call of a running session, other sessions' calls in flight. Every session completes, each reply
+    what it is without the fault, and the streamed tool calls, joined, are the calls answered whole.
+    The tiny random model keeps the two servers' start-up short (the real-client test above runs
+    SmolLM2)."""
     ports = [_free_port(), _free_port()]
+    template = tmp_path / "chat.jinja"
+    template.write_text(TINY_TEMPLATE)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}"}
     procs = [subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", f"--port={p}", f"--api_key={KEY}",
-                               "--model=tiny-dense", "--max_model_len=1024", "--max_seqs=4", "--kv_mib_per_device=64",
-                               "--nowarmup"],
+                               "--model=tiny-dense", "--max_model_len=2048", "--max_seqs=4", "--kv_mib_per_device=64",
+                               f"--chat_template={template}", "--nowarmup"],
                               env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"i{k}.log", "w"))
              for k, p in enumerate(ports)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -413,22 +459,26 @@ def test_a_killed_instance_loses_no_call(tmp_path):
                 time.sleep(0.5)
         gw = build_gateway(urls, api_keys=[KEY], policy=get_policy("talaria"), probe_interval_s=0.2)
         gurl, gserver = serve_in_thread(gw)
-        sids = [f"s{k}" for k in range(4)]  # 4 calls each: the tiny model answers fast, the kill needs a call in flight
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # no fault: the replies to expect
+        ups, killed = gw.state.upstreams, []
+
+        def kill_its_instance(turn: int):  # the tool session's second answer is streaming: kill its instance
+            if turn == 1 and not killed:
+                [name] = [up for key, up in gw.state.sessions.items() if key.endswith(":tools")]
+                killed.append(next(k for k, up in enumerate(ups) if up.name == name))
+                procs[killed[0]].send_signal(signal.SIGKILL)
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:  # no fault, tool calls answered whole: what to expect
             want = list(pool.map(lambda k: _session(gurl, f"ref-{k}", k, 4, k % 2 == 0), range(4)))
-            futures = [pool.submit(_session, gurl, sid, k, 4, k % 2 == 0) for k, sid in enumerate(sids)]
-            ups = gw.state.upstreams
-            killed = None
-            while killed is None and not all(f.done() for f in futures):  # kill one while it serves calls
-                busy = [k for k, up in enumerate(ups) if up.inflight >= 1]
-                if busy and len(gw.state.sessions) >= len(sids) + 1:  # one session is past its first call
-                    killed = busy[0]
-                    procs[killed].send_signal(signal.SIGKILL)
-                time.sleep(0.02)
+            want_tools = _tool_session(gurl, "ref-tools", 3, stream=False)
+            futures = [pool.submit(_session, gurl, f"s{k}", k, 4, k % 2 == 0) for k in range(4)]
+            tools = pool.submit(_tool_session, gurl, "tools", 3, True, kill_its_instance)
             got = [f.result() for f in futures]
-        assert killed is not None, "no instance was busy enough to kill"
+            got_tools = tools.result()
+        assert killed, "the tool session never streamed a second answer"
         assert got == want
-        assert not ups[killed].alive and ups[1 - killed].alive
+        assert got_tools == want_tools and all(reason == "tool_calls" and len(calls) == 1
+                                               for _, calls, reason in got_tools), got_tools
+        assert not ups[killed[0]].alive and ups[1 - killed[0]].alive
         assert metric(gurl, "router_replacements_total") >= 1
         gserver.should_exit = True
     finally:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import FAST_COMPILE
+from conftest import FAST_COMPILE, TEST_CACHE
 from talaria_jax.engine import EngineConfig, RequestError, SamplingParams
 from talaria_jax.models.model import forward, greedy_generate
 from talaria_jax.rollout.placement import CacheAware, LeastLoaded, PlacementRequest, PrefixIndex, ReplicaLoad, RoundRobin
@@ -332,7 +332,7 @@ def test_ray_actor_replicas_return_the_in_process_tokens(service):
     local = service.generate(ps, params, n=2)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        spec = ReplicaSpec("tiny-dense", engine=engine_config())
+        spec = ReplicaSpec("tiny-dense", engine=engine_config(), compilation_cache=TEST_CACHE)  # the tests' cache
         env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"}
         with RolloutService(ray_replicas(spec, 2, num_cpus=1, env_vars=env)) as s:
             remote = s.generate(ps, params, n=2)

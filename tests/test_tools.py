@@ -5,10 +5,12 @@ import json
 import random
 
 import pytest
+from absl import app
 
 from talaria_jax.engine import grammar
 from talaria_jax.serve import protocol, tools
-from talaria_jax.tokenizer import ByteTokenizer, render_chat_template
+from talaria_jax.launch.common import chat_template_text
+from talaria_jax.tokenizer import ByteTokenizer, chat_text, render_chat_template
 
 SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                  "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
@@ -108,6 +110,18 @@ def test_templates_without_tools_get_the_fallback_format():
     assert sys_first[0]["content"].startswith("Be brief.\n\n# Tools") and len(sys_first) == 4
     plain = [{"role": "user", "content": "hi"}]
     assert tools.render_messages(plain, None, SMOL_TEMPLATE) == (plain, None)  # no tools: unchanged
+
+
+def test_a_template_given_at_launch_serves_a_tokenizer_without_one(tmp_path):
+    """--chat_template: the byte tokenizer has no template and no apply_chat_template; the given one
+    renders its chats, tools in the fallback format. A file that cannot be read is a usage error."""
+    messages, listed = tools.render_messages([{"role": "user", "content": "Weather in Paris?"}], TOOLS, SMOL_TEMPLATE)
+    text = chat_text(ByteTokenizer(), SMOL_TEMPLATE, messages, listed)
+    assert text == render_chat_template(SMOL_TEMPLATE, messages) and "<tools>" in text
+    (tmp_path / "t.jinja").write_text(SMOL_TEMPLATE)
+    assert chat_template_text(str(tmp_path / "t.jinja")) == SMOL_TEMPLATE and chat_template_text(None) is None
+    with pytest.raises(app.UsageError, match="--chat_template: cannot read .*none.jinja"):
+        chat_template_text(str(tmp_path / "none.jinja"))
 
 
 def test_templates_with_tools_get_them_natively():

@@ -18,6 +18,7 @@ import functools
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -75,6 +76,9 @@ class EngineConfig:
     # "pallas" (the kernel of engine/kernels/, interpreted off GPU: slow, for tests) or "auto" (the
     # kernel where the model's devices are GPUs and it takes the pool's page_size and head_dim).
     attention: str = "auto"
+    # XLA options of the compiled steps (jax.jit's compiler_options, e.g. {"xla_backend_optimization_level":
+    # 2}); they win over the process's XLA_FLAGS for this engine's steps only. None: the flags alone.
+    compiler_options: dict[str, Any] | None = None
 
     def validate(self) -> None:
         for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block", "query_tile"):
@@ -86,6 +90,10 @@ class EngineConfig:
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {', '.join(map(repr, ATTENTION))}, got "
                              f"{self.attention!r}")
+        if self.compiler_options is not None and not (
+                isinstance(self.compiler_options, dict) and all(isinstance(k, str) for k in self.compiler_options)):
+            raise ValueError(f"EngineConfig.compiler_options must be a dict of XLA option names, got "
+                             f"{self.compiler_options!r}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig: set num_pages or kv_memory_bytes_per_device, not both")
         if self.speculation is not None:
@@ -170,7 +178,8 @@ class Engine:
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
                              pages_per_block=config.pages_per_block, query_tile=config.query_tile,
                              attention=attention_kind(config.attention, model.mesh, self.pool_spec),
-                             draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0)
+                             draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
+                             compiler_options=config.compiler_options)
         self.scheduler = EngineScheduler(
             Limits(config.max_seqs, config.max_tokens_per_step, config.max_model_len, config.seed), self.allocator,
             self.page_size, prefix_cache=self.prefix_cache, host=_HostCopies(self),

@@ -214,9 +214,9 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
 class Runner:
     def __init__(self, model: ShardedModel, arena: KVArena, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
                  max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16,
-                 attention: str = "reference", draft_nodes: int = 0):
+                 attention: str = "reference", draft_nodes: int = 0, compiler_options: dict | None = None):
         """draft_nodes: K1 of the verifying step (1 + the most draft tokens a sequence brings), 0 without
-        speculation."""
+        speculation; compiler_options: XLA options of both steps (jax.jit's)."""
         if attention not in ("reference", "pallas"):
             raise ValueError(f"Runner attention must be 'reference' or 'pallas', got {attention!r}")
         self.model = model
@@ -234,10 +234,10 @@ class Runner:
         self.compilations = 0
         self.slot, self.layout = None, None  # see use_slot
         rep = replicated(model.mesh)
-        self._step = jax.jit(self._step_fn, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
-                             out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep))
-        self._verify = jax.jit(self._verify_fn, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
-                               out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep, rep))
+        jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
+                                compiler_options=compiler_options)
+        self._step = jit(self._step_fn, out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep))
+        self._verify = jit(self._verify_fn, out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep, rep))
 
     def use_slot(self, slot, layout=None) -> None:
         """Reads the parameters from `slot` (a WeightSlot shared by several models' runners), carved by

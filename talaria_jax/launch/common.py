@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 import re
 import sys
 
@@ -43,7 +44,7 @@ def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: st
     """`serve.local_cluster.instance_apps` for a launcher: the compilation cache on, names resolved
     (`hardware` None: cpu on the CPU backend, h200x8 elsewhere), and a bad model, policy, profile or
     device count a usage error naming it. `serving_kw`: host_kv_bytes, max_sessions, session_ttl_s,
-    tool_call_parser."""
+    tool_call_parser, chat_template."""
     import jax
 
     from talaria_jax.engine import enable_compilation_cache
@@ -68,6 +69,17 @@ def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: st
         raise app.UsageError(str(e)) from None
     except MapLimitError as e:  # a limit of this machine, not a usage error: its one-line message, no traceback
         sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")
+
+
+def chat_template_text(path: str | None) -> str | None:
+    """--chat_template: the Jinja text of the file at `path` (None: None); a file that cannot be read
+    is a usage error naming it."""
+    if not path:
+        return None
+    try:
+        return pathlib.Path(path).read_text()
+    except OSError as e:
+        raise app.UsageError(f"--chat_template: cannot read {path}: {e.strerror}") from None
 
 
 HOST_KV_SHARE = 0.2  # --host_kv_bytes=auto: this share of the host memory available at start

@@ -47,6 +47,8 @@ _SPECULATE = flags.DEFINE_integer("speculate", 0, "Local instances: suffix-tree 
                                   "measured at start.", lower_bound=0, upper_bound=31)
 _TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", "llama3_json"],
                                  "Local instances: how the models write tool calls (see talaria-serve).")
+_CHAT_TEMPLATE = flags.DEFINE_string("chat_template", None, "Local instances: a Jinja chat template file for every "
+                                     "model in place of its tokenizer's (see talaria-serve).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Local instances: compile every step shape before serving.")
 _HOST_KV = flags.DEFINE_string("host_kv_bytes", "auto", "Local instances: host memory for session KV copies, per "
                                "instance: a size (8G, 512M, bytes; 0: none), 'auto' (20% of the host memory available "
@@ -91,7 +93,7 @@ def main(argv):
 
 def start_local_instances(keys: list[str]):
     """--local_instances `talaria-serve` processes (`LocalServers`) with this command's flags, started."""
-    from talaria_jax.launch.common import host_kv_bytes
+    from talaria_jax.launch.common import chat_template_text, host_kv_bytes
     from talaria_jax.launch.local_servers import LocalServers, StartError
 
     n = _LOCAL.value
@@ -102,6 +104,8 @@ def start_local_instances(keys: list[str]):
             f"--tool_call_parser={_TOOL_PARSER.value}",
             "--warmup" if _WARMUP.value else "--nowarmup",
             f"--host_kv_bytes={'unbounded' if host_kv is None else host_kv}"]
+    if chat_template_text(_CHAT_TEMPLATE.value) is not None:  # a file it cannot read: the usage error here
+        args.append(f"--chat_template={os.path.abspath(_CHAT_TEMPLATE.value)}")
     if _KV_MB.value:
         args.append(f"--kv_mib_per_device={_KV_MB.value}")
     print(f"starting {n} instance processes ({', '.join(_MODEL.value)} each) ...", file=sys.stderr)

@@ -67,6 +67,9 @@ _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before ser
 _TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", "llama3_json"],
                                  "How the models write tool calls (auto: read from each chat template; a template "
                                  "without a tools section gets the hermes fallback). See docs/agents.md.")
+_CHAT_TEMPLATE = flags.DEFINE_string("chat_template", None, "A Jinja chat template file used for every model of the "
+                                     "instance in place of its tokenizer's (a model without one serves chats with "
+                                     "it).")
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
                                  "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
 
@@ -75,7 +78,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from talaria_jax.engine import EngineConfig
-    from talaria_jax.launch.common import host_kv_bytes, instance_apps, spec_config
+    from talaria_jax.launch.common import chat_template_text, host_kv_bytes, instance_apps, spec_config
     from talaria_jax.serve.protocol import Limits
 
     keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
@@ -96,7 +99,7 @@ def main(argv):
                           tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None,
                           compilation_cache=_XLA_CACHE.value, host_kv_bytes=host_kv_bytes(_HOST_KV.value),
                           max_sessions=_MAX_SESSIONS.value, session_ttl_s=_SESSION_TTL.value,
-                          tool_call_parser=_TOOL_PARSER.value)
+                          tool_call_parser=_TOOL_PARSER.value, chat_template=chat_template_text(_CHAT_TEMPLATE.value))
     server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning",
                                            timeout_graceful_shutdown=max(1, int(_DRAIN.value))),
                             api.state.engine, _DRAIN.value)

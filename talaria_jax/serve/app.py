@@ -42,7 +42,7 @@ from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
 from talaria_jax.serve.protocol import ApiError, Limits, Parsed
-from talaria_jax.tokenizer import IncrementalDetokenizer, joined
+from talaria_jax.tokenizer import IncrementalDetokenizer, chat_text, joined
 
 __all__ = ["ServedModel", "build_app", "key_checker", "openai_errors", "read_json", "serve_in_thread", "serving",
            "session_header", "tenant_salt"]
@@ -50,22 +50,22 @@ __all__ = ["ServedModel", "build_app", "key_checker", "openai_errors", "read_jso
 
 @dataclasses.dataclass
 class ServedModel:
-    """The model a server answers for: its name in requests, its engine and tokenizer, and how its
-    tool calls are written (`tool_call_parser`: a format of serve.tools, or auto: its chat template's)."""
+    """The model a server answers for: its name in requests, its engine and tokenizer, how its tool
+    calls are written (`tool_call_parser`: a format of serve.tools, or auto: its chat template's), and
+    the Jinja chat template of its chats (`chat_template`; None: its tokenizer's, if it has one)."""
     name: str
     engine: Engine
     tool_call_parser: str = "auto"
+    chat_template: str | None = None
 
     def __post_init__(self):
+        if self.chat_template is None:
+            self.chat_template = getattr(self.engine.tokenizer, "chat_template", None)
         self.tool_format = tools.parser_for(self.chat_template, self.tool_call_parser)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
-
-    @property
-    def chat_template(self) -> str | None:
-        return getattr(self.engine.tokenizer, "chat_template", None)
 
 
 def tenant_salt(api_key: str, secret: bytes) -> str:
@@ -385,11 +385,11 @@ def _prompt_ids(model: ServedModel, p: Parsed) -> list[int]:
     tok = model.tokenizer
     if p.messages is not None:
         if model.chat_template is None:
-            raise ApiError(400, f"the model '{model.name}' has no chat template; use /v1/completions", "messages",
-                           "no_chat_template")
+            raise ApiError(400, f"the model '{model.name}' has no chat template (serve it with --chat_template); use "
+                           "/v1/completions", "messages", "no_chat_template")
         messages, listed = tools.render_messages(p.messages, p.tools, model.chat_template)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=listed)
+            text = chat_text(tok, model.chat_template, messages, listed)
         except Exception as e:  # noqa: BLE001 - the template refused the conversation (raise_exception)
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages", "invalid_messages") from None
         return tok.encode(text)

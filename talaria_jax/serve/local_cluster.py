@@ -32,7 +32,8 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
                   instances: int, devices_per_instance: int, engine_config: EngineConfig,
                   kv_bytes_per_device: int | None, api_keys: Sequence[str], limits: Limits = Limits(),
                   dtype: str | None = None, tenant_secret: bytes | None = None, host_kv_bytes: int | None = None,
-                  max_sessions: int = 10_000, session_ttl_s: float = 3600.0, tool_call_parser: str = "auto") -> list:
+                  max_sessions: int = 10_000, session_ttl_s: float = 3600.0, tool_call_parser: str = "auto",
+                  chat_template: str | None = None) -> list:
     """`instances` instance servers (FastAPI apps, not started), each an `InstanceEngine` under `policy`
     over every model of `models` (served name -> what `load_local_model` loads, or a list of names) on
     its own `devices_per_instance` devices; `app.state.backend` is its InstanceEngine. Each keeps at
@@ -45,7 +46,7 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
     apps = []
     for inst in insts:
         ie = InstanceEngine(inst, policy, session_ttl_s=session_ttl_s, max_sessions=max_sessions)
-        a = build_app([ServedModel(m, ie.engine_of(m), tool_call_parser) for m in ie.models], api_keys=api_keys,
+        a = build_app([ServedModel(m, ie.engine_of(m), tool_call_parser, chat_template) for m in ie.models], api_keys=api_keys,
                       limits=limits,
                       tenant_secret=tenant_secret, backend=ie)
         a.state.backend = ie
