@@ -25,7 +25,7 @@ from talaria_jax.sim.hardware import load_hardware, load_models
 from talaria_jax.sim.traces import TraceSpec, generate
 
 CLUSTER_MODELS = ("qwen3-235b-a22b", "glm-4.5-fp8", "llama-3.1-405b-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8",
-                  "gpt-oss-120b")  # cluster-120x32's models, in rank order (configs/traces/README.md)
+                  "gpt-oss-120b")  # cluster-120x32's models, in rank order (docs/traces.md)
 RATE_PER_SERVER = 0.5  # sessions/s: cluster-120x32 arrives at 2/s on 4 servers
 
 _SERVERS = flags.DEFINE_integer("servers", 64, "Simulated instances (each an H200 TP=8 hosting every model).")

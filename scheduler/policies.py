@@ -12,16 +12,16 @@ after one round of slots when its sessions' tool gaps make them the critical cha
 (the model with the most unfinished sessions first, no starvation bound) and `talaria-smith`
 (Smith's rule per call with a fixed 60 s bound on a call's wait) and `talaria-srpt` (shortest
 remaining sessions first, aged only after all the work left: the best p50 in most regimes, up to
-25% behind the chain order at p95 with long tool gaps; configs/traces/README.md "Regime sweep").
+25% behind the chain order at p95 with long tool gaps; docs/traces.md "Regime sweep").
 """
 from __future__ import annotations
 
 import dataclasses
 
-# Tool-gap statistics (REFERENCES.md "Agent sessions": median 0.3 s, p90 13.6 s, TraceLab).
+# Tool-gap statistics (docs/references.md "Agent sessions": median 0.3 s, p90 13.6 s, TraceLab).
 _TOOL_GAP_P90_S = 13.6
-_TOOL_GAP_MEAN_S = 18.4  # REFERENCES.md: mean 18.4 s (TraceLab)
-_TOOL_GAP_P99_S = 216.0  # REFERENCES.md: p99 3.6 min
+_TOOL_GAP_MEAN_S = 18.4  # docs/references.md: mean 18.4 s (TraceLab)
+_TOOL_GAP_P99_S = 216.0  # docs/references.md: p99 3.6 min
 # p75 of the lognormal through median 0.3 s and p90 13.6 s: 0.3 * exp(0.674 * ln(13.6/0.3)/1.2816)
 _TOOL_GAP_P75_S = 2.2
 
@@ -72,14 +72,14 @@ class PolicyConfig:
     switches_per_slot: float | None = 10.0
     min_slot_s: float = _TOOL_GAP_P75_S  # a slot still covers a likely tool gap, so SP serves the return
     reserve_horizon_s: float = _TOOL_GAP_P90_S  # a reservation lapses after the p90 tool gap
-    reserve_growth_tokens: int = 1000  # expected observation + output appended per turn (REFERENCES: 0.5-1K median obs)
+    reserve_growth_tokens: int = 1000  # expected observation + output appended per turn (docs/references.md: 0.5-1K median obs)
     hold_s: float = _TOOL_GAP_P75_S  # hold a drained slot this long for a reserved session's return
     # smith only: a call that has waited this long makes its model first in slot order (oldest
     # first). Starvation bound: it is admitted within max_wait_s + what is left of the open slot
     # (at most slot_s) + the active model's drain + a switch.
     max_wait_s: float = 60.0
     # chain only: priors of what the scheduler observes, each replaced as observations come in: the mean
-    # tool gap (counted as one gap) and the calls per session (until 8 sessions have ended; REFERENCES:
+    # tool gap (counted as one gap) and the calls per session (until 8 sessions have ended; docs/references.md:
     # SWE-agent-family averages 19-34, the paper 32)
     tool_gap_mean_s: float = _TOOL_GAP_MEAN_S
     tool_gap_max_s: float = _TOOL_GAP_P99_S  # an open gap longer than this counts as closed at it
@@ -121,15 +121,15 @@ POLICIES: dict[str, PolicyConfig] = {
     "talaria-no-staging": PolicyConfig("talaria-no-staging", staging=False),
     "talaria-no-reservations": PolicyConfig("talaria-no-reservations", reservations=False),
     # a variant, not the default: slots go to the model with the most unfinished sessions, 60 s long
-    # (configs/traces/README.md: the best p50 at x1 and without tool time, behind talaria at p95)
+    # (docs/traces.md: the best p50 at x1 and without tool time, behind talaria at p95)
     "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,
                                           switches_per_slot=None),
     # a variant, not the default: Smith's rule with observed tool gaps and a 60 s bound on a call's wait
-    # (configs/traces/README.md: ahead of talaria at p50 with long tool gaps, behind at x0-x0.25)
+    # (docs/traces.md: ahead of talaria at p50 with long tool gaps, behind at x0-x0.25)
     "talaria-smith": PolicyConfig("talaria-smith", slot_order="smith"),
     # a variant, the default until the chain order: slots in a fixed round-robin model order
     "talaria-round-robin": PolicyConfig("talaria-round-robin", slot_order="round_robin"),
-    # a variant, not the default: shortest remaining sessions first (configs/traces/README.md: the best
+    # a variant, not the default: shortest remaining sessions first (docs/traces.md: the best
     # p50 of the sweep's policies in most cells, behind the chain order at p95 with long tool gaps)
     "talaria-srpt": PolicyConfig("talaria-srpt", slot_order="srpt"),
 }

@@ -48,7 +48,7 @@ def talaria_score(policy: PolicyConfig, call: Call, inst: InstanceAPI, routed: i
 
 
 def kv_aware_score(policy: PolicyConfig, call: Call, inst: InstanceAPI, routed: int) -> float:
-    """llm-d's scorer (REFERENCES.md: 3 prefix + 2 queue + 2 KV utilisation); blind to residency."""
+    """llm-d's scorer (docs/references.md: 3 prefix + 2 queue + 2 KV utilisation); blind to residency."""
     loc = usable_prefix(call, inst)
     prefix = min(1.0, max(loc.device_tokens, loc.host_tokens if policy.host_kv else 0) / max(1, call.prompt_tokens))
     queue = min(1.0, queue_len(inst, routed) / policy.weights.queue_ref)

@@ -29,7 +29,7 @@ def _aged(now: float, since: float) -> float:
 class ToolGaps:
     """The tool gaps the scheduler sees: a gap opens when a session's call finishes and closes when
     its next call is issued. The p90 is over the last `window` closed gaps; until `min_seen` have
-    closed it is the stated prior (REFERENCES.md's agent-session statistics:
+    closed it is the stated prior (docs/references.md's agent-session statistics:
     ``PolicyConfig.reserve_horizon_s``, 13.6 s). The mean is over every gap since the start, the
     ones still open included. A gap open longer than `max_gap_s` (the stated p99) is closed at that
     length: its session has most likely ended, or its next call went to another scheduler."""

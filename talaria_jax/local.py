@@ -31,7 +31,7 @@ LOCAL_MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
 LOCAL_KV_BYTES = 512 * 2**20  # an instance's KV arena per device, all models: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
 
 # 12 sessions of 4 calls over the three local models (Zipf popularity, as the default trace): prompts
-# of a few hundred tokens so a CPU replays them in minutes; tool gaps keep REFERENCES' TraceLab
+# of a few hundred tokens so a CPU replays them in minutes; tool gaps keep docs/references.md's TraceLab
 # distribution unscaled (median 0.3 s, p90 13.6 s), which is the order of a call's time here.
 LOCAL_TRACE = TraceSpec(sessions=12, turns=4, models=LOCAL_MODELS, arrival_rate_per_s=0.5, system_tokens=(96, 320),
                         obs_median_tokens=48.0, obs_max_tokens=256, output_mean_tokens=24.0, output_range=(8, 64),

@@ -1,11 +1,11 @@
-"""Model configs: published parameter counts and KV bytes per token (REFERENCES.md), and errors."""
+"""Model configs: published parameter counts and KV bytes per token (docs/references.md), and errors."""
 import pytest
 
 from talaria_jax.config_io import ConfigError, from_dict
 from talaria_jax.models.config import ModelConfig, available_models, load_model_config
 
 KIB = 1024
-# KV bytes per token in bf16, REFERENCES.md table.
+# KV bytes per token in bf16, docs/references.md table.
 PUBLISHED_KV = {"qwen3-235b-a22b": 188 * KIB, "glm-4.5-air": 184 * KIB, "gpt-oss-120b": 36 * KIB,
                 "llama-3.1-405b": 504 * KIB, "glm-4.5": 368 * KIB}
 REAL = ["qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen3-8b"]

@@ -1,5 +1,5 @@
 """Numerics per backend: the default compute dtype (fp32 on CPU, bf16 on an accelerator for an fp32
-source), and the bf16 path's tolerances against the fp32 reference, stated here and in the README."""
+source), and the bf16 path's tolerances against the fp32 reference, stated here and in docs/engine.md."""
 import jax
 import numpy as np
 

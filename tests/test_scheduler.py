@@ -328,7 +328,7 @@ def test_smith_order_keeps_the_slot_and_bounds_the_wait():
 
 
 def test_tool_gaps_use_the_prior_until_enough_are_seen():
-    gaps = ToolGaps(13.6, 18.4, 216.0, window=100, min_seen=16)  # REFERENCES.md's p90, mean and p99
+    gaps = ToolGaps(13.6, 18.4, 216.0, window=100, min_seen=16)  # docs/references.md's p90, mean and p99
     assert gaps.p90() == 13.6
 
     def gap(g: float) -> None:

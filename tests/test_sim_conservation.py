@@ -51,7 +51,7 @@ def test_talaria_restores_prefixes_that_round_keeps_or_recomputes():
 
 def test_default_models_cannot_all_stay_resident():
     total = sum(SHAPES[m].weight_bytes for m in {c.model for c in CALLS})
-    assert total > HW.usable_hbm_bytes  # the scenario forces switching (configs/traces/README.md)
+    assert total > HW.usable_hbm_bytes  # the scenario forces switching (docs/traces.md)
 
 
 def test_tool_time_jitter_is_common_to_every_policy():

@@ -56,7 +56,7 @@ def test_moe_decode_reads_only_touched_experts():
 
 
 def test_prefill_calibrated_to_published_throughput():
-    # REFERENCES.md: Qwen3-235B bf16 TP8 on 8xH100, 32K-input: 22.7K tokens/s
+    # docs/references.md: Qwen3-235B bf16 TP8 on 8xH100, 32K-input: 22.7K tokens/s
     c = CostModel(load_hardware("h100x8"))
     tps = c.saturated_prefill_tokens_per_s(load_models()["qwen3-235b-a22b"], 32768, 8)
     assert tps == pytest.approx(22_700, rel=0.1)

@@ -64,9 +64,9 @@ def test_gpt_oss_experts_mxfp4_rest_bf16():
     cfg, g = load_model_config("gpt-oss-120b"), SHAPES["gpt-oss-120b"]
     routed = cfg.routed_expert_params()
     assert g.weight_bytes == int((cfg.param_count() - routed) * 2 + routed * 0.53125)
-    assert g.weight_bytes == pytest.approx(61 * 2**30, rel=0.01)  # REFERENCES.md: 61 GiB
+    assert g.weight_bytes == pytest.approx(61 * 2**30, rel=0.01)  # docs/references.md: 61 GiB
     assert g.expert_fraction == pytest.approx(routed * 0.53125 / g.weight_bytes)
-    # 18 of 36 layers attend to everything; KV counts those only (REFERENCES.md: 36 KiB)
+    # 18 of 36 layers attend to everything; KV counts those only (docs/references.md: 36 KiB)
     assert (g.layers, g.full_attn_layers, g.kv_bytes_per_token) == (36, 18, 36 * KIB)
 
 

@@ -42,7 +42,7 @@ from talaria_jax.sim.instance import CapacityError
 from talaria_jax.sim.traces import read_jsonl
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("trace", str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"), "JSONL trace (configs/traces/README.md).")
+flags.DEFINE_string("trace", str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"), "JSONL trace (docs/traces.md).")
 flags.DEFINE_string("hardware", "h200x8", "Hardware config: a name under configs/hardware/ or a YAML path.")
 flags.DEFINE_string("models_table", str(CONFIG_ROOT / "hardware" / "models.yaml"), "Served model variants (a configs/models config + a precision) for the cost model.")
 flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "Policies to replay (talaria, round, load, sticky, composite, talaria-no-*, talaria-popular-first, "

@@ -1,11 +1,11 @@
-"""talaria-trace: generate an agent-session trace (configs/traces/README.md) and print its statistics.
+"""talaria-trace: generate an agent-session trace (docs/traces.md) and print its statistics.
 
     python -m talaria_jax.launch.trace --sessions=30 --turns=32 --seed=0 --out=out/trace.jsonl
     python -m talaria_jax.launch.trace --sessions=8 --turns=150 --models=glm-4.5-air,gpt-oss-120b \
         --compact_at_tokens=32000 --out=out/compacting.jsonl
 
 Writes one call per line (``talaria_jax.sim.traces.write_jsonl``), then prints the trace's
-``summary()`` as a table. Every other setting is ``TraceSpec``'s default (REFERENCES.md's agent
+``summary()`` as a table. Every other setting is ``TraceSpec``'s default (docs/references.md's agent
 statistics). A model must be a variant of configs/hardware/models.yaml or a config name under
 configs/models/ (replayed in bf16), the names talaria-replay accepts. A bad flag ends with one line,
 ``talaria-trace: error: ...``, and exit 2.

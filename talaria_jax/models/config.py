@@ -201,7 +201,7 @@ class ModelConfig:
         return per_layer * sum(1 for layer in range(self.num_layers) if self.is_moe_layer(layer))
 
     def kv_bytes_per_token(self, full_attention: bool = False) -> int:
-        """2 x layers x kv_heads x head_dim x bytes (REFERENCES.md). Sliding-window layers hold a
+        """2 x layers x kv_heads x head_dim x bytes (docs/references.md). Sliding-window layers hold a
         bounded window, so by default only full-attention layers count per token."""
         layers = self.num_layers if full_attention else sum(1 for l in range(self.num_layers) if self.window(l) == 0)
         return int(2 * layers * self.kv_size * _DTYPE_BYTES[self.kv_dtype])

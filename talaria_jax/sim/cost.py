@@ -3,7 +3,7 @@
 Times are seconds. A phase takes the larger of its compute time (FLOPs over the matmul rate times
 a calibrated efficiency) and its memory time (bytes over HBM bandwidth times an efficiency), plus
 the tensor-parallel all-reduces (two per layer: after attention and after the MLP). The constants
-come from the hardware config, whose comments cite REFERENCES.md.
+come from the hardware config, whose comments cite docs/references.md.
 """
 from __future__ import annotations
 

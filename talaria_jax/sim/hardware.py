@@ -102,7 +102,7 @@ class ModelShape:
         Every figure is ModelConfig arithmetic: weight bytes = parameters x bytes per weight of the
         precision, active parameters = ``active_param_count()``, full-attention layers = layers with no
         sliding window, KV bytes = ``kv_bytes_per_token()`` with kv heads replicated up to `tp` when
-        there are fewer kv heads than ranks (each rank holds at least one, REFERENCES.md: Qwen3-235B's
+        there are fewer kv heads than ranks (each rank holds at least one, docs/references.md: Qwen3-235B's
         188 KiB is 376 KiB physical at TP=8). Raises config_io.ConfigError for an unknown precision."""
         if tp < 1:
             raise ConfigError(f"{cfg.name}: tp={tp} must be >= 1")

@@ -1,9 +1,9 @@
-"""SWE-bench-style agent session traces: a generator and the JSONL format (configs/traces/README.md).
+"""SWE-bench-style agent session traces: a generator and the JSONL format (docs/traces.md).
 
 One call per line: {"session", "turn", "model", "prompt_tokens", "output_tokens", "tool_gap_s"}
 plus "start_s" on turn 0 and, on a turn that compacts its context, "prefix_tokens". Unknown fields
 are ignored; a malformed line raises ``TraceError`` with its line number. Statistics of the
-generator follow REFERENCES.md ("Agent sessions").
+generator follow docs/references.md ("Agent sessions").
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from talaria_jax.scheduler.session import Call
 
-# REFERENCES.md "Agent sessions" (TraceLab, 357K steps): tool gap median 0.3 s, p90 13.6 s, p99 3.6 min.
+# docs/references.md "Agent sessions" (TraceLab, 357K steps): tool gap median 0.3 s, p90 13.6 s, p99 3.6 min.
 TOOL_GAP_MEDIAN_S = 0.3
 TOOL_GAP_P90_S = 13.6
 TOOL_GAP_P99_S = 216.0
@@ -37,14 +37,14 @@ class TraceSpec:
     models: tuple[str, ...] = ("qwen3-235b-a22b", "glm-4.5-fp8", "llama-3.1-405b-fp8")
     zipf_s: float = 1.0  # popularity of model rank r is proportional to r^-s
     arrival_rate_per_s: float = 0.5  # Poisson session arrivals: a batch of SWE-bench tasks launched together
-    system_tokens: tuple[int, int] = (2000, 6000)  # system prompt + issue, uniform (REFERENCES: 2-6K)
-    obs_median_tokens: float = 500.0  # tool observation per turn, lognormal (REFERENCES: median 0.5-1K, tail 8K+)
+    system_tokens: tuple[int, int] = (2000, 6000)  # system prompt + issue, uniform (docs/references.md: 2-6K)
+    obs_median_tokens: float = 500.0  # tool observation per turn, lognormal (docs/references.md: median 0.5-1K, tail 8K+)
     obs_sigma: float = 1.0  # p99 = 500 * e^2.33 = 5.1K; the clip below cuts the 8K+ tail at 16K
     obs_max_tokens: int = 16000
-    output_mean_tokens: float = 220.0  # REFERENCES: ~220 output tokens per call (OpenHands/SWE-smith)
+    output_mean_tokens: float = 220.0  # docs/references.md: ~220 output tokens per call (OpenHands/SWE-smith)
     output_sigma: float = 0.6
     output_range: tuple[int, int] = (16, 2048)
-    max_context_tokens: int = 131072  # REFERENCES: deepest turn up to 131K; a turn that would pass it compacts
+    max_context_tokens: int = 131072  # docs/references.md: deepest turn up to 131K; a turn that would pass it compacts
     # Context compaction (0 = off): a turn whose prompt would exceed compact_at_tokens instead starts a
     # new prefix: it keeps the session's first prompt (system prompt + issue, drawn from system_tokens)
     # as its reusable prefix (prefix_tokens) and replaces the rest by a summary of compact_summary_tokens
@@ -215,7 +215,7 @@ def read_jsonl(path: str | pathlib.Path) -> Trace:
 
 
 def summary(calls: Sequence[Call]) -> dict:
-    """Statistics of a trace, for the README and for checking the generator against REFERENCES.md."""
+    """Statistics of a trace, for docs/traces.md and for checking the generator against docs/references.md."""
     by: dict[str, list[Call]] = {}
     for c in calls:
         by.setdefault(c.session, []).append(c)
