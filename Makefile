@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: test test-fast demo venv hf golden clean
+.PHONY: test test-fast demo docs venv hf golden clean
 
 $(STAMP): pyproject.toml requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m talaria_jax.launch.demo
 
+# The documentation site (MkDocs, Material theme, the API reference from the docstrings) into site/;
+# strict: a broken link or anchor, a page missing from nav or an unreadable docstring fails it.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 # torch (CPU wheel on this machine's disk) + transformers (+ accelerate for GGUF): live HF parity tests
 # and golden regeneration.
 hf: $(STAMP)
@@ -43,4 +48,4 @@ golden: hf
 	$(PY) tests/assets/make_gguf_golden.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site
