@@ -265,7 +265,13 @@ class Engine:
         copied back into the pool at admission instead of being recomputed, and the prompt must start
         with its tokens. `cache_salt`: the prefix-cache tenant (with `EngineConfig.prefix_cache`); only
         requests with the same salt (None is one) reuse each other's cached KV. `session` tags the keep_kv
-        host copy for the host tier's per-session accounting and `protect`."""
+        host copy for the host tier's per-session accounting and `protect`.
+
+        Raises:
+            RequestError: the prompt, params, request id or restore are invalid (SamplingError for the
+                params, GrammarError for a grammar the library cannot compile); the message names the
+                field, and nothing is queued.
+        """
         if not isinstance(keep_kv, (bool, np.bool_)):
             raise RequestError(f"keep_kv must be a bool, got {keep_kv!r} ({type(keep_kv).__name__})")
         for name, v in (("cache_salt", cache_salt), ("session", session)):
@@ -407,7 +413,12 @@ class Engine:
         finished since the last step() call, whoever stepped the engine in between (generate() and
         streams do), in the order they did: new_token_ids holds the tokens not handed out before, so
         they add up to token_ids, and a finish is reported once. Requests of generate() and stream()
-        are reported by those, not here. On StepError nothing is lost: the next call reports it."""
+        are reported by those, not here. On StepError nothing is lost: the next call reports it.
+
+        Raises:
+            StepError: the step failed on the device; the pool was reallocated and every running
+                request requeued, so the step can be retried.
+        """
         self._advance()
         return self._drain()
 
@@ -501,7 +512,12 @@ class Engine:
                  = SamplingParams(), progress: bool = True) -> list[RequestOutput]:
         """Runs all prompts (a list or tuple of prompts, each as `add_request` takes it) to completion;
         outputs in prompt order. Any invalid prompt or params raises RequestError before anything is
-        queued. Requests queued with add_request advance too; step() reports their progress later."""
+        queued. Requests queued with add_request advance too; step() reports their progress later.
+
+        Raises:
+            RequestError: a prompt or its params are invalid (the message names the field); nothing
+                is queued.
+        """
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a list or tuple of prompts, got {type(prompts).__name__}")
         if isinstance(params, SamplingParams):
@@ -537,7 +553,12 @@ class Engine:
         """Queues the request now (bad input raises here) and returns an iterator that yields its
         output whenever it gains tokens, ending with the finished output. Other requests advance
         too; several streams may be interleaved, and step() reports the add_request ones later. Closing
-        the iterator early aborts the request."""
+        the iterator early aborts the request.
+
+        Raises:
+            RequestError: the prompt or params are invalid (the message names the field); nothing is
+                queued.
+        """
         req = self._make_request(prompt, params, request_id, owner="stream")
         self._enqueue(req)
         return _Stream(self, req)

@@ -34,7 +34,12 @@ def _lib():
 
 
 def json_schema(schema: dict | str) -> str:
-    """The grammar of JSON text valid under `schema` (compact: no whitespace between tokens)."""
+    """The grammar of JSON text valid under `schema` (compact: no whitespace between tokens).
+
+    Raises:
+        GrammarError: `schema` is not a JSON object, or uses what the library cannot enforce (the
+            message names it).
+    """
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -135,6 +140,11 @@ class Grammars:
         self.constraint(grammar)
 
     def constraint(self, grammar: str) -> Constraint:
+        """A new request's state under `grammar` (compiled once, then copied).
+
+        Raises:
+            GrammarError: `grammar` is not a grammar string, or the library refuses it.
+        """
         if not isinstance(grammar, str) or not grammar:
             raise GrammarError(f"grammar must be a non-empty string, got {type(grammar).__name__}")
         with self._mu:

@@ -86,7 +86,11 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
     its metrics, `app.state.server` what the routes read. `tenant_secret` keys the tenant salts
     (default: random for this process). `backend`: an `InstanceEngine` serving every one of `models`
     on one instance under the scheduler (it adds the router's route, `POST /talaria/probe`); None: the
-    one model's own engine."""
+    one model's own engine.
+
+    Raises:
+        ValueError: several models without a backend, models that are not the backend's, or no API key.
+    """
     models = [models] if isinstance(models, ServedModel) else list(models)
     if backend is None and len(models) != 1:
         raise ValueError(f"build_app: {len(models)} models need a backend (an InstanceEngine serving them)")

@@ -248,7 +248,11 @@ def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: 
     `instance_key`: the key of the gateway's own requests (model lists; default the first of
     `api_keys`). Start it under uvicorn: its health checks run while it serves. `app.state.upstreams`
     are the instances, `app.state.registry` its metrics, `app.state.sessions` each session's last
-    instance."""
+    instance.
+
+    Raises:
+        ValueError: no instance URL, or no non-empty API key.
+    """
     gw = Gateway(instances, api_keys=api_keys, policy=policy, max_body_bytes=max_body_bytes,
                  probe_interval_s=probe_interval_s, fail_after=fail_after, probe_timeout_s=probe_timeout_s,
                  instance_key=instance_key)

@@ -119,7 +119,12 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, mesh: Mesh | Non
 
     dtype: compute dtype; None keeps the checkpoint's (float32 for quantized GGUF and random weights)
     on CPU, and computes a float32 one in bfloat16 on a GPU or TPU (`default_compute_dtype`). `seed`
-    only matters for a config name (random weights)."""
+    only matters for a config name (random weights).
+
+    Raises:
+        CheckpointError: `name_or_path` is no named model, checkpoint or config, or its files are
+            missing or unreadable; the message names the file and how to get it.
+    """
     t0 = time.perf_counter()
     mesh = mesh or make_mesh(jax.devices()[:1])
     kind, where = resolve(name_or_path)
