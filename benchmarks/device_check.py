@@ -1,4 +1,4 @@
-"""One prepared GPU check for a session that is lent a device (`benchmarks/device_check.sh` runs it).
+"""One prepared GPU check for a machine with a GPU (`benchmarks/device_check.sh` runs it).
 
 On the accelerator it measures, in one run:
   1. what JAX sees (backend, devices, memory kinds) and whether `pinned_host` works, with H2D / D2H
@@ -343,7 +343,7 @@ def run_section(res: dict, key: str, fn, show, out: str, merge: bool = False) ->
     t = time.perf_counter()
     try:
         value = fn()
-    except Exception as e:  # noqa: BLE001 -- one run on a lent machine: record the failure, run the rest
+    except Exception as e:  # noqa: BLE001 -- one run on a GPU machine: record the failure, run the rest
         traceback.print_exc()
         res[key] = {"error": f"{type(e).__name__}: {e}"}
         print(f"\n{key}: FAILED: {res[key]['error']}", flush=True)

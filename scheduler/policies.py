@@ -1,7 +1,7 @@
 """Named scheduling policies: each mechanism is a switch in one frozen ``PolicyConfig``.
 
 `round` is the paper's baseline: identical to `talaria-round-robin` (talaria with round-robin slots)
-except that SP, host-KV restoration and D2D staging are off (reservations stay on but, without SP, can only order admissions at slot open). `load`, `sticky` and `composite` are the rivals of the issue; on one server
+except that SP, host-KV restoration and D2D staging are off (reservations stay on but, without SP, can only order admissions at slot open). `load`, `sticky` and `composite` are its rivals; on one server
 they share the serverless multiplexer (continuous batching, switch on demand with the same slot
 quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
 time-to-live and host KV offload.
