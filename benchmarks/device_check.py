@@ -1,4 +1,4 @@
-"""One prepared GPU check for a machine with a GPU (`benchmarks/device_check.sh` runs it).
+"""One prepared check of a GPU machine (`benchmarks/device_check.sh` runs it).
 
 On the accelerator it measures, in one run:
   1. what JAX sees (backend, devices, memory kinds) and whether `pinned_host` works, with H2D / D2H
