@@ -550,10 +550,14 @@ class GGUFTokenizer:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer.chat_template is not in its GGUF)")
+        return render_chat_template(template, messages, add_generation_prompt, tools,
+                                    **{**self.template_variables(), **kwargs})
+
+    def template_variables(self) -> dict[str, str]:
+        """The special tokens a chat template may use: bos_token, eos_token, unk_token, pad_token."""
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self.unk_id,
                  "pad_token": self.pad_id}
-        variables = {k: self._tokens[v] for k, v in names.items() if v is not None}
-        return render_chat_template(template, messages, add_generation_prompt, tools, **{**variables, **kwargs})
+        return {k: self._tokens[v] for k, v in names.items() if v is not None}
 
 
 GGUF_TOKENIZER_FILE = "tokenizer_gguf.json"  # GGUF tokenizer.* metadata, key -> plain value
@@ -629,12 +633,14 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], a
 
 def chat_text(tok: Tokenizer, template: str, messages: Sequence[Mapping[str, Any]],
               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-    """The prompt text of a chat under `template` (the tokenizer's own or one given in its place):
-    the tokenizer's apply_chat_template where it has one (its special tokens are template variables),
-    else render_chat_template. ValueError when the template refuses the messages."""
-    if hasattr(tok, "apply_chat_template"):
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools, chat_template=template)
-    return render_chat_template(template, messages, True, tools)
+    """The prompt text of a chat under `template`: the tokenizer's own apply_chat_template when it is
+    the tokenizer's own template, else render_chat_template (with the tokenizer's special tokens as
+    variables where it names them: `template_variables`). ValueError when the template refuses the
+    messages."""
+    if hasattr(tok, "apply_chat_template") and template == getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    variables = tok.template_variables() if hasattr(tok, "template_variables") else {}
+    return render_chat_template(template, messages, True, tools, **variables)
 
 
 def load_tokenizer(checkpoint_dir: str | pathlib.Path | None = None, bos_id: int | None = None,

@@ -118,6 +118,19 @@ def test_a_template_given_at_launch_serves_a_tokenizer_without_one(tmp_path):
     messages, listed = tools.render_messages([{"role": "user", "content": "Weather in Paris?"}], TOOLS, SMOL_TEMPLATE)
     text = chat_text(ByteTokenizer(), SMOL_TEMPLATE, messages, listed)
     assert text == render_chat_template(SMOL_TEMPLATE, messages) and "<tools>" in text
+
+    class OwnTemplate(ByteTokenizer):  # a tokenizer that renders its own template (and takes no other)
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
+            return "own:" + render_chat_template(self.chat_template, messages)
+
+        def template_variables(self):
+            return {"bos_token": "<s>"}
+
+    hi = [{"role": "user", "content": "hi"}]
+    assert chat_text(OwnTemplate(), OwnTemplate.chat_template, hi) == "own:hi"
+    assert chat_text(OwnTemplate(), "{{ bos_token }}{{ messages[0].content }}", hi) == "<s>hi"  # given in its place
     (tmp_path / "t.jinja").write_text(SMOL_TEMPLATE)
     assert chat_template_text(str(tmp_path / "t.jinja")) == SMOL_TEMPLATE and chat_template_text(None) is None
     with pytest.raises(app.UsageError, match="--chat_template: cannot read .*none.jinja"):
