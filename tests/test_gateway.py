@@ -392,7 +392,8 @@ def _session(url: str, sid: str, task: int, turns: int, stream: bool) -> list[st
 # fallback format of serve.tools, their calls constrained by the grammar of tool_choice required.
 TINY_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
-LIST_FILES = [{"type": "function", "function": {"name": "list_files", "description": "List a repository's files", "parameters": {
+LIST_FILES = [{"type": "function", "function": {"name": "list_files", "description": "List a repository's files",
+                                                "parameters": {
     "type": "object", "properties": {"repo": {"enum": ["flask", "numpy", "requests"]}, "depth": {"enum": [1, 2]}},
     "required": ["repo", "depth"]}}}]
 

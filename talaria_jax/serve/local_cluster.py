@@ -46,9 +46,8 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
     apps = []
     for inst in insts:
         ie = InstanceEngine(inst, policy, session_ttl_s=session_ttl_s, max_sessions=max_sessions)
-        a = build_app([ServedModel(m, ie.engine_of(m), tool_call_parser, chat_template) for m in ie.models], api_keys=api_keys,
-                      limits=limits,
-                      tenant_secret=tenant_secret, backend=ie)
+        served = [ServedModel(m, ie.engine_of(m), tool_call_parser, chat_template) for m in ie.models]
+        a = build_app(served, api_keys=api_keys, limits=limits, tenant_secret=tenant_secret, backend=ie)
         a.state.backend = ie
         apps.append(a)
     return apps
