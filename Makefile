@@ -16,11 +16,9 @@ $(STAMP): pyproject.toml requirements-model.txt
 
 venv: $(STAMP)
 
-# pytest-xdist workers (one more than the cores, at most 4: many tests wait on servers and child
-# processes), a test file per worker at a time (its module-scoped models and servers built once); one
-# compilation cache for all of them (tests/conftest.py).
-WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, (os.cpu_count() or 1) + 1))")
-PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+# pytest-xdist workers (one per core, at most 4), a test file per worker at a time (its module-scoped
+# models and servers built once); one compilation cache for all of them (tests/conftest.py).
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile
 
 test: $(STAMP)
 	$(PYTEST) tests
