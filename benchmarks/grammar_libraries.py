@@ -116,7 +116,8 @@ class _OutlinesCore:
             if not tok.is_special(i) and tok.token_bytes(i):
                 ids.setdefault(tok.token_bytes(i), []).append(i)
         self.vocab = outlines_core.Vocabulary(eos[0], ids)
-        self.words = np.zeros(-(-vocab // 32), np.int32)
+        from talaria_jax.engine.grammar import mask_words
+        self.words = np.zeros(mask_words(vocab), np.int32)
 
     def compile(self, schema: dict):
         from outlines_core.json_schema import build_regex_from_schema

@@ -10,7 +10,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 # XLA options of the engines whose tests decode SmolLM2 at length (EngineConfig.compiler_options): LLVM at
 # -O2 for their steps alone, which halves a step (16 rows of 400 tokens: 0.57 s at -O0, 0.28 s at -O2)
-# for about the same compile time.
+# for about the same compile time (docs/testing.md).
 OPTIMIZED = {"xla_backend_optimization_level": 2}
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

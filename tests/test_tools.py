@@ -94,11 +94,16 @@ def test_stream_deltas_add_up_to_the_whole_parse(fmt, text):
             assert "<tool_call>" not in sent and '"name"' not in sent
 
 
+def _weather_turn(ask: str, call_id: str, city: str, result: str) -> list[dict]:
+    """A user's question, the assistant's get_weather call (content null) and the tool's answer."""
+    return [{"role": "user", "content": ask},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
+
+
 def test_templates_without_tools_get_the_fallback_format():
-    history = [{"role": "user", "content": "Weather in Paris?"},
-               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                   "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    history = _weather_turn("Weather in Paris?", "call_1", "Paris", "18 C")
     messages, listed = tools.render_messages(history, TOOLS, SMOL_TEMPLATE)
     assert listed is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert "<tools>" in messages[0]["content"] and json.dumps(TOOLS[0]) in messages[0]["content"]
@@ -138,10 +143,7 @@ def test_a_template_given_at_launch_serves_a_tokenizer_without_one(tmp_path):
 
 
 def test_templates_with_tools_get_them_natively():
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
-                   "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-               {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
+    history = _weather_turn("Weather?", "c1", "Oslo", "-3 C")
     messages, listed = tools.render_messages(history, TOOLS, NATIVE_TEMPLATE)
     assert listed == TOOLS and messages[1]["content"] == ""
     text = render_chat_template(NATIVE_TEMPLATE, messages, tools=listed)

@@ -88,14 +88,15 @@ class Constraint:
         return out
 
     def chain(self, tokens: Sequence[int]) -> np.ndarray:
-        """int32 [n + 1, W] for the first n of `tokens` that the grammar allows in turn: the mask before
-        each of them and after the last. The grammar's state is left as it was."""
-        tokens = [int(t) for t in tokens]
-        n = self.valid_prefix(tokens)
+        """int32 [n + 1, W] for n `tokens` the grammar allows in turn (cut them with `valid_prefix`):
+        the mask before each of them and after the last. The grammar's state is left as it was."""
+        n = len(tokens)
         out = np.zeros((n + 1, self._words), np.int32)
         self._m.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
         for j in range(n):
-            self._m.consume_token(tokens[j])
+            if not self._m.consume_token(int(tokens[j])):  # the matcher is in error from here on
+                raise AssertionError(f"chain: the grammar refuses token {int(tokens[j])} at {j} (cut the tokens "
+                                     "with valid_prefix first)")
             self._m.unsafe_compute_mask_ptr(out[j + 1].ctypes.data, out[j + 1].nbytes)
         if n:
             self._m.rollback(n)
