@@ -78,12 +78,10 @@ class PolicyConfig:
     # first). Starvation bound: it is admitted within max_wait_s + what is left of the open slot
     # (at most slot_s) + the active model's drain + a switch.
     max_wait_s: float = 60.0
-    # chain only: priors of what the scheduler observes, each replaced as observations come in: the mean
-    # tool gap (counted as one gap) and the calls per session (until 8 sessions have ended; docs/references.md:
-    # SWE-agent-family averages 19-34, the paper 32)
+    # chain only: the prior of the mean tool gap, counted as one gap among those observed (calls per
+    # session have no prior: scheduler.estimates.SessionLengths)
     tool_gap_mean_s: float = _TOOL_GAP_MEAN_S
-    tool_gap_max_s: float = _TOOL_GAP_P99_S  # an open gap longer than this counts as closed at it
-    turns_prior: float = 32.0
+    tool_gap_max_s: float = _TOOL_GAP_P99_S  # an open gap longer than this counts as closed at it (its session ended)
     weights: RouterWeights = dataclasses.field(default_factory=RouterWeights)
 
     def __post_init__(self):

@@ -6,13 +6,13 @@ issued, ``on_finish`` when one completes, and ``plan`` whenever an instance is b
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Sequence
 
 from talaria_jax.scheduler import router
 from talaria_jax.scheduler.admission import AdmissionBudget
 from talaria_jax.scheduler.api import InstanceAPI
+from talaria_jax.scheduler.estimates import CallTimes, SessionLengths, ToolGaps
 from talaria_jax.scheduler.multiplexer import RoundMultiplexer
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, SessionTable
@@ -24,70 +24,6 @@ _AGED = 1e12  # a starving model's weight: above any Smith ratio, older waits hi
 def _aged(now: float, since: float) -> float:
     """The slot-order weight of a model whose oldest pending call has waited since `since`."""
     return _AGED * (1.0 + now - since)
-
-
-class ToolGaps:
-    """The tool gaps the scheduler sees: a gap opens when a session's call finishes and closes when
-    its next call is issued. The p90 is over the last `window` closed gaps; until `min_seen` have
-    closed it is the stated prior (docs/references.md's agent-session statistics:
-    ``PolicyConfig.reserve_horizon_s``, 13.6 s). The mean is over every gap since the start, the
-    ones still open included. A gap open longer than `max_gap_s` (the stated p99) is closed at that
-    length: its session has most likely ended, or its next call went to another scheduler."""
-
-    def __init__(self, prior_p90_s: float, prior_mean_s: float, max_gap_s: float, window: int = 256,
-                 min_seen: int = 16):
-        self.prior_p90_s = prior_p90_s
-        self.prior_mean_s = prior_mean_s
-        self.max_gap_s = max_gap_s
-        self.seen: collections.deque[float] = collections.deque(maxlen=window)
-        self.min_seen = min_seen
-        self._p90: float | None = None
-        self.open: dict[str, float] = {}  # session -> when its gap opened
-        self._open_sum = 0.0  # sum of self.open's values
-        self._closed_n = 0
-        self._closed_sum = 0.0
-
-    def begin(self, session: str, now: float) -> None:
-        self.end(session, now, observe=False)
-        self.open[session] = now  # appended: self.open stays in the order the gaps opened
-        self._open_sum += now
-
-    def end(self, session: str, now: float, observe: bool = True) -> bool:
-        """Closes `session`'s open gap (a call issued: `observe` records it); whether one was open."""
-        t = self.open.pop(session, None)
-        if t is None:
-            return False
-        self._open_sum = self._open_sum - t if self.open else 0.0
-        if observe:
-            gap = max(0.0, now - t)
-            self.seen.append(gap)
-            self._p90 = None
-            self._closed_n += 1
-            self._closed_sum += gap
-        return True
-
-    def mean(self, now: float) -> float:
-        """The mean gap: the time spent in gaps, closed or still open, per closed gap (the maximum-
-        likelihood mean of exponential gaps, which counts the long gaps still running that a mean
-        of the closed ones would miss), the stated prior counted as one closed gap."""
-        while self.open:  # the oldest open gap first
-            session, t = next(iter(self.open.items()))
-            if now - t <= self.max_gap_s:
-                break
-            self.end(session, t + self.max_gap_s)
-        running = max(0.0, len(self.open) * now - self._open_sum)
-        return (self.prior_mean_s + self._closed_sum + running) / (1 + self._closed_n)
-
-    def p90(self) -> float:
-        """The 0.9 quantile of the gaps seen (linear interpolation, as numpy's default), or the prior."""
-        if len(self.seen) < self.min_seen:
-            return self.prior_p90_s
-        if self._p90 is None:
-            v = sorted(self.seen)
-            pos = 0.9 * (len(v) - 1)
-            k = int(pos)
-            self._p90 = v[k] + (pos - k) * (v[min(k + 1, len(v) - 1)] - v[k])
-        return self._p90
 
 
 @dataclasses.dataclass
@@ -115,9 +51,8 @@ class Scheduler:
         self.sessions = sessions
         self.state: dict[str, _InstanceState] = {}
         self.gaps = ToolGaps(policy.reserve_horizon_s, policy.tool_gap_mean_s, policy.tool_gap_max_s)
-        self._ended_sessions = 0  # sessions of more than one call that ended, and their calls
-        self._ended_calls = 0
-        self.call_s: dict[str, float] = {}  # model -> moving mean of its calls' seconds, admission to finish
+        self.lengths = SessionLengths()  # calls per session
+        self.call_s = CallTimes()  # seconds per call of each model, admission to finish
         self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
         # instances other than the routed one whose state the last on_arrival changed (a released
         # reservation can end a slot hold there): an event loop re-plans them if they are idle
@@ -145,6 +80,8 @@ class Scheduler:
                 if held != inst.name:
                     self.released.append(self._by_name[held])
         self.gaps.end(call.session, now)
+        if not self.sessions[call.session].single:
+            self.lengths.issued(call.session, call.turn + 1)
         last = self.sessions[call.session].last_instance
         if last is not None:
             self.state[last].finished.pop(call.session, None)
@@ -168,6 +105,7 @@ class Scheduler:
         """Drops what the scheduler keeps about a session that has ended or gone idle for good."""
         if session in self.sessions.sessions and not self.sessions[session].done:
             self._count_ended(session)  # a live session ends by going idle (a done one counted at its end)
+        self.lengths.forget(session)
         self.gaps.end(session, 0.0, observe=False)
         self._reserved_on.pop(session, None)
         for st in self.state.values():
@@ -180,9 +118,7 @@ class Scheduler:
         """Bookkeeping after `call` completed on `inst` (the session table is already advanced)."""
         admitted = self.state[inst.name].admitted.pop(call.key, None)
         if admitted is not None:
-            prev = self.call_s.get(call.model)
-            took = now - admitted[1]
-            self.call_s[call.model] = took if prev is None else prev + 0.1 * (took - prev)
+            self.call_s.add(call.model, now - admitted[1])
         if self.index is not None:
             self.index.touch(inst)
         if self.sessions[call.session].done:
@@ -248,13 +184,14 @@ class Scheduler:
 
     def _sessions_here(self, st: _InstanceState, now: float) -> tuple[dict[str, str], dict[str, float]]:
         """Each unfinished session on this instance (a call pending or running here, or its last call
-        finished here within the stated p99 tool gap) -> its model, and -> the calls it has left (the
-        expected calls per session less the calls it has made, at least 1)."""
+        finished here within the stated p99 tool gap) -> its model, and -> the calls it is expected to
+        have left (`SessionLengths.left`, at least 1)."""
+        for sid in self.gaps.expire(now):  # gone past the p99 gap: ended, unless it comes back
+            self.lengths.end(sid, reopen=True)
         model = {sid: self.sessions[sid].model for sid, t in st.finished.items() if now - t <= self.gaps.max_gap_s}
         model.update({c.session: c.model for c, _ in st.admitted.values()})
         model.update({c.session: c.model for _, c in st.pending})
-        turns = self._turns_estimate()
-        return model, {sid: max(turns - self.sessions[sid].next_turn, 1.0) for sid in model}
+        return model, {sid: self.lengths.left(self.sessions[sid].next_turn) for sid in model}
 
     def _chain_priority(self, inst: InstanceAPI, st: _InstanceState, now: float) -> dict[str, float]:
         """The "chain" slot order (``PolicyConfig.slot_order``): Smith's rule over each model's
@@ -269,7 +206,11 @@ class Scheduler:
         - a call ages after waiting as long as all the work left here (the sum of W), or, when its
           model's chain is at least that work (postponing it would then delay its sessions past
           everything else: their tool gaps, not the server, bound them), as long as one round of
-          slots of the other waiting models; then its model goes first, oldest call first."""
+          slots of the other waiting models; then its model goes first, oldest call first. A call
+          older than an aged call ages with it when its model's work left fits in one slot (serving
+          it delays the aged call no more than the round of slots it already waits): a model of long
+          calls, critical and aged after each round, would otherwise keep a model of short calls
+          waiting for all of its work."""
         model, left = self._sessions_here(st, now)
         n: dict[str, int] = {}
         rounds: dict[str, float] = {}
@@ -281,14 +222,20 @@ class Scheduler:
         total = sum(work.values())
         gap = self.gaps.mean(now)
         oldest = self._oldest_pending(st)
-        out = {}
-        for m in n:
-            out[m] = n[m] / work[m]
-            if m in oldest:
-                critical = rounds[m] * (gap + call[m]) >= total
-                bound = sum(st.mux.slot_length(inst.estimate_switch_s(o)) for o in oldest if o != m) \
-                    if critical else total
-                if now - oldest[m] >= bound:
+        out = {m: n[m] / work[m] for m in n}
+        aged = []
+        for m in oldest.keys() & n.keys():
+            critical = rounds[m] * (gap + call[m]) >= total
+            bound = sum(st.mux.slot_length(inst.estimate_switch_s(o)) for o in oldest if o != m) \
+                if critical else total
+            if now - oldest[m] >= bound:
+                aged.append(m)
+        for m in aged:
+            out[m] = _aged(now, oldest[m])
+        if aged:  # a call older than an aged one whose model's work left fits in one slot ages with it
+            youngest = max(oldest[m] for m in aged)
+            for m in oldest.keys() & n.keys():
+                if oldest[m] <= youngest and work[m] <= st.mux.slot_length(inst.estimate_switch_s(m)):
                     out[m] = _aged(now, oldest[m])
         return out
 
@@ -325,23 +272,15 @@ class Scheduler:
         return oldest
 
     def _count_ended(self, session: str) -> None:
-        """Counts an ended session's calls for `_turns_estimate` (a single call is not an agent session)."""
-        calls = self.sessions[session].next_turn
-        if calls > 1:
-            self._ended_sessions += 1
-            self._ended_calls += calls
-
-    def _turns_estimate(self) -> float:
-        """Calls per session: the mean over sessions that ended, once 8 have, else the stated prior."""
-        if self._ended_sessions >= 8:
-            return self._ended_calls / self._ended_sessions
-        return self.policy.turns_prior
+        """Counts an ended session's calls in `lengths` (a call sent without a session is not one)."""
+        self.lengths.end(session, self.sessions[session].next_turn)
 
     def _call_s(self, st: _InstanceState, inst: InstanceAPI, model: str) -> float:
-        """Seconds a call of `model` takes once admitted: the observed moving mean, else the
+        """Seconds a call of `model` takes once admitted: the observed median (`CallTimes`), else the
         instance's estimate for one of its pending (else running) calls."""
-        if model in self.call_s:
-            return max(self.call_s[model], 1e-3)
+        seen = self.call_s.get(model)
+        if seen is not None:
+            return max(seen, 1e-3)
         c = next((c for _, c in st.pending if c.model == model), None) or \
             next((c for c, _ in st.admitted.values() if c.model == model), None)
         return max(inst.estimate_service_s(c), 1e-3) if c is not None else 1.0

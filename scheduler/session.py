@@ -55,6 +55,7 @@ class Session:
     last_instance: str | None = None
     arrived_s: float | None = None
     finished_s: float | None = None
+    single: bool = False  # a call sent without a session: not an agent session
 
     @property
     def model(self) -> str:

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import TEST_CACHE
 from talaria_jax.weights import CheckpointError, load_model, named
 from talaria_jax.weights.named import NamedModel, resolve
 
@@ -116,8 +117,9 @@ def test_gguf_without_a_usable_tokenizer_is_refused_before_conversion(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_answers_the_coding_question_with_code_that_runs(tmp_path):
-    env = {"TALARIA_CACHE": str(tmp_path / "models"), "TALARIA_COMPILATION_CACHE": str(tmp_path / "xla")}
+def test_demo_answers_the_coding_question_with_code_that_runs():
+    # the conversion and the compilation caches of every other test (a cold conversion is tested above)
+    env = {"TALARIA_COMPILATION_CACHE": os.path.expanduser(TEST_CACHE)}
     run = subprocess.run([sys.executable, "-m", "talaria_jax.launch.generate", "--chat", "--temperature=0",
                           "--max_tokens=96", "--prompt=Write a Python function that reverses a string."],
                          capture_output=True, text=True, timeout=900, env={**os.environ, **env})

@@ -11,7 +11,7 @@ from talaria_jax.scheduler import (AdmissionBudget, Call, RoundMultiplexer, Sche
                                    get_policy, rank, talaria_score)
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.instance import SimInstance
-from talaria_jax.scheduler.scheduler import ToolGaps
+from talaria_jax.scheduler.estimates import CallTimes, SessionLengths, ToolGaps
 from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES, toy_model
 
 
@@ -270,14 +270,16 @@ _CORES_TRACE = [Call("w", 0, "m2", 1000, 1, 0.0, 0.0),
 
 
 def test_free_switch_shortens_the_slot_so_a_waiting_model_goes_first():
+    # round-robin slots: under the chain order m1 keeps its slot while it ranks first (a's session is
+    # expected to end sooner than b's), whatever the slot's bound
     import dataclasses
-    res = replay(_CORES_TRACE, get_policy("talaria"), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+    res = replay(_CORES_TRACE, get_policy("talaria-round-robin"), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
     done = {(r.session, r.turn): r.done_s for r in res.records}
     assert done[("b", 0)] < done[("a", 1)]
     assert [m for _, m, _ in res.instances[0].stats.switch_log] == ["m2", "m1", "m2", "m1"]
     assert [d for _, _, d in res.instances[0].stats.switch_log][2:] == [0.0, 0.0]  # resident: free activations
     # the fixed 20 s slot (the mechanism off) keeps admitting a's return by SP, and b waits for it
-    fixed = dataclasses.replace(get_policy("talaria"), switches_per_slot=None)
+    fixed = dataclasses.replace(get_policy("talaria-round-robin"), switches_per_slot=None)
     res = replay(_CORES_TRACE, fixed, TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
     done = {(r.session, r.turn): r.done_s for r in res.records}
     assert done[("a", 1)] < done[("b", 0)]
@@ -360,6 +362,44 @@ def test_tool_gap_mean_counts_the_gaps_still_open():
     assert not gaps.end("d", 500.0)
 
 
+def test_session_lengths_count_the_long_sessions_still_running():
+    lengths = SessionLengths()
+    assert lengths.left(0) == 1  # nothing seen
+    for k in range(3):  # running sessions, no end seen: the longest has issued 3 calls, so 3 more
+        lengths.issued(f"r{k}", k + 1)
+    assert [lengths.left(k) for k in range(4)] == [6, 5, 4, 3]
+    lengths = SessionLengths()
+    for sid, n in (("a", 2), ("b", 10)):  # ended sessions alone: the conditional mean
+        lengths.issued(sid, n)
+        lengths.end(sid)
+    assert [lengths.left(0), lengths.left(2)] == pytest.approx([6, 8])
+    # four ended after 2 calls while four have issued 20 and go on: the mean of the ended (2) would
+    # miss them; Kaplan-Meier halves P(N > 2) and keeps the rest past 20, about 20 calls more
+    lengths = SessionLengths()
+    for k in range(4):
+        lengths.issued(f"short{k}", 2)
+        lengths.end(f"short{k}")
+        lengths.issued(f"long{k}", 20)
+    assert lengths.left(0) == pytest.approx(2 + 0.5 * 18 + 0.5 * 20)
+    assert lengths.left(5) == pytest.approx(15 + 20)
+    assert lengths.left(40) == 40  # past everything seen: as many more
+    # a session taken as ended after a gap past the p99 that comes back is running again
+    lengths.end("long0", reopen=True)
+    assert lengths.left(0) < 2 + 0.5 * 18 + 0.5 * 20
+    lengths.issued("long0", 21)
+    assert lengths.ended[20] == 0 and lengths.running["long0"] == 21
+
+
+def test_call_times_are_not_moved_by_a_compilation():
+    times = CallTimes()
+    assert times.get("m") is None
+    for s in (30.0, 1.0, 1.2, 0.8):  # the first call compiled
+        times.add("m", s)
+    assert times.get("m") == pytest.approx(1.1)  # the median of the first four
+    times.add("m", 60.0)  # a switch or another compilation: clipped at 4x
+    assert times.get("m") == pytest.approx(1.1 + 0.1 * (4.4 - 1.1))
+
+
 def test_chain_order_ages_a_call_whose_model_is_not_its_sessions_first():
     # a live session may call another model later (the serving path allows it): its pending m2 call
     # gets a weight of its own and ages, rather than waiting behind m1 for good
@@ -399,6 +439,13 @@ def test_chain_order_keeps_the_slot_while_its_sessions_end_soonest():
         assert (done["d"] > max(done[s] for s in "abc")) == d_last, (policy, done)
 
 
+def _sessions_ended_after(sched: Scheduler, calls: int, n: int = 1000) -> None:
+    """What `sched` has seen before: `n` sessions that ended after `calls` calls each."""
+    for k in range(n):
+        sched.lengths.issued(f"past{k}", calls)
+        sched.lengths.end(f"past{k}")
+
+
 def test_chain_order_ages_a_call_by_the_critical_chain():
     # m1 has three sessions, pending since 0.5 s, and m2 one, since 0: Smith's rule ranks m1 first.
     # m2's call ages after all the work left here when its model's tool gaps are short (postponing it
@@ -409,21 +456,48 @@ def test_chain_order_ages_a_call_by_the_critical_chain():
     for gap in (0.0, 60.0):
         inst = _inst("i")
         sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+        _sessions_ended_after(sched, 32)
         for c in calls:
             sched.on_arrival(c, 0.0 if c.model == "m2" else 0.5)
         for k in range(100):  # other sessions' closed tool gaps set the observed mean
             sched.gaps.begin(f"other{k}", 0.0)
             sched.gaps.end(f"other{k}", gap)
         slot = sched.state["i"].mux.slot_length(inst.estimate_switch_s("m1"))
-        work = 32 * (inst.estimate_service_s(calls[0]) + inst.estimate_service_s(calls[-1]))  # turns prior 32
+        assert sched.lengths.left(0) == 32
+        work = 32 * (inst.estimate_service_s(calls[0]) + inst.estimate_service_s(calls[-1]))
         aged_at[gap] = next(t for t in range(0, 2000) if max(sched.slot_priority(inst, float(t)).items(),
                                                             key=lambda kv: kv[1])[0] == "m2")
         assert aged_at[gap] == math.ceil(slot if gap else work), (gap, aged_at[gap], slot, work)
     assert aged_at[60.0] < aged_at[0.0]
 
 
+def test_chain_order_does_not_keep_short_calls_behind_a_younger_aged_call():
+    # m1's calls take 20 s, m2's 0.1 s (a 135M model next to a tiny one on a CPU): m1's chain is
+    # critical, so its call pending since 0.5 s ages after one round of slots; m2's call has waited
+    # since 0 and its work fits in one slot, so it ages with it and, older, goes first, instead of
+    # waiting for all of m1's work
+    calls = [Call(s, k, "m1", 1000, 10, 0.0) for s in "abc" for k in range(3)] + \
+        [Call("d", k, "m2", 1000, 10, 0.0) for k in range(2)]
+    inst = _inst("i")
+    sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+    for model, seconds in (("m1", 20.0), ("m2", 0.1)):
+        for _ in range(4):
+            sched.call_s.add(model, seconds)
+    for k in range(100):  # tool gaps of 0.3 s
+        sched.gaps.begin(f"other{k}", 0.0)
+        sched.gaps.end(f"other{k}", 0.3)
+    for sid in "abc":
+        sched.sessions[sid].next_turn = 2
+    sched.sessions["d"].next_turn = 1
+    sched.on_arrival(calls[-1], 0.0)
+    sched.on_arrival(calls[2], 0.5)
+    round_s = sched.state["i"].mux.slot_length(inst.estimate_switch_s("m2"))
+    prio = sched.slot_priority(inst, 0.5 + round_s + 0.1)
+    assert prio["m1"] > 1e12 and max(prio, key=prio.get) == "m2", prio
+
+
 def test_srpt_order_serves_the_sessions_nearest_their_end_first_and_ages_after_all_work_left():
-    # m1: one session at its last call (of the 32 the prior expects) and one with 31 calls left;
+    # m1: one session at its last call (of the 32 every session so far has made) and one with 31 calls left;
     # m2: one session with 14 left. The chain order weighs each model by its furthest-behind
     # session (m1 2 / 31 calls < m2 1 / 14); shortest remaining first sums over the sessions
     # (m1 1 + 1/31 > m2 1/14), so the session one call from its end is served first
@@ -432,6 +506,7 @@ def test_srpt_order_serves_the_sessions_nearest_their_end_first_and_ages_after_a
     for policy in ("talaria", "talaria-srpt"):
         inst = _inst("i")
         sched = Scheduler(get_policy(policy), [inst], SessionTable(calls))
+        _sessions_ended_after(sched, 32)
         for c in calls:
             sched.sessions[c.session].next_turn = c.turn
             sched.on_arrival(c, 0.0 if c.model == "m2" else 0.5)
@@ -440,6 +515,8 @@ def test_srpt_order_serves_the_sessions_nearest_their_end_first_and_ages_after_a
     assert first == {"talaria": "m2", "talaria-srpt": "m1"}
     # m2's call, pending since 0, ages once it has waited as long as all the work left here: 31 calls
     # of m1 and 14 of m2 at the instance's estimate of one call each
-    work = 31 * inst.estimate_service_s(calls[0]) + 14 * inst.estimate_service_s(calls[2])
+    assert [sched.lengths.left(k) for k in (31, 1, 18)] == pytest.approx([1, 31, 14], abs=0.05)
+    work = sched.lengths.left(1) * inst.estimate_service_s(calls[0]) + \
+        sched.lengths.left(18) * inst.estimate_service_s(calls[2])
     aged = next(t for t in range(2000) if max((p := sched.slot_priority(inst, float(t))), key=p.get) == "m2")
     assert aged == math.ceil(work)

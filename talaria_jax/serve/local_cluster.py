@@ -10,9 +10,8 @@ policies can be compared on the same instances.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from talaria_jax.engine import enable_compilation_cache
 from talaria_jax.engine.engine import EngineConfig
@@ -25,7 +24,7 @@ from talaria_jax.serve.load import AgentSession, SessionResult, agent_sessions, 
 from talaria_jax.serve.protocol import Limits
 from talaria_jax.sim.hardware import HardwareConfig, load_hardware
 
-__all__ = ["LocalCluster", "compare_policies", "instance_apps"]
+__all__ = ["LocalCluster", "compare_policies", "demo_cluster", "demo_sessions", "instance_apps"]
 
 
 def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
@@ -132,26 +131,41 @@ RANDOM = {"tiny-dense", "tiny-moe"}  # random weights: their replies are noise
 KEY = "sk-demo"
 
 
-def compare_policies(policies: Sequence[str], *, sessions: int, calls: int, max_tokens: int, tool_gap_s: float,
-                     start_gap_s: float, seed: int, progress: bool | None = None):
-    """`make demo` and `benchmarks/serve_load.py`: scripted agent sessions (`load.agent_sessions`) through a
-    gateway over two local instances (one device each) hosting `MODELS`, under each of `policies`. Returns
-    the sessions, each policy's results, and the instances' switch and KV statistics per policy. Call it
-    before JAX starts (it asks for two CPU devices)."""
-    pols = [get_policy(p) for p in policies]  # first: a bad name fails before anything starts
+def demo_cluster(policy: str) -> LocalCluster:
+    """`make demo`'s and `benchmarks/serve_load.py`'s cluster: two local instances (one device each)
+    hosting `MODELS` under `policy`, with the compilation cache on (the second instance loads what the
+    first compiled). Call it before JAX starts (it asks for two CPU devices). Programs compile as step
+    shapes first occur (warming every shape of 3 models x 2 instances up front takes minutes here and
+    more executables than a CPU process maps)."""
+    pol = get_policy(policy)  # a bad name fails before anything starts
     simulate_cpu_devices(2)
-    enable_compilation_cache()  # the second instance loads what the first compiled
-    # programs compile as step shapes first occur (warming every shape of 3 models x 2 instances up front
-    # takes minutes here and more executables than a CPU process maps), so a first pass runs unmeasured
-    # under every policy: then no measured run pays a compile the others do not
+    enable_compilation_cache()
     cfg = EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=4096, prefix_cache=True,
                        warmup=False)
-    script = agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
-                            tool_gap_s=tool_gap_s)
-    print(f"starting 2 instances ({', '.join(MODELS)} each) and compiling ...", file=sys.stderr)
-    with LocalCluster.build(MODELS, load_hardware("cpu"), pols[0], api_keys=[KEY], instances=2, devices_per_instance=1,
-                      engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES) as cluster:
-        print("a first pass under each policy compiles the step shapes it meets (not measured) ...", file=sys.stderr)
-        cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
-        results = cluster.compare(pols, script, start_gap_s=start_gap_s, progress=progress)
-        return script, results, cluster.stats
+    return LocalCluster.build(MODELS, load_hardware("cpu"), pol, api_keys=[KEY], instances=2, devices_per_instance=1,
+                              engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES)
+
+
+def demo_sessions(sessions: int, calls: int, *, max_tokens: int, tool_gap_s: float, seed: int) -> list[AgentSession]:
+    """Scripted agent sessions over `MODELS` (`load.agent_sessions`; SmolLM2's as chats)."""
+    return agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
+                          tool_gap_s=tool_gap_s)
+
+
+def compare_policies(cluster: LocalCluster, policies: Sequence[str], script: Sequence[AgentSession], *, runs: int,
+                     start_gap_s: float, progress: bool | None = None,
+                     on_run: Callable[[str, int, list[SessionResult]], object] | None = None
+                     ) -> dict[str, list[list[SessionResult]]]:
+    """`script` through a gateway under each of `policies`, `runs` times, interleaved (p1, p2, p1, p2,
+    ...) so that a drift of the machine's load falls on every policy alike; each policy's results per
+    run. `on_run(policy, run, results)` is called after each. `cluster.stats[policy]` holds the
+    instances' switch and KV statistics of its last run."""
+    pols = [get_policy(p) for p in policies]
+    out: dict[str, list[list[SessionResult]]] = {p.name: [] for p in pols}
+    for k in range(runs):
+        for p in pols:
+            res = cluster.compare([p], script, start_gap_s=start_gap_s, progress=progress)[p.name]
+            out[p.name].append(res)
+            if on_run is not None:
+                on_run(p.name, k, res)
+    return out
