@@ -158,9 +158,10 @@ class LiveTokens:
 
 @dataclasses.dataclass
 class _Served:
-    """One model of the instance: its engine and its host weights (`host.layout`: where it sits in the slot)."""
+    """One model of the instance: its engine and its host weights (`host.layout`: where it sits in the slot;
+    None when the models stay resident)."""
     engine: Engine
-    host: HostWeights
+    host: HostWeights | None
     shape: ModelShape
 
 
@@ -174,13 +175,16 @@ class Instance(DerivedQueries):
     `host_kv_bytes` bounds the host memory of all models' session KV copies together (`host_budget`;
     None: unbounded): past it the least recently used copies are evicted, and a copy that does not fit
     is not kept; such a session's prefix is recomputed when it returns. `tokenizers`: a model's tokenizer
-    (for serving text; default: bytes)."""
+    (for serving text; default: bytes). `resident`: every model keeps its own device arrays and no
+    weight slot is made, so a switch moves no weights (nothing is staged) and costs nothing: for a
+    CPU, whose device memory is host memory, and where a step over the slot copies every parameter
+    (XLA:CPU has no views into a buffer: decode about 4x slower, docs/benchmarks/model_switch.md)."""
 
     def __init__(self, name: str, models: Mapping[str, ShardedModel], hw: HardwareConfig,
                  shapes: Mapping[str, ModelShape], *, engine_config: EngineConfig, tokens: SessionTokens,
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
                  kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
-                 tokenizers: Mapping[str, Tokenizer] | None = None):
+                 tokenizers: Mapping[str, Tokenizer] | None = None, resident: bool = False):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
         mesh = next(iter(models.values())).mesh
@@ -201,16 +205,24 @@ class Instance(DerivedQueries):
                                         memory_bytes_per_device=kv_bytes)
         cfg = dataclasses.replace(engine_config, prefix_cache=True, warmup=False, num_pages=None,
                                   kv_memory_bytes_per_device=None)
-        # one word for all models' rows, as wide as most of their bytes (mixed precisions share a slot)
-        word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])
-        layouts = {m: SlotLayout.of(model, word=word) for m, model in models.items()}
-        self.slot = WeightSlot.for_layouts(mesh, layouts.values())
+        self.resident = resident
+        self.slot: WeightSlot | None = None
+        self._resident_bytes = sum(a.nbytes for model in models.values() for a in model.param_arrays().values())
+        if not resident:
+            # one word for all models' rows, as wide as most of their bytes (mixed precisions share a slot)
+            word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])
+            layouts = {m: SlotLayout.of(model, word=word) for m, model in models.items()}
+            self.slot = WeightSlot.for_layouts(mesh, layouts.values())
         self.host_budget = HostBudget(host_kv_bytes)  # every model's host KV copies together
         self.served: dict[str, _Served] = {}
         for m, model in models.items():
-            host = HostWeights.of(model, layouts[m])  # the device copy is not kept: the slot is the only one
-            eng = Engine(without_weights(model), cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena)
-            eng.runner.use_slot(self.slot, layouts[m])
+            host = None
+            if resident:
+                eng = Engine(model, cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena)
+            else:
+                host = HostWeights.of(model, layouts[m])  # the device copy is not kept: the slot is the only one
+                eng = Engine(without_weights(model), cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena)
+                eng.runner.use_slot(self.slot, layouts[m])
             eng.prefix_cache.clock = lambda: self.now  # protection deadlines are on the replay's clock
             if eng.host_tier.memory_kind is not None:  # (no host memory kind: the tier's own device grant)
                 eng.host_tier.budget = self.host_budget
@@ -218,7 +230,7 @@ class Instance(DerivedQueries):
         # the scheduler's page: one arena page over the instance's devices (ModelShape counts bytes the same way)
         self.page_bytes = self.arena.page_bytes_per_device * mesh.devices.size
         self.kv_bytes = self.arena.bytes_per_device * mesh.devices.size
-        self.capacity = float(self.slot.bytes_per_device * 2 * mesh.devices.size + self.kv_bytes)
+        self.capacity = float(self._weight_bytes(staged=True) + self.kv_bytes)
         self._host: dict[str, tuple[HostKV, str]] = {}  # session -> (its last host KV copy, model)
         self._model_of: dict[str, str] = {}  # session -> the model of its last call here
         self.reset(host_kv=host_kv, staging=staging, drop_kv_on_switch=drop_kv_on_switch)
@@ -238,7 +250,8 @@ class Instance(DerivedQueries):
         for s in self.served.values():
             for sid in self._model_of:
                 s.engine.host_tier.protect(sid, False)
-        self.slot.drop_staged()
+        if self.slot is not None:
+            self.slot.drop_staged()
         self._host, self._model_of = {}, {}
         self._active: str | None = None
         self._staged: str | None = None  # the model in the staging area (staging or staged)
@@ -258,7 +271,8 @@ class Instance(DerivedQueries):
     def warmup(self) -> None:
         """Compiles every model's step shapes and host copies (each through the slot)."""
         for s in self.served.values():
-            self.slot.load(s.host)
+            if self.slot is not None:
+                self.slot.load(s.host)
             s.engine.warmup(progress=None)
         self._active = self._staged = None  # the slot holds the last one warmed: the next switch loads
 
@@ -276,13 +290,15 @@ class Instance(DerivedQueries):
     def weight_state(self, model: str) -> WeightState:
         if model == self._active:
             return WeightState.ACTIVE
+        if self.resident:
+            return WeightState.STAGED  # on the devices already: a switch moves nothing
         if model == self._staged:
             return WeightState.STAGED if self.slot.staged_ready() else WeightState.STAGING
         return WeightState.HOST
 
     def estimate_switch_s(self, model: str) -> float:
         s, shape = self.weight_state(model), self.served[model].shape
-        if s == WeightState.ACTIVE:
+        if s == WeightState.ACTIVE or self.resident:
             return 0.0
         if s == WeightState.STAGED:
             return self.cost.d2d_weights_s(shape)
@@ -313,9 +329,14 @@ class Instance(DerivedQueries):
         return out
 
     def _device_bytes(self) -> float:
-        """Weight slot and staging area (when it holds a model) plus the KV pages in use."""
-        slot = self.slot.bytes_per_device * self.slot.mesh.devices.size
-        return slot * (2 if self._staged else 1) + self.kv_pages_used() * self.page_bytes
+        """Weight slot and staging area (when it holds a model), or every resident model's weights, plus
+        the KV pages in use."""
+        return self._weight_bytes(staged=self._staged is not None) + self.kv_pages_used() * self.page_bytes
+
+    def _weight_bytes(self, staged: bool) -> int:
+        if self.slot is None:
+            return self._resident_bytes
+        return self.slot.bytes_per_device * self.slot.mesh.devices.size * (2 if staged else 1)
 
     def _device_tokens(self, session: str, model: str) -> int:
         return self.served[model].engine.cached_prefix(self.tokens.tenant(session), self.tokens.history.get(session, ()))
@@ -433,7 +454,7 @@ class Instance(DerivedQueries):
         (one staging area: False while it holds another model, or without staging)."""
         if not self.staging or model not in self.served:
             return False
-        if model in (self._active, self._staged, self._stage_to):
+        if self.resident or model in (self._active, self._staged, self._stage_to):
             return True
         if self._staged is not None or self._stage_to is not None:
             return False
@@ -505,13 +526,14 @@ class Instance(DerivedQueries):
         old = self._active
         if old is not None and self.drop_kv_on_switch:  # sleep mode level 1 discards the KV cache
             self.served[old].engine.prefix_cache.clear()
-        if self._staged == model:
-            self.slot.activate_staged()
-        else:
-            self.slot.drop_staged()  # one staging area: whatever it held is dropped at a switch
-            self.slot.load(self.served[model].host)
+        if self.slot is not None:
+            if self._staged == model:
+                self.slot.activate_staged()
+            else:
+                self.slot.drop_staged()  # one staging area: whatever it held is dropped at a switch
+                self.slot.load(self.served[model].host)
+            self.slot.array.block_until_ready()
         self._staged = None
-        self.slot.array.block_until_ready()
         self._active = model
 
     def _submit(self) -> None:

@@ -101,6 +101,23 @@ def test_session_kv_survives_a_to_b_to_a(models4, shared4, drop):
     np.testing.assert_allclose(out.logprobs, logp[np.arange(len(greedy)), greedy], rtol=1e-5, atol=1e-6)
 
 
+def test_resident_models_switch_without_moving_weights(models4):
+    # resident=True (a CPU): each model keeps its own arrays, no slot; a switch moves nothing, costs
+    # nothing in the scheduler's estimate, and the session's tokens are still the model's own
+    inst = instance(models4, resident=True)
+    assert inst.slot is None and inst.estimate_switch_s("B") == 0.0
+    assert not inst.stage_model("B") or inst.weight_state("B") == WeightState.STAGED
+    serve(inst, Call("s", 0, "A", 40, 8, 1.0, start_s=0.0))
+    serve(inst, Call("o", 0, "B", 30, 8, 1.0, start_s=0.0))
+    s1 = Call("s", 1, "A", 64, 10, 1.0)
+    serve(inst, s1)
+    assert inst.stats.switches == 3 and inst.stats.recomputed_tokens == 0
+    assert inst.weight_state("A") == WeightState.ACTIVE and inst.estimate_switch_s("B") == 0.0
+    out = inst.outputs[s1.key]
+    greedy, _ = recompute_logprobs(models4["A"], list(out.prompt_token_ids) + out.token_ids, len(out.token_ids))
+    assert out.token_ids == greedy
+
+
 def test_slot_and_pool_addresses_stay_put_over_20_switches(shared4):
     inst = fresh(shared4)
     pools = {m: buffer_pointers(s.engine.runner.kv) for m, s in inst.served.items()}

@@ -135,11 +135,15 @@ def main(argv):
     real = _real_engines(say, pols)
     a, b = pols[0], pols[-1]
     m = real["mean"]
-    print(f"\n{b}/{a} SCT on this machine (mean of the passes): p50 {m[b]['p50'] / m[a]['p50']:.2f}x, "
-          f"p90 {m[b]['p90'] / m[a]['p90']:.2f}x; one policy's passes differ by up to {real['noise']:.0%}.")
-    print(f"Here a model switch takes {real['switch_s'][a]:.2f} s and a SmolLM2 call about {real['call_s']:.1f} s: "
-          "a call waits for the calls running before it far longer than for any switch, so there is little "
-          "for session-aware scheduling to save, and the difference is of the size of the noise.")
+    ratios = {q: m[b][q] / m[a][q] for q in ("p50", "p90")}
+    print(f"\n{b}/{a} SCT on this machine (mean of the passes): p50 {ratios['p50']:.2f}x, p90 {ratios['p90']:.2f}x; "
+          f"one policy's passes differ by up to {real['noise']:.0%}, "
+          + ("so the policies differ by less than the noise." if all(abs(r - 1) <= real["noise"] for r in ratios.values())
+             else "and the policies by more at " + ", ".join(q for q, r in ratios.items() if abs(r - 1) > real["noise"])
+             + "."))
+    print(f"Here a model switch takes {real['switch_s'][a]:.2f} s (every model stays in memory: a CPU's devices "
+          f"share the host's) and a SmolLM2 call about {real['call_s']:.1f} s. A call waits for the calls running "
+          "before it, never for weights, so there is little for session-aware scheduling to save.")
     print(f"\nfirst replies ({a}):")
     for s in real["script"]:
         calls = real["first"][s.id].calls

@@ -32,16 +32,17 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
                   kv_bytes_per_device: int | None, api_keys: Sequence[str], limits: Limits = Limits(),
                   dtype: str | None = None, tenant_secret: bytes | None = None, host_kv_bytes: int | None = None,
                   max_sessions: int = 10_000, session_ttl_s: float = 3600.0, tool_call_parser: str = "auto",
-                  chat_template: str | None = None) -> list:
+                  chat_template: str | None = None, resident: bool = False) -> list:
     """`instances` instance servers (FastAPI apps, not started), each an `InstanceEngine` under `policy`
     over every model of `models` (served name -> what `load_local_model` loads, or a list of names) on
     its own `devices_per_instance` devices; `app.state.backend` is its InstanceEngine. Each keeps at
     most `host_kv_bytes` of session KV in host memory (None: unbounded) and `max_sessions` sessions,
     each until idle for `session_ttl_s`; `tool_call_parser`: how every model's tool calls are read
-    (`serve.tools`; auto: from its chat template)."""
+    (`serve.tools`; auto: from its chat template); `resident`: every model keeps its own device arrays
+    (`Instance`'s, for a CPU)."""
     insts = build_instances(models, hw, instances=instances, devices_per_instance=devices_per_instance,
                             engine_config=engine_config, tokens=None, kv_bytes_per_device=kv_bytes_per_device,
-                            dtype=dtype, host_kv_bytes=host_kv_bytes)
+                            dtype=dtype, host_kv_bytes=host_kv_bytes, resident=resident)
     apps = []
     for inst in insts:
         ie = InstanceEngine(inst, policy, session_ttl_s=session_ttl_s, max_sessions=max_sessions)
@@ -134,7 +135,8 @@ KEY = "sk-demo"
 def demo_cluster(policy: str) -> LocalCluster:
     """`make demo`'s and `benchmarks/serve_load.py`'s cluster: two local instances (one device each)
     hosting `MODELS` under `policy`, with the compilation cache on (the second instance loads what the
-    first compiled). Call it before JAX starts (it asks for two CPU devices). Programs compile as step
+    first compiled), every model resident in its own arrays (`Instance`'s `resident`: a step over a
+    weight slot copies every parameter on a CPU). Call it before JAX starts (it asks for two CPU devices). Programs compile as step
     shapes first occur (warming every shape of 3 models x 2 instances up front takes minutes here and
     more executables than a CPU process maps)."""
     pol = get_policy(policy)  # a bad name fails before anything starts
@@ -143,7 +145,7 @@ def demo_cluster(policy: str) -> LocalCluster:
     cfg = EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=4096, prefix_cache=True,
                        warmup=False)
     return LocalCluster.build(MODELS, load_hardware("cpu"), pol, api_keys=[KEY], instances=2, devices_per_instance=1,
-                              engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES)
+                              engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES, resident=True)
 
 
 def demo_sessions(sessions: int, calls: int, *, max_tokens: int, tool_gap_s: float, seed: int) -> list[AgentSession]:
