@@ -5,7 +5,8 @@ preallocated flat device buffer per shard, shared by models of any shape, that e
 carves its parameters from inside the jitted step, so the slot's addresses never change. Every
 model's weights wait in pinned host memory; `stage_model` copies the next one host-to-device into a
 staging area while the current one serves, and the switch then moves it device-to-device into the
-slot (without staging, the switch loads it from host memory).
+slot (without staging, the switch loads it from host memory). On a CPU, `resident=True` keeps every
+model in its own arrays instead: no slot, and a switch moves nothing.
 
 Each model has its own `Engine` (continuous batching, prefix cache on, a host tier): a call becomes
 one request whose prompt is its session's real history (earlier prompts and the tokens the model
