@@ -104,8 +104,9 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
     noise = max(abs(a[f"sct_{q}_s"] - b[f"sct_{q}_s"]) / mean[p][q] for p in pols for q in ("p50", "p90")
                 for a, b in zip(sums[p], sums[p][1:])) if _RUNS.value > 1 else math.nan
     switch_s = {p: stats[p]["switch_s"] / max(stats[p]["switches"], 1) for p in pols}
-    call_s = float(np.median([c.e2e_s for run in runs[pols[0]] for r in run for c in r.calls
-                              if r.model not in RANDOM and c.error is None]))
+    real_calls = [c.e2e_s for run in runs[pols[0]] for r in run for c in r.calls
+                  if r.model not in RANDOM and c.error is None]
+    call_s = float(np.median(real_calls)) if real_calls else math.nan
     return {"mean": mean, "noise": noise, "switch_s": switch_s, "call_s": call_s, "stats": stats,
             "first": {s.id: by[pols[0]][0][s.id] for s in script}, "script": script, "random": RANDOM}
 
@@ -135,14 +136,20 @@ def main(argv):
     a, b = pols[0], pols[-1]
     m = real["mean"]
     ratios = {q: m[b][q] / m[a][q] for q in ("p50", "p90")}
-    print(f"\n{b}/{a} SCT on this machine (mean of the passes): p50 {ratios['p50']:.2f}x, p90 {ratios['p90']:.2f}x; "
-          f"one policy's passes differ by up to {real['noise']:.0%}, "
-          + ("so the policies differ by less than the noise." if all(abs(r - 1) <= real["noise"] for r in ratios.values())
-             else "and the policies by more at " + ", ".join(q for q, r in ratios.items() if abs(r - 1) > real["noise"])
-             + "."))
+    noise = real["noise"]
+    if not math.isfinite(noise):
+        verdict = "one pass per policy, so no noise was measured (--runs=2 for it)."
+    elif all(abs(r - 1) <= noise for r in ratios.values()):
+        verdict = f"one policy's passes differ by up to {noise:.0%}, so the policies differ by less than the noise."
+    else:
+        verdict = (f"one policy's passes differ by up to {noise:.0%}, and the policies by more at "
+                   + ", ".join(q for q, r in ratios.items() if abs(r - 1) > noise) + ".")
+    if len(pols) > 1:
+        print(f"\n{b}/{a} SCT on this machine (mean of the passes): p50 {ratios['p50']:.2f}x, "
+              f"p90 {ratios['p90']:.2f}x; {verdict}")
     print(f"Here a model switch takes {real['switch_s'][a]:.2f} s (every model stays in memory: a CPU's devices "
           f"share the host's) and a SmolLM2 call about {real['call_s']:.1f} s. A call waits for the calls running "
-          "before it, never for weights, so there is little for session-aware scheduling to save.")
+          "before it, never for weights: a policy changes the order of the calls here, not what a switch costs.")
     print(f"\nfirst replies ({a}):")
     for s in real["script"]:
         calls = real["first"][s.id].calls
