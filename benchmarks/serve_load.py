@@ -17,7 +17,7 @@ from absl import app, flags, logging
 
 from talaria_jax.launch import demo  # its flags (--sessions, --calls, ...), with other defaults here
 
-for name, default in (("sessions", 12), ("calls", 4), ("max_tokens", 32), ("start_gap_s", 0.25), ("runs", 1)):
+for name, default in (("sessions", 12), ("calls", 4), ("max_tokens", 32), ("start_gap_s", 0.25)):
     flags.FLAGS.set_default(name, default)
 _JSON = flags.DEFINE_string("json_out", None, "Write the summaries here.")
 
@@ -27,7 +27,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     from talaria_jax.scheduler.policies import POLICIES
     from talaria_jax.serve.load import summarize
-    from talaria_jax.serve.local_cluster import compare_policies, demo_cluster, demo_sessions
+    from talaria_jax.scheduler.policies import get_policy
+    from talaria_jax.serve.local_cluster import demo_cluster, demo_sessions
 
     load = os.getloadavg()[0]
     pols = demo._POLICIES.value
@@ -37,9 +38,10 @@ def main(argv):
     script = demo_sessions(demo._SESSIONS.value, demo._CALLS.value, max_tokens=demo._MAX_TOKENS.value,
                            tool_gap_s=demo._TOOL_GAP.value, seed=demo._SEED.value)
     with demo_cluster(pols[0]) as cluster:
+        policies = [get_policy(p) for p in pols]
         warm = {"start_gap_s": demo._START_GAP.value, "progress": True}
-        compare_policies(cluster, pols, script, runs=1, **warm)  # compiles the step shapes the load meets
-        results = {p: r[0] for p, r in compare_policies(cluster, pols, script, runs=1, **warm).items()}
+        cluster.compare(policies, script, **warm)  # compiles the step shapes the load meets
+        results = {p: r[0] for p, r in cluster.compare(policies, script, **warm).items()}
         stats = cluster.stats
     sums = {p: summarize(results[p]) for p in pols}
     ref = pols[0]

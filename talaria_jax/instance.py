@@ -208,7 +208,8 @@ class Instance(DerivedQueries):
                                   kv_memory_bytes_per_device=None)
         self.resident = resident
         self.slot: WeightSlot | None = None
-        self._resident_bytes = sum(a.nbytes for model in models.values() for a in model.param_arrays().values())
+        self._resident_bytes = sum(a.nbytes for model in models.values() for a in model.param_arrays().values()) \
+            if resident else 0
         if not resident:
             # one word for all models' rows, as wide as most of their bytes (mixed precisions share a slot)
             word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])

@@ -64,20 +64,22 @@ def _first_answer(url: str, key: str, model: str, say: _Clock) -> None:
 
 def _real_engines(say: _Clock, pols: list[str]) -> dict:
     from talaria_jax.serve.load import summarize
-    from talaria_jax.serve.local_cluster import KEY, MODELS, RANDOM, compare_policies, demo_cluster, demo_sessions
+    from talaria_jax.scheduler.policies import get_policy
+    from talaria_jax.serve.local_cluster import KEY, MODELS, RANDOM, demo_cluster, demo_sessions
 
     say(f"loading {', '.join(MODELS)} on 2 instance servers (the GGUF is converted once, then read from the "
         f"cache) ...")
     script = demo_sessions(_SESSIONS.value, _CALLS.value, max_tokens=_MAX_TOKENS.value, tool_gap_s=_TOOL_GAP.value,
                            seed=_SEED.value)
+    policies = [get_policy(p) for p in pols]
     with demo_cluster(pols[0]) as cluster:
         say(f"instances up at {', '.join(cluster.urls)}")
-        with cluster.gateway(cluster.engines[0].policy) as url:
+        with cluster.gateway(policies[0]) as url:
             _first_answer(url, KEY, MODELS[0], say)
         calls = sum(len(s.observations) for s in script)
         say(f"{len(script)} agent sessions ({calls} calls: " + ", ".join(f"{s.id} {s.model}" for s in script)
             + f") once under {pols[0]}, not measured: the step shapes they meet compile ...")
-        cluster.compare([cluster.engines[0].policy], script, start_gap_s=_START_GAP.value, progress=True)
+        cluster.compare(policies[:1], script, start_gap_s=_START_GAP.value, progress=True)
 
         def report(policy: str, run: int, res) -> None:
             s = summarize(res)
@@ -85,8 +87,8 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
                 f"p90 {_fmt(s['sct_p90_s'])} s, errors {s['errors']}")
 
         say(f"measured: {_RUNS.value} passes per policy, interleaved ({', '.join(pols)}, ...)")
-        runs = compare_policies(cluster, pols, script, runs=_RUNS.value, start_gap_s=_START_GAP.value,
-                                progress=True, on_run=report)
+        runs = cluster.compare(policies, script, runs=_RUNS.value, on_run=report, start_gap_s=_START_GAP.value,
+                               progress=True)
         stats = cluster.stats
     print("\nsession completion time (s) through the gateway on this machine, each pass:")
     print(f"| session | model | calls | {' | '.join(pols)} |")

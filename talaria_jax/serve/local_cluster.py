@@ -24,7 +24,7 @@ from talaria_jax.serve.load import AgentSession, SessionResult, agent_sessions, 
 from talaria_jax.serve.protocol import Limits
 from talaria_jax.sim.hardware import HardwareConfig, load_hardware
 
-__all__ = ["LocalCluster", "compare_policies", "demo_cluster", "demo_sessions", "instance_apps"]
+__all__ = ["LocalCluster", "demo_cluster", "demo_sessions", "instance_apps"]
 
 
 def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
@@ -97,20 +97,28 @@ class LocalCluster:
             server.should_exit = True
             server.thread.join(timeout=30)
 
-    def compare(self, policies: Sequence[PolicyConfig], sessions: Sequence[AgentSession],
-                **run_kw) -> dict[str, list[SessionResult]]:
+    def compare(self, policies: Sequence[PolicyConfig], sessions: Sequence[AgentSession], *, runs: int = 1,
+                on_run: Callable[[str, int, list[SessionResult]], object] | None = None,
+                **run_kw) -> dict[str, list[list[SessionResult]]]:
         """The same agent sessions through a gateway under each policy in turn (`load.run_sessions`,
-        whose arguments `run_kw` are); each policy's results. `self.stats[policy]`: the instances'
-        model switches, switch seconds and KV tokens restored from host and recomputed, summed."""
-        out = {}
-        for policy in policies:
-            with self.gateway(policy) as url:
-                out[policy.name] = run_sessions(url, self.api_keys[0], sessions, **run_kw)
-            st = [ie.instance.stats for ie in self.engines]
-            self.stats[policy.name] = {"switches": sum(s.switches for s in st),
-                                       "switch_s": sum(s.switch_s for s in st),
-                                       "restored_tokens": sum(s.restored_tokens for s in st),
-                                       "recomputed_tokens": sum(s.recomputed_tokens for s in st)}
+        whose arguments `run_kw` are), `runs` times, interleaved (p1, p2, p1, p2, ...) so that a drift
+        of the machine's load falls on every policy alike; each policy's results per run.
+        `on_run(policy, run, results)` is called after each. `self.stats[policy]`: the instances'
+        model switches, switch seconds and KV tokens restored from host and recomputed, summed over
+        its last run."""
+        out: dict[str, list[list[SessionResult]]] = {p.name: [] for p in policies}
+        for k in range(runs):
+            for policy in policies:
+                with self.gateway(policy) as url:
+                    res = run_sessions(url, self.api_keys[0], sessions, **run_kw)
+                out[policy.name].append(res)
+                st = [ie.instance.stats for ie in self.engines]
+                self.stats[policy.name] = {"switches": sum(s.switches for s in st),
+                                           "switch_s": sum(s.switch_s for s in st),
+                                           "restored_tokens": sum(s.restored_tokens for s in st),
+                                           "recomputed_tokens": sum(s.recomputed_tokens for s in st)}
+                if on_run is not None:
+                    on_run(policy.name, k, res)
         return out
 
     def close(self) -> None:
@@ -152,22 +160,3 @@ def demo_sessions(sessions: int, calls: int, *, max_tokens: int, tool_gap_s: flo
     """Scripted agent sessions over `MODELS` (`load.agent_sessions`; SmolLM2's as chats)."""
     return agent_sessions(sessions, calls, MODELS, chat_models={MODELS[0]}, seed=seed, max_tokens=max_tokens,
                           tool_gap_s=tool_gap_s)
-
-
-def compare_policies(cluster: LocalCluster, policies: Sequence[str], script: Sequence[AgentSession], *, runs: int,
-                     start_gap_s: float, progress: bool | None = None,
-                     on_run: Callable[[str, int, list[SessionResult]], object] | None = None
-                     ) -> dict[str, list[list[SessionResult]]]:
-    """`script` through a gateway under each of `policies`, `runs` times, interleaved (p1, p2, p1, p2,
-    ...) so that a drift of the machine's load falls on every policy alike; each policy's results per
-    run. `on_run(policy, run, results)` is called after each. `cluster.stats[policy]` holds the
-    instances' switch and KV statistics of its last run."""
-    pols = [get_policy(p) for p in policies]
-    out: dict[str, list[list[SessionResult]]] = {p.name: [] for p in pols}
-    for k in range(runs):
-        for p in pols:
-            res = cluster.compare([p], script, start_gap_s=start_gap_s, progress=progress)[p.name]
-            out[p.name].append(res)
-            if on_run is not None:
-                on_run(p.name, k, res)
-    return out
