@@ -17,6 +17,12 @@ generate the same tokens (checked), and every engine has prefix caching on.
 
   .venv/bin/python benchmarks/rollout_throughput.py                      # 2 replicas x 1 device
   .venv/bin/python benchmarks/rollout_throughput.py --devices_per_replica=4 --loads=low
+
+`--tunix` times something else: one GRPO step's rollout inside Tunix (`BaseRollout.generate` of
+`--tunix_prompts` questions x `--tunix_group` samples, as Tunix's GRPO learner calls it) with
+talaria's engine (rollout/tunix_rollout.py, `--replicas` engines) against Tunix's vanilla sampler
+on the same devices, the same weights (a random Tunix Llama3 of SmolLM2-135M's shapes) and the same
+prompts, interleaved, best of `--tunix_runs`.
 """
 from __future__ import annotations
 
@@ -43,6 +49,11 @@ _SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "WAR's draft tokens per reque
 _KV_MIB = flags.DEFINE_integer("kv_mib", 1024, "KV pool of each replica, MiB per device.", lower_bound=64)
 _ABLATION = flags.DEFINE_bool("ablation", False, "Also run speculation alone and placement alone.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_TUNIX = flags.DEFINE_bool("tunix", False, "Time one GRPO step's rollout in Tunix: talaria's engine vs vanilla.")
+_TUNIX_PROMPTS = flags.DEFINE_integer("tunix_prompts", 8, "--tunix: questions per GRPO step.", lower_bound=1)
+_TUNIX_GROUP = flags.DEFINE_integer("tunix_group", 8, "--tunix: samples per question.", lower_bound=1)
+_TUNIX_RUNS = flags.DEFINE_integer("tunix_runs", 3, "--tunix: interleaved runs; the best of each is shown.",
+                                   lower_bound=1)
 
 PAPER = {"low": 1.4, "high": 1.6}  # WAR's rollout-throughput gains (DESIGN.md)
 CONFIGS = {"war": (True, "cache_aware"), "baseline": (False, "round_robin"), "spec_only": (True, "round_robin"),
@@ -97,11 +108,69 @@ def run(name: str, tasks, tokenizer, samples: int):
     return out
 
 
+def tunix_step() -> None:
+    """--tunix: see the module docstring."""
+    import sys
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from tunix.models.llama3 import model as llama3
+    from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+    from talaria_jax.rollout.tunix_rollout import TalariaRollout
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import tunix_grpo
+
+    # SmolLM2-135M's shapes (configs/models/smollm2-135m.yaml), random weights
+    cfg = llama3.ModelConfig(num_layers=30, vocab_size=49152, embed_dim=576, hidden_dim=1536, num_heads=9, head_dim=64,
+                             num_kv_heads=3, rope_theta=100_000, norm_eps=1e-5, weight_tying=True)
+    model = tunix_grpo.randomize(llama3.Llama3(cfg, rngs=nnx.Rngs(0)), seed=0, scale=0.02)
+    tok = tunix_grpo.CharTokenizer()
+    prompts = [q for q in tunix_grpo.questions(0, _TUNIX_PROMPTS.value) for _ in range(_TUNIX_GROUP.value)]
+    rc = base_rollout.RolloutConfig(max_tokens_to_generate=_MAX_TOKENS.value, max_prompt_length=32,
+                                    kv_cache_size=32 + _MAX_TOKENS.value, temperature=_TEMPERATURE.value, top_p=1.0,
+                                    return_logprobs=True)
+    d = _DEVICES.value * _REPLICAS.value
+    mesh = jax.make_mesh((1, d), ("fsdp", "tp"), devices=jax.devices()[:d],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    t0 = time.perf_counter()
+    engines = {"talaria": TalariaRollout(model, tok, mesh, rc, replicas=_REPLICAS.value, max_seqs=_MAX_SEQS.value),
+               "vanilla": vanilla_rollout.VanillaRollout(model, tok, base_rollout.CacheConfig(
+                   rc.kv_cache_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))}
+    print(f"tunix: {len(prompts)} rollouts ({_TUNIX_PROMPTS.value} questions x {_TUNIX_GROUP.value}) of up to "
+          f"{_MAX_TOKENS.value} tokens, a random Llama3 of SmolLM2-135M's shapes; engines built in "
+          f"{time.perf_counter() - t0:.0f} s (load average {os.getloadavg()[0]:.2f})", flush=True)
+    times = {name: [] for name in engines}
+    tokens = {}
+    for run in range(_TUNIX_RUNS.value + 1):  # run 0 compiles, not counted
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            out = engine.generate(prompts, rc)
+            secs = time.perf_counter() - t
+            tokens[name] = sum(len(x) for x in out.tokens)
+            if run:
+                times[name].append(secs)
+            print(f"  run {run}{' (compiles)' if not run else ''} {name}: {secs:.2f} s, {tokens[name]} tokens",
+                  flush=True)
+    engines["talaria"].close()
+    rows = [dict(engine=name, best=min(t), tokens=tokens[name], tok_s=tokens[name] / min(t),
+                 runs=", ".join(f"{x:.2f}" for x in t)) for name, t in times.items()]
+    print()
+    common.print_markdown_table([("rollout engine", "engine", ""), ("best s", "best", ".2f"), ("runs s", "runs", ""),
+                                 ("tokens", "tokens", "d"), ("tok/s", "tok_s", ".1f")], rows)
+    print(f"\nvanilla / talaria time: {min(times['vanilla']) / min(times['talaria']):.2f}x; "
+          f"load average after: {os.getloadavg()[0]:.2f}")
+
+
 def main(argv):
     del argv
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
+    if _TUNIX.value:
+        return tunix_step()
     from talaria_jax.engine import enable_compilation_cache
     from talaria_jax.tokenizer import load_tokenizer
     from talaria_jax.weights.named import resolve

@@ -12,14 +12,16 @@ from collections.abc import Sequence
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput, StepError
 from talaria_jax.engine.sampling import SamplingParams
 
-__all__ = ["Completion", "Replica", "ReplicaSpec", "ReplicaInfo"]
+__all__ = ["Completion", "Partial", "Replica", "ReplicaSpec", "ReplicaInfo"]
 
 
 @dataclasses.dataclass
 class Completion:
     """One finished (or aborted) generation: the sampled ids, the model's logprob of each (the raw
     log-softmax at temperature 1, which is what a trainer recomputes), and why it ended ("stop",
-    "length", "abort"). `cached_tokens`: prompt tokens the replica reused instead of prefilling."""
+    "length", "abort"). `cached_tokens`: prompt tokens the replica reused instead of prefilling.
+    `weight_versions`: the service's weight version that produced each token (`update_weights`
+    counts them from 0), so a trainer knows which tokens came from which policy."""
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
@@ -27,11 +29,28 @@ class Completion:
     cached_tokens: int = 0
     replica: int = -1
     error: str | None = None  # set instead of tokens when the replica refused the request
+    weight_versions: list[int] = dataclasses.field(default_factory=list)
 
     @staticmethod
     def of(out: RequestOutput) -> Completion:
         return Completion(out.request_id, list(out.token_ids), [float(x) for x in out.logprobs],
                           out.finish_reason or "abort", out.cached_tokens)
+
+
+@dataclasses.dataclass
+class Partial:
+    """A rollout handed back unfinished (`RolloutService.generate_until`), to resume in a later call:
+    its prompt, its sampling params (max_tokens: the whole budget) and what it generated so far, with
+    the weight version of each token. `finish_reason` is set when it had in fact finished (it
+    beat the cut): resuming it returns it as is."""
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    group: str = ""
+    finish_reason: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,12 @@
                               "trajectory_ids": [...], "turns": [...], "request_ids": [...], "cache_salt": "..."}
                              -> {"outputs": [[{"request_id", "token_ids", "logprobs", "finish_reason",
                                                "cached_tokens", "replica"}, ...n], ...]}
+    POST /v1/generate_until  {"prompts", "n", "sampling", "target": 8, "resume": [partial, ...]}
+                             -> {"finished": [completion, ...], "unfinished": [partial, ...]}
     POST /v1/abort           {"request_id": "..."} -> {"output": {...} | null}   (the partial tokens)
+    POST /v1/abort_group     {"group": "..."} -> {"outputs": [...]}
+    POST /v1/pause           {"mode": "abort" | "finish" | "keep"} (returns once no replica holds a request)
+    POST /v1/resume
     POST /v1/update_weights  {"checkpoint": "/path/to/orbax"} (a `weights.checkpoint.save` folder)
     GET  /v1/stats           the service's counters and each replica's engine stats
     GET  /health
@@ -17,14 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import secrets
 from collections.abc import Sequence
 
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.rollout.replica import Completion
+from talaria_jax.rollout.replica import Completion, Partial
 
-__all__ = ["RolloutClient", "make_app", "sampling_params"]
+__all__ = ["RolloutClient", "make_app", "partial_from_json", "sampling_params"]
 
 _SAMPLING = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -40,6 +46,20 @@ def sampling_params(body: dict | None) -> SamplingParams:
     if isinstance(body.get("stop_token_ids"), list):
         body = dict(body, stop_token_ids=tuple(body["stop_token_ids"]))
     return SamplingParams(**body)
+
+
+def partial_to_json(p: Partial) -> dict:
+    return dict(dataclasses.asdict(p), params={k: v for k, v in dataclasses.asdict(p.params).items()
+                                              if v != getattr(SamplingParams(), k)})
+
+
+def partial_from_json(body) -> Partial:
+    """A Partial from its JSON object (as /v1/generate_until returns it); RequestError naming a bad field."""
+    fields = {f.name for f in dataclasses.fields(Partial)}
+    if not isinstance(body, dict) or body.keys() - fields or {"request_id", "prompt", "params"} - body.keys():
+        raise RequestError(f"resume: each entry must be an object with the fields {sorted(fields)} "
+                           f"(as generate_until returned it)")
+    return Partial(**dict(body, params=sampling_params(body["params"])))
 
 
 def make_app(service, api_keys: Sequence[str] = ()):
@@ -87,6 +107,40 @@ def make_app(service, api_keys: Sequence[str] = ()):
                                  request_ids=body.get("request_ids"), cache_salt=body.get("cache_salt"))
         out = [[await asyncio.wrap_future(f) for f in group] for group in futures]
         return {"outputs": [[dataclasses.asdict(c) for c in group] for group in out]}
+
+    @api.post("/v1/generate_until")
+    async def generate_until(body: dict):
+        unknown = sorted(body.keys() - {"prompts", "n", "sampling", "target", "resume", "request_ids", "cache_salt"})
+        if unknown:
+            raise RequestError(f"unknown fields {unknown}")
+        resume = body.get("resume") or []
+        if not isinstance(resume, list):
+            raise RequestError("resume must be a list of partials")
+        call = functools.partial(service.generate_until, body.get("prompts", []), sampling_params(body.get("sampling")),
+                                 body.get("n", 1), target=body.get("target"),
+                                 resume=[partial_from_json(p) for p in resume],
+                                 request_ids=body.get("request_ids"), cache_salt=body.get("cache_salt"))
+        finished, unfinished = await asyncio.to_thread(call)
+        return {"finished": [dataclasses.asdict(c) for c in finished],
+                "unfinished": [partial_to_json(p) for p in unfinished]}
+
+    @api.post("/v1/abort_group")
+    def abort_group(body: dict):
+        group = body.get("group")
+        if not isinstance(group, str):
+            raise RequestError("group (a str) is required")
+        return {"outputs": [dataclasses.asdict(c) for c in service.abort_group(group)]}
+
+    @api.post("/v1/pause")
+    def pause(body: dict | None = None):
+        mode = (body or {}).get("mode", "keep")
+        service.pause(mode)
+        return {"status": "ok", "paused": mode}
+
+    @api.post("/v1/resume")
+    def resume():
+        service.resume()
+        return {"status": "ok"}
 
     @api.post("/v1/abort")
     def abort(body: dict):
@@ -147,9 +201,26 @@ class RolloutClient:
                     **{k: v for k, v in kw.items() if v is not None})
         return [[Completion(**c) for c in group] for group in self._post("/v1/generate", body)["outputs"]]
 
+    def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), n: int = 1,
+                       *, target: int, resume: Sequence[Partial] = (), **kw) -> tuple[list[Completion], list[Partial]]:
+        sampling = {k: v for k, v in dataclasses.asdict(params).items() if v != getattr(SamplingParams(), k)}
+        body = dict(prompts=[list(map(int, p)) for p in prompts], n=n, sampling=sampling, target=target,
+                    resume=[partial_to_json(p) for p in resume], **{k: v for k, v in kw.items() if v is not None})
+        out = self._post("/v1/generate_until", body)
+        return [Completion(**c) for c in out["finished"]], [partial_from_json(p) for p in out["unfinished"]]
+
     def abort(self, request_id: str) -> Completion | None:
         c = self._post("/v1/abort", {"request_id": request_id})["output"]
         return Completion(**c) if c is not None else None
+
+    def abort_group(self, group: str) -> list[Completion]:
+        return [Completion(**c) for c in self._post("/v1/abort_group", {"group": group})["outputs"]]
+
+    def pause(self, mode: str = "keep") -> None:
+        self._post("/v1/pause", {"mode": mode})
+
+    def resume(self) -> None:
+        self._post("/v1/resume", {})
 
     def update_weights(self, checkpoint: str) -> None:
         self._post("/v1/update_weights", {"checkpoint": str(checkpoint)})

@@ -5,6 +5,11 @@
     trajs = service.rollout(prompts, make_env, params, n=4, max_turns=6)      # multi-turn, env between turns
     service.update_weights(trainer_params)                                     # after each optimizer step
 
+    service.pause("keep")                # or "abort" / "finish": weights can change with requests in flight
+    service.update_weights(new_params)   # the kept requests resume with their KV recomputed under these
+    service.resume()
+    done, rest = service.generate_until(prompts, params, n=8, target=24, resume=rest)   # partial rollouts
+
 Each replica has a worker thread that feeds it the requests placed on it (at most its batch
 capacity at once, in the placement's priority order), steps it, and hands each finished request to
 its future; the replicas step concurrently (Ray actors in their own processes). Placement
@@ -25,6 +30,18 @@ tokens (the benchmarks rely on it).
 A replica that fails (its engine dead, its Ray actor gone) is dropped and its requests are placed
 again on the others, recomputed from their prompts with the same seeds; a request that has brought
 down `max_replacements` + 1 replicas finishes with finish_reason "error" instead.
+
+Controls for RL loops (the same over HTTP and on Ray replicas: they live here, not in the replicas):
+- `pause(mode)` stops admitting requests (new ones queue until `resume()`) and returns once no
+  replica holds one: "abort" ends every request in flight with its partial tokens (finish_reason
+  "abort"); "finish" lets the running ones finish; "keep" takes the running ones off their engines
+  and queues them again with what they generated so far, so after `update_weights` they continue
+  from prompt + those tokens with their KV computed under the new weights.
+- `update_weights` is refused while requests run unpaused, and allowed in any paused state.
+- Every Completion carries `weight_versions`, the weight version of each of its tokens.
+- `generate_until(..., target=K, resume=partials)`: partial rollouts. It returns the first K to
+  finish and hands the rest back as `Partial`s (tokens, logprobs, versions kept) to resume in a
+  later call; `abort_group` stops one prompt's samples (or one rollout prompt's trajectories).
 """
 from __future__ import annotations
 
@@ -41,9 +58,11 @@ from absl import logging
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.rollout.placement import Placement, PlacementRequest, ReplicaLoad, make_placement
-from talaria_jax.rollout.replica import Completion, ReplicaInfo
+from talaria_jax.rollout.replica import Completion, Partial, ReplicaInfo
 
-__all__ = ["RolloutService", "Trajectory"]
+__all__ = ["PAUSE_MODES", "RolloutService", "Trajectory"]
+
+PAUSE_MODES = ("abort", "finish", "keep")
 
 
 @dataclasses.dataclass
@@ -73,12 +92,43 @@ EnvFactory = Callable[[int, int], Callable[[Completion], Sequence[int] | None]]
 @dataclasses.dataclass(eq=False)
 class _Req:
     id: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
+    prompt: tuple[int, ...]  # what the replica gets: the original prompt + the tokens generated so far
+    params: SamplingParams  # max_tokens: what is left of the budget
     salt: str | None
     place: PlacementRequest
+    group: str = ""
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     replaced: int = 0  # times its replica failed under it
+    version: int = 0  # the weight version it was last sent to a replica under
+    # before a pause ("keep") or a cut (generate_until) took it off its replica: the original prompt and
+    # params, and what it generated (tokens, logprobs, each token's weight version)
+    origin: tuple[int, ...] = ()
+    base: SamplingParams | None = None
+    done: tuple[list, list, list] = ((), (), ())
+
+    def __post_init__(self):
+        self.origin = self.origin or self.prompt
+        self.base = self.base or self.params
+
+    def partial(self, c: Completion) -> Partial:
+        """What it generated so far (`c`: its Completion, tokens merged), to resume later."""
+        return Partial(self.id, list(self.origin), self.base, c.token_ids, c.logprobs, c.weight_versions,
+                       self.group, c.finish_reason if c.finish_reason != "abort" else None)
+
+    def continue_after(self, c: Completion) -> bool:
+        """Takes `c` (the tokens it generated since it was last sent, or a Partial's) as done: the next replica gets
+        prompt + every token so far and the rest of the budget. False when no budget is left."""
+        ids, lps, vers = (list(x) for x in self.done)
+        ids += c.token_ids
+        lps += c.logprobs
+        vers += c.weight_versions or [self.version] * len(c.token_ids)
+        self.done = (ids, lps, vers)
+        self.prompt = self.origin + tuple(ids)
+        self.place = dataclasses.replace(self.place, prompt=self.prompt)
+        left = self.base.max_tokens - len(ids)
+        if left > 0:  # another seed for the rest: the first one's draws are spent
+            self.params = dataclasses.replace(self.base, max_tokens=left, seed=_seed(self.base.seed, len(ids)))
+        return left > 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,6 +181,9 @@ class RolloutService:
         self._closed = False
         self._ids: set[str] = set()  # in flight
         self._rollouts = 0  # rollout() calls running (their trajectories have requests between turns)
+        self._paused: str | None = None  # a PAUSE_MODES mode while paused
+        self._changed = threading.Condition(self._lock)  # a worker took requests off a replica
+        self.weight_version = 0
         self.counts = dict(requests=0, completed=0, aborted=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
                            replaced=0, stolen=0)
         self.workers = [_Worker(i, r, info) for i, (r, info) in enumerate(zip(replicas, infos))]
@@ -157,6 +210,14 @@ class RolloutService:
                cache_salt: str | None = None) -> list[list[concurrent.futures.Future]]:
         """`generate` without waiting: a future per sample, [prompt][sample], each resolving to its
         Completion (the HTTP server awaits them)."""
+        reqs = self._requests(prompts, params, n, trajectory_ids, turns, request_ids, cache_salt)
+        self._submit(reqs)
+        return [[r.future for r in reqs[i * n:(i + 1) * n]] for i in range(len(prompts))]
+
+    def _requests(self, prompts, params: SamplingParams, n: int, trajectory_ids, turns, request_ids,
+                  cache_salt) -> list[_Req]:
+        """The requests of a generate call, [prompt][sample] flattened; a prompt's samples form a group
+        (its request id, or "g{call}-{i}")."""
         prompts = self._check_prompts(prompts, params, n)
         for name, v in (("trajectory_ids", trajectory_ids), ("turns", turns), ("request_ids", request_ids)):
             if v is not None and len(v) != len(prompts):
@@ -164,14 +225,52 @@ class RolloutService:
         call = next(self._calls)
         reqs = []
         for i, p in enumerate(prompts):
+            group = f"g{call}-{i}" if request_ids is None else str(request_ids[i])
             for j in range(n):
-                rid = f"g{call}-{i}-{j}" if request_ids is None else (
-                    str(request_ids[i]) if n == 1 else f"{request_ids[i]}-{j}")
+                rid = group if request_ids is not None and n == 1 else f"{group}-{j}"
                 traj = str(trajectory_ids[i]) if trajectory_ids is not None else f"g{call}-{i}"
                 turn = int(turns[i]) if turns is not None else 0
-                reqs.append(self._request(rid, p, params, cache_salt, traj, turn, (call, i, j)))
+                reqs.append(self._request(rid, p, params, cache_salt, traj, turn, (call, i, j), group))
+        return reqs
+
+    def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), n: int = 1,
+                       *, target: int, resume: Sequence[Partial] = (), request_ids: Sequence[str] | None = None,
+                       cache_salt: str | None = None) -> tuple[list[Completion], list[Partial]]:
+        """Partial rollouts: runs the `resume`d Partials of an earlier call and `n` samples of each
+        prompt, returns the first `target` to finish (in the order they finished) once they have,
+        and stops the rest, handing them back as Partials (tokens, logprobs and weight versions so
+        far) to pass as `resume` next time. Over-provision the prompts (say 25%) so the slowest
+        samples do not hold up a synchronous step. RequestError when target is not in [1, number of
+        requests]."""
+        reqs = self._requests(prompts, params, n, None, None, request_ids, cache_salt)
+        ready = []  # resumed Partials that had finished
+        for p in resume:
+            if not isinstance(p, Partial):
+                raise RequestError(f"resume holds a {type(p).__name__}, not a Partial")
+            base = self._check_prompts([p.prompt], p.params, 1)[0]
+            req = _Req(p.request_id, base, p.params, cache_salt, PlacementRequest(base, p.group, 0, next(self._order)),
+                       p.group)
+            c = Completion(p.request_id, list(p.token_ids), list(p.logprobs), p.finish_reason or "abort",
+                           weight_versions=list(p.weight_versions))
+            if p.finish_reason is not None:
+                ready.append((req, c))
+            elif req.continue_after(c):
+                reqs.insert(0, req)
+            else:
+                raise RequestError(f"resume: {p.request_id} has used its max_tokens ({p.params.max_tokens}) already")
+        total = len(reqs) + len(ready)
+        if not isinstance(target, int) or not 1 <= target <= total:
+            raise RequestError(f"target must be an integer in [1, {total}] (the requests of this call), got {target!r}")
         self._submit(reqs)
-        return [[r.future for r in reqs[i * n:(i + 1) * n]] for i in range(len(prompts))]
+        finished = list(ready)
+        pending = {r.future: r for r in reqs}
+        while len(finished) < target:
+            done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
+            finished += [(pending.pop(f), f.result()) for f in done]
+        for f in self._stop([r.id for r in pending.values()]):
+            f.result(timeout=60.0)
+        rest = finished[target:] + [(r, r.future.result()) for r in pending.values()]
+        return [c for _, c in finished[:target]], [r.partial(c) for r, c in rest]
 
     def rollout(self, prompts: Sequence[Sequence[int]], make_env: EnvFactory, params: SamplingParams = SamplingParams(),
                 n: int = 1, *, max_turns: int = 8, cache_salt: str | None = None) -> list[list[Trajectory]]:
@@ -191,7 +290,7 @@ class RolloutService:
             t = trajs[i][j]
             turn = len(t.turns)
             req = self._request(f"r{call}-{i}-{j}-t{turn}", tuple(t.context()), params, cache_salt,
-                                f"r{call}-{i}-{j}", turn, (call, i, j))
+                                f"r{call}-{i}-{j}", turn, (call, i, j), f"r{call}-{i}")
             pending[req.future] = (req.id, i, j)
             self._submit([req])
 
@@ -240,34 +339,84 @@ class RolloutService:
     def abort(self, request_id: str, timeout_s: float = 60.0) -> Completion | None:
         """Stops a request; its Completion with the tokens generated so far (finish_reason "abort"),
         or its final one if it finished first; None for an unknown id."""
+        futures = self._stop([request_id])
+        return futures[0].result(timeout=timeout_s) if futures else None
+
+    def abort_group(self, group: str, timeout_s: float = 60.0) -> list[Completion]:
+        """Stops every request of a group (a generate prompt's samples: its request id or
+        "g{call}-{i}"; a rollout prompt's trajectories: "r{call}-{i}"); their Completions."""
         with self._lock:
-            for w in self.workers:
-                for k, (_, _, req) in enumerate(w.queue):
-                    if req.id == request_id:  # not sent to its replica yet
-                        w.queue.pop(k)
+            ids = [r.id for w in self.workers for r in list(w.running.values()) + [q[2] for q in w.queue]
+                   if r.group == group]
+        return [f.result(timeout=timeout_s) for f in self._stop(ids)]
+
+    def _stop(self, ids: Sequence[str]) -> list[concurrent.futures.Future]:
+        """Asks requests to stop: a queued one ends at once, a running one at its replica's next call.
+        Their futures (unknown ids skipped)."""
+        out = []
+        with self._lock:
+            for rid in ids:
+                for w in self.workers:
+                    k = next((k for k, q in enumerate(w.queue) if q[2].id == rid), None)
+                    if k is not None:  # not sent to its replica yet
+                        req = w.queue.pop(k)[2]
                         heapq.heapify(w.queue)
                         self._complete(w, req, Completion(req.id, [], [], "abort"))
-                        return req.future.result()
-                req = w.running.get(request_id)
-                if req is not None:
-                    w.aborts.append(request_id)
-                    w.wake.set()
-                    break
-            else:
-                return None
-        return req.future.result(timeout=timeout_s)
+                        out.append(req.future)
+                        break
+                    if rid in w.running:
+                        w.aborts.append(rid)
+                        w.wake.set()
+                        out.append(w.running[rid].future)
+                        break
+        return out
+
+    def pause(self, mode: str = "keep", timeout_s: float = 600.0) -> None:
+        """Stops admitting requests and returns once no replica holds one (see the module docstring
+        for the modes). Requests submitted while paused queue until `resume`. RequestError for an
+        unknown mode; TimeoutError if the replicas have not let go of their requests in timeout_s."""
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        with self._lock:
+            self._paused = mode
+            for w in self.workers:
+                if mode == "abort" and w.dead is None:
+                    queued, w.queue = [q[2] for q in w.queue], []
+                    for req in queued:
+                        self._complete(w, req, Completion(req.id, [], [], "abort"))
+                    w.aborts += list(w.running)
+                w.wake.set()
+            if not self._changed.wait_for(lambda: not any(w.running for w in self.workers if w.dead is None),
+                                          timeout=timeout_s):
+                raise TimeoutError(f"pause({mode!r}): replicas still hold requests after {timeout_s} s")
+
+    def resume(self) -> None:
+        """Admits requests again after `pause` (the kept ones first, by the placement's priority)."""
+        with self._lock:
+            self._paused = None
+            for w in self.workers:
+                w.wake.set()
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force, or None."""
+        return self._paused
 
     def update_weights(self, params) -> None:
         """Every replica serves `params` from now on (see Engine.update_weights: resharded onto each
-        replica's mesh; no KV, prefix or draft of the old weights reused). RequestError while requests
-        are in flight or a `rollout` runs. The replicas update concurrently; Ray replicas get the
-        parameters through the object store once (`share_weights`). A replica whose update fails is
-        dropped (it would serve the old policy) and the error raised."""
+        replica's mesh; no KV, prefix or draft of the old weights reused), and `weight_version` counts
+        one more. RequestError while requests are in flight or a `rollout` runs, unless paused: then
+        the queued and kept requests run under the new weights after `resume`. The replicas update
+        concurrently; Ray replicas get the parameters through the object store once
+        (`share_weights`). A replica whose update fails is dropped (it would serve the old policy) and
+        the error raised."""
         with self._lock:
-            if self._ids or self._rollouts:
+            if self._paused is None and (self._ids or self._rollouts):
                 raise RequestError(f"update_weights: {len(self._ids)} requests are in flight ({self._rollouts} "
-                                   f"rollouts running); finish or abort them first")
+                                   f"rollouts running); pause, finish or abort them first")
             live = [w for w in self.workers if w.dead is None]
+            if any(w.running for w in live):
+                raise RequestError("update_weights: the pause has not taken effect yet (a replica holds requests)")
             if not live:
                 raise RuntimeError("update_weights: every replica has failed")
             shared = {}  # per replica type: what its update_weights takes (a Ray object ref: put once)
@@ -279,6 +428,7 @@ class RolloutService:
                 futures = {w: pool.submit(w.replica.update_weights, shared.get(type(w.replica), params)) for w in live}
             errors = {w: f.exception() for w, f in futures.items() if f.exception() is not None}
             self.placement.reset()
+            self.weight_version += 1
             if errors and len(errors) < len(live):
                 for w, e in errors.items():
                     self._drop(w, f"update_weights failed: {type(e).__name__}: {e}")
@@ -346,12 +496,12 @@ class RolloutService:
         return out
 
     def _request(self, rid: str, prompt: tuple[int, ...], params: SamplingParams, salt: str | None, traj: str,
-                 turn: int, key: tuple[int, int, int]) -> _Req:
+                 turn: int, key: tuple[int, int, int], group: str) -> _Req:
         """key: (call, prompt index, sample index); a caller's seed leaves the call out (same seed, same
         tokens, whatever ran before)."""
         base = ("params", params.seed, *key[1:]) if params.seed is not None else ("service", self.seed, *key)
         seeded = dataclasses.replace(params, seed=_seed(*base) + turn)
-        return _Req(rid, prompt, seeded, salt, PlacementRequest(prompt, traj, turn, next(self._order)))
+        return _Req(rid, prompt, seeded, salt, PlacementRequest(prompt, traj, turn, next(self._order)), group)
 
     def _submit(self, reqs: list[_Req]) -> None:
         with self._lock:
@@ -376,6 +526,7 @@ class RolloutService:
         w.wake.set()
 
     def _complete(self, w: _Worker | None, req: _Req, c: Completion) -> None:
+        """Resolves `req` with `c`, its tokens since it was last sent, after the ones it made before."""
         if req.future.done():
             return
         c.replica = w.index if w is not None else -1
@@ -387,6 +538,9 @@ class RolloutService:
         self.counts["cached_tokens"] += c.cached_tokens
         if c.token_ids and w is not None:
             self.placement.computed(w.index, req.prompt + tuple(c.token_ids))
+        ids, lps, vers = req.done
+        c.weight_versions = list(vers) + [req.version] * len(c.token_ids)
+        c.token_ids, c.logprobs = list(ids) + c.token_ids, list(lps) + c.logprobs
         req.future.set_result(c)
 
     def _fail(self, reqs: list[_Req], why: str) -> None:
@@ -403,19 +557,26 @@ class RolloutService:
                     return
                 aborts, w.aborts = w.aborts, []
                 adds = []
-                while len(w.running) < w.info.capacity and (w.queue or (self.placement.steal and self._steal(w))):
+                while (self._paused is None and len(w.running) < w.info.capacity
+                       and (w.queue or (self.placement.steal and self._steal(w)))):
                     req = heapq.heappop(w.queue)[2]
+                    req.version = self.weight_version
                     w.running[req.id] = req
                     adds.append(req)
-                busy = bool(w.running)
+                # pause("keep"): off the replica, back in the queue with what they generated
+                keep = [rid for rid in w.running if rid not in aborts] if self._paused == "keep" else []
+                busy = bool(w.running) and not keep
                 # the workload-aware switch: requests waiting for a slot anywhere mean the replicas are
                 # saturated, and drafts would only add work; otherwise each engine's policy decides per step
                 speculate = not any(x.queue for x in self.workers if x.dead is None)
                 w.wake.clear()
             done, failure = [], None
+            kept = []
             try:
                 if aborts:
                     done += w.replica.abort(aborts)
+                if keep:
+                    kept = w.replica.abort(keep)
                 if adds:
                     done += w.replica.add([(r.id, r.prompt, r.params, r.salt) for r in adds])
                 if busy:
@@ -428,6 +589,15 @@ class RolloutService:
                     req = w.running.pop(c.request_id, None)
                     if req is not None:
                         self._complete(w, req, c)
+                for c in kept:
+                    req = w.running.pop(c.request_id, None)
+                    if req is None:
+                        continue
+                    if req.continue_after(c):
+                        heapq.heappush(w.queue, (self.placement.priority(req.place), req.place.arrival, req))
+                    else:  # its budget was spent when it was taken off
+                        self._complete(w, req, Completion(req.id, [], [], "length"))
+                self._changed.notify_all()
                 if failure is not None:
                     self._drop(w, failure, aborted=aborts)
                     return
@@ -468,3 +638,4 @@ class RolloutService:
                     req.replaced += 1
                     self.counts["replaced"] += 1
                     self._place(req)
+            self._changed.notify_all()  # a pause waits for no replica to hold a request

@@ -1,5 +1,6 @@
 """The rollout service (WAR part 2): placement, generate and multi-turn rollouts over two replicas
-(two 4-device meshes), logprobs against the trainer's, update_weights, abort, HTTP, Ray actors."""
+(two 4-device meshes), logprobs against the trainer's, update_weights, abort, the controls for RL
+loops (pause modes, weight versions, partial rollouts, group aborts), HTTP, Ray actors."""
 import contextlib
 import socket
 import threading
@@ -217,6 +218,131 @@ def test_abort_returns_the_partial_tokens(service, trainer):
     assert service.abort("long") is None and service.abort("nobody") is None
 
 
+# ---- controls for RL loops: pause, weight versions, partial rollouts, groups -------------------------
+
+LONG = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def wait_running(s, timeout_s=60.0):
+    """Until some request has run a little on a replica."""
+    deadline = time.time() + timeout_s
+    while not any(w.running for w in s.workers):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+
+
+def keep_swap(s, update, api=None):
+    """Six long greedy requests in flight on `s` (through `api`: s itself or its HTTP client), paused
+    with "keep", `update()` (new weights), resumed; their prompts and Completions."""
+    api = api or s
+    ps, out = prompts(6), {}
+    thread = threading.Thread(target=lambda: out.update(r=api.generate(ps, LONG)))
+    thread.start()
+    wait_running(s)
+    api.pause("keep")
+    assert s.paused == "keep" and not any(w.running for w in s.workers)  # every request off its replica
+    update()
+    api.resume()
+    thread.join(timeout=120)
+    return ps, [g[0] for g in out["r"]]
+
+
+def check_swap(s, ps, outs, old_tokens):
+    """Each output is its old-weights greedy prefix (version 0 tokens), then what a fresh run of the
+    new weights (`s` serves them now) generates from prompt + that prefix (version 1 tokens, logprobs
+    too): nothing of the old weights' KV was reused after the swap."""
+    cut = [c.weight_versions.count(0) for c in outs]
+    assert any(0 < k < LONG.max_tokens for k in cut), cut  # the swap happened mid-generation
+    fresh = s.generate([list(p) + c.token_ids[:k] for p, c, k in zip(ps, outs, cut)],
+                       SamplingParams(max_tokens=LONG.max_tokens, temperature=0, ignore_eos=True))
+    for c, k, want, old in zip(outs, cut, fresh, old_tokens):
+        assert c.weight_versions == [0] * k + [1] * (LONG.max_tokens - k)
+        assert c.token_ids[:k] == old[:k]
+        assert c.token_ids[k:] == want[0].token_ids[:LONG.max_tokens - k]
+        np.testing.assert_allclose(c.logprobs[k:], want[0].logprobs[:LONG.max_tokens - k], atol=1e-4)
+
+
+def test_pause_keep_swaps_weights_under_requests_in_flight(trainer):
+    new = load_model("tiny-dense", seed=1).model
+    with RolloutService(replicas()) as s:
+        old = [g[0].token_ids for g in s.generate(prompts(6), LONG)]
+        with pytest.raises(RequestError, match="pause, finish or abort"):  # unpaused, with requests in flight
+            futures = s.submit(prompts(2), LONG)
+            s.update_weights(new.state)
+        [f[0].result(timeout=60) for f in futures]
+        ps, outs = keep_swap(s, lambda: s.update_weights(new.state))
+        assert s.weight_version == 1 and s.paused is None
+        check_swap(s, ps, outs, old)
+        with pytest.raises(RequestError, match="pause mode must be one of"):
+            s.pause("hold")
+
+
+def test_pause_abort_ends_requests_with_their_tokens_and_queues_new_ones(service):
+    ps = prompts(10)  # more than the 8 slots: some wait in queues
+    ref = [g[0].token_ids for g in service.generate(ps, LONG)]
+    futures = service.submit(ps, LONG)
+    wait_running(service)
+    service.pause("abort")
+    try:
+        outs = [f[0].result(timeout=5) for f in futures]
+        late = service.submit(ps[:1], LONG)
+        time.sleep(0.5)
+        assert not late[0][0].done()  # paused: it waits
+    finally:
+        service.resume()
+    assert all(c.finish_reason == "abort" for c in outs)
+    assert any(0 < len(c.token_ids) < LONG.max_tokens for c in outs)
+    assert all(c.token_ids == r[:len(c.token_ids)] and c.weight_versions == [0] * len(c.token_ids)
+               for c, r in zip(outs, ref))
+    assert late[0][0].result(timeout=60).token_ids == ref[0]
+
+
+def test_pause_finish_drains_the_running_and_holds_the_queued(service):
+    ps = prompts(10)
+    ref = [g[0].token_ids for g in service.generate(ps, LONG)]
+    futures = [g[0] for g in service.submit(ps, LONG)]
+    wait_running(service)
+    service.pause("finish")
+    try:
+        done = [f.done() for f in futures]
+        assert 2 <= done.count(False) == sum(len(w.queue) for w in service.workers)  # the queued wait
+        assert all(f.result().finish_reason == "length" for f, d in zip(futures, done) if d)
+    finally:
+        service.resume()
+    assert [f.result(timeout=60).token_ids for f in futures] == ref
+
+
+def test_generate_until_returns_the_target_and_the_rest_resume_with_nothing_lost(service):
+    ps = prompts(10)  # 8 wanted, 25% over-provisioned
+    full = [g[0].token_ids for g in service.generate(ps, SamplingParams(max_tokens=32, temperature=0))]
+    # six requests end within 8 tokens (a stop token the other four never emit), four run 32
+    stops = {next(t for t in full[i][2:8] if all(t not in full[j] for j in range(6, 10))) for i in range(6)}
+    params = SamplingParams(max_tokens=32, temperature=0, stop_token_ids=tuple(stops))
+    ids = [f"p{i}" for i in range(10)]
+    ref = {rid: g[0].token_ids for rid, g in zip(ids, service.generate(ps, params))}
+    done, rest = service.generate_until(ps, params, target=8, request_ids=ids)
+    assert len(done) == 8 and len(rest) == 2
+    assert sum(len(p.token_ids) for p in rest) > 0  # cut in flight, their tokens kept
+    with pytest.raises(RequestError, match=r"target must be an integer in \[1, 2\]"):
+        service.generate_until([], params, target=3, resume=rest)
+    done2, rest2 = service.generate_until([], params, target=2, resume=rest)
+    assert rest2 == []
+    got = {c.request_id: c for c in done + done2}
+    assert sorted(got) == sorted(ids)
+    for rid, c in got.items():
+        assert c.token_ids == ref[rid] and c.weight_versions == [0] * len(c.token_ids)
+
+
+def test_abort_group_stops_one_prompts_samples(service):
+    futures = service.submit(prompts(2), LONG, n=3, request_ids=["a", "b"])
+    wait_running(service)
+    stopped = service.abort_group("a")
+    assert sorted(c.request_id for c in stopped) == ["a-0", "a-1", "a-2"]
+    assert all(c.finish_reason == "abort" for c in stopped)
+    assert all(f.result(timeout=60).finish_reason == "length" for f in futures[1])  # b's samples ran on
+
+
 def test_bad_input_is_refused_before_anything_runs(service):
     ok = SamplingParams(max_tokens=4)
     for bad, match in [("hello", "prompts must be"), ([[]], r"prompts\[0\] is empty"), ([[1, 512]], r"prompts\[0\]\[1\]"),
@@ -315,8 +441,14 @@ def test_http_api_matches_the_in_process_service(tmp_path, trainer):
         assert RolloutClient(url, api_key="wrong").http.get("/v1/stats").status_code == 401
         new = load_model("tiny-dense", seed=1)
         checkpoint.save(new.model, tmp_path / "ckpt")
-        client.update_weights(str(tmp_path / "ckpt"))
+        old = [g[0].token_ids for g in client.generate(prompts(6), LONG)]
+        check_swap(s, *keep_swap(s, lambda: client.update_weights(str(tmp_path / "ckpt")), api=client), old)
         assert client.generate(ps[:1], params)[0][0].token_ids == greedy_generate(new.model, ps[:1], 5)[0]
+        done, rest = client.generate_until(ps, params, n=2, target=3)
+        assert len(done) == 3 and len(rest) == 1
+        done, rest = client.generate_until([], params, target=1, resume=rest)
+        assert rest == [] and done[0].token_ids == greedy_generate(new.model, ps[1:], 5)[0]
+        assert client.abort_group("nobody") == []
         with pytest.raises(RequestError, match="checkpoint"):
             client.update_weights(str(tmp_path / "missing"))
         assert client.stats()["completed"] >= 5
@@ -336,7 +468,9 @@ def test_ray_actor_replicas_return_the_in_process_tokens(service):
         env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"}
         with RolloutService(ray_replicas(spec, 2, num_cpus=1, env_vars=env)) as s:
             remote = s.generate(ps, params, n=2)
-            s.update_weights(load_model("tiny-dense", seed=1).model.state)  # through the object store
+            old = [g[0].token_ids for g in s.generate(prompts(6), LONG)]
+            new = load_model("tiny-dense", seed=1).model.state  # through the object store
+            check_swap(s, *keep_swap(s, lambda: s.update_weights(new)), old)
             changed = s.generate(ps[:1], params)
     finally:
         ray.shutdown()
