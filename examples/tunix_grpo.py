@@ -154,27 +154,26 @@ def plot(curves: dict[str, list[float]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-_ROLLOUT = flags.DEFINE_enum("rollout", "talaria", ["talaria", "vanilla"], "Tunix rollout engine")
-_COMPARE = flags.DEFINE_bool("compare", False, "run both rollout engines, talaria first")
-_STEPS = flags.DEFINE_integer("steps", 20, "GRPO steps")
-_SEED = flags.DEFINE_integer("seed", 0, "model and data seed")
-_PLOT = flags.DEFINE_string("plot", None, "write the reward curves to this PNG")
-
-
 def main(argv) -> None:
     del argv
+    f = flags.FLAGS
     curves = {}
-    for name in (["talaria", "vanilla"] if _COMPARE.value else [_ROLLOUT.value]):
+    for name in (["talaria", "vanilla"] if f.compare else [f.rollout]):
         t = time.perf_counter()
-        curves[name] = train(name, _STEPS.value, _SEED.value)
+        curves[name] = train(name, f.steps, f.seed)
         r = curves[name]
         k = max(1, len(r) // 4)
         print(f"{name}: mean reward of the first {k} steps {np.mean(r[:k]):.3f}, of the last {k} {np.mean(r[-k:]):.3f} "
               f"({time.perf_counter() - t:.0f} s)")
-    if _PLOT.value:
-        plot(curves, _PLOT.value)
-        print(f"wrote {_PLOT.value}")
+    if f.plot:
+        plot(curves, f.plot)
+        print(f"wrote {f.plot}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run: tests import this module beside other flag owners
+    flags.DEFINE_enum("rollout", "talaria", ["talaria", "vanilla"], "Tunix rollout engine")
+    flags.DEFINE_bool("compare", False, "run both rollout engines, talaria first")
+    flags.DEFINE_integer("steps", 20, "GRPO steps")
+    flags.DEFINE_integer("seed", 0, "model and data seed")
+    flags.DEFINE_string("plot", None, "write the reward curves to this PNG")
     app.run(main)

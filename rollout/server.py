@@ -3,7 +3,7 @@
     POST /v1/generate        {"prompts": [[ids]], "n": 4, "sampling": {"max_tokens": 64, "temperature": 1.0},
                               "trajectory_ids": [...], "turns": [...], "request_ids": [...], "cache_salt": "..."}
                              -> {"outputs": [[{"request_id", "token_ids", "logprobs", "finish_reason",
-                                               "cached_tokens", "replica"}, ...n], ...]}
+                                               "cached_tokens", "replica", "weight_versions"}, ...n], ...]}
     POST /v1/generate_until  {"prompts", "n", "sampling", "target": 8, "resume": [partial, ...]}
                              -> {"finished": [completion, ...], "unfinished": [partial, ...]}
     POST /v1/abort           {"request_id": "..."} -> {"output": {...} | null}   (the partial tokens)
@@ -48,9 +48,13 @@ def sampling_params(body: dict | None) -> SamplingParams:
     return SamplingParams(**body)
 
 
+def sampling_json(params: SamplingParams) -> dict:
+    """The fields of `params` that differ from the defaults (what `sampling_params` reads back)."""
+    return {k: v for k, v in dataclasses.asdict(params).items() if v != getattr(SamplingParams(), k)}
+
+
 def partial_to_json(p: Partial) -> dict:
-    return dict(dataclasses.asdict(p), params={k: v for k, v in dataclasses.asdict(p.params).items()
-                                              if v != getattr(SamplingParams(), k)})
+    return dict(dataclasses.asdict(p), params=sampling_json(p.params))
 
 
 def partial_from_json(body) -> Partial:
@@ -196,15 +200,13 @@ class RolloutClient:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), n: int = 1,
                  **kw) -> list[list[Completion]]:
-        sampling = {k: v for k, v in dataclasses.asdict(params).items() if v != getattr(SamplingParams(), k)}
-        body = dict(prompts=[list(map(int, p)) for p in prompts], n=n, sampling=sampling,
+        body = dict(prompts=[list(map(int, p)) for p in prompts], n=n, sampling=sampling_json(params),
                     **{k: v for k, v in kw.items() if v is not None})
         return [[Completion(**c) for c in group] for group in self._post("/v1/generate", body)["outputs"]]
 
     def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), n: int = 1,
                        *, target: int, resume: Sequence[Partial] = (), **kw) -> tuple[list[Completion], list[Partial]]:
-        sampling = {k: v for k, v in dataclasses.asdict(params).items() if v != getattr(SamplingParams(), k)}
-        body = dict(prompts=[list(map(int, p)) for p in prompts], n=n, sampling=sampling, target=target,
+        body = dict(prompts=[list(map(int, p)) for p in prompts], n=n, sampling=sampling_json(params), target=target,
                     resume=[partial_to_json(p) for p in resume], **{k: v for k, v in kw.items() if v is not None})
         out = self._post("/v1/generate_until", body)
         return [Completion(**c) for c in out["finished"]], [partial_from_json(p) for p in out["unfinished"]]

@@ -171,14 +171,19 @@ class TalariaRollout(base_rollout.BaseRollout):
         self._engines = [Engine(with_params(init_model(self.cfg, m), params, tag="tunix-0"), engine) for m in meshes]
         self.service = RolloutService([Replica(e) for e in self._engines], placement, seed=seed)
         self.mesh = mesh
-        self.weight_version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """How many times `update_params` has changed the weights (the service's `weight_version`)."""
+        return self.service.weight_version
 
     # ---- BaseRollout ---------------------------------------------------------------------------------
     def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
                  **kwargs) -> base_rollout.RolloutOutput:
         """One completion per prompt (GRPO passes each prompt `num_generations` times: placement
-        keeps a group's repeats on the replica that holds its prefix)."""
-        ids = [self._tokenize(p) for p in prompts]
+        keeps a group's repeats on the replica that holds its prefix). A str is one prompt, as Tunix's
+        sampler takes it (its agentic learner passes one conversation so)."""
+        ids = [self._tokenize(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
         width = max(len(x) for x in ids)
         if rollout_config.max_prompt_length is not None and rollout_config.max_prompt_length >= width:
             width = rollout_config.max_prompt_length
@@ -226,7 +231,6 @@ class TalariaRollout(base_rollout.BaseRollout):
         if unknown:
             raise ValueError(f"update_params: {unknown[:3]} are not parameters of {self.cfg.name}")
         self.service.update_weights({**current, **new})
-        self.weight_version += 1
 
     def pad_id(self) -> int:
         return self._tok.pad_id()

@@ -76,6 +76,8 @@ def test_greedy_tokens_and_logprobs_match_tunix(family, seed, speculate):
         assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
         assert [t.tolist() for t in again.tokens] == [t.tolist() for t in want.tokens]
         assert got.text == want.text and any(got.text)
+        # one str is one prompt, as Tunix's sampler takes it (its agentic learner passes a conversation so)
+        assert rollout.generate(PROMPTS[2], config()).text == [want.text[2]]
         np.testing.assert_array_equal(got.left_padded_prompt_tokens, want.left_padded_prompt_tokens)
         assert (accepted > 0) == speculate
         # per-token logprobs: ours (engine forward), Tunix's compute_per_token_logps, and the sampled ones
