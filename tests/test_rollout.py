@@ -223,23 +223,28 @@ def test_abort_returns_the_partial_tokens(service, trainer):
 LONG = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
 
-def wait_running(s, timeout_s=60.0):
-    """Until some request has run a little on a replica."""
+def decoded(s) -> int:
+    """Tokens the replicas' engines have decoded so far (in process or Ray actors)."""
+    return sum(r.get("decode_tokens", 0) for r in s.stats()["replicas"])
+
+
+def wait_decoding(s, since: int, tokens: int = 12, timeout_s: float = 60.0):
+    """Until the replicas have decoded `tokens` more than `since`: the requests are mid-generation
+    (LONG's 64 tokens each are far off), however loaded the machine."""
     deadline = time.time() + timeout_s
-    while not any(w.running for w in s.workers):
+    while decoded(s) - since < tokens:
         assert time.time() < deadline
         time.sleep(0.01)
-    time.sleep(0.3)
 
 
 def keep_swap(s, update, api=None):
     """Six long greedy requests in flight on `s` (through `api`: s itself or its HTTP client), paused
     with "keep", `update()` (new weights), resumed; their prompts and Completions."""
     api = api or s
-    ps, out = prompts(6), {}
+    ps, out, since = prompts(6), {}, decoded(s)
     thread = threading.Thread(target=lambda: out.update(r=api.generate(ps, LONG)))
     thread.start()
-    wait_running(s)
+    wait_decoding(s, since)
     api.pause("keep")
     assert s.paused == "keep" and not any(w.running for w in s.workers)  # every request off its replica
     update()
@@ -281,8 +286,9 @@ def test_pause_keep_swaps_weights_under_requests_in_flight(trainer):
 def test_pause_abort_ends_requests_with_their_tokens_and_queues_new_ones(service):
     ps = prompts(10)  # more than the 8 slots: some wait in queues
     ref = [g[0].token_ids for g in service.generate(ps, LONG)]
+    since = decoded(service)
     futures = service.submit(ps, LONG)
-    wait_running(service)
+    wait_decoding(service, since)
     service.pause("abort")
     try:
         outs = [f[0].result(timeout=5) for f in futures]
@@ -301,8 +307,9 @@ def test_pause_abort_ends_requests_with_their_tokens_and_queues_new_ones(service
 def test_pause_finish_drains_the_running_and_holds_the_queued(service):
     ps = prompts(10)
     ref = [g[0].token_ids for g in service.generate(ps, LONG)]
+    since = decoded(service)
     futures = [g[0] for g in service.submit(ps, LONG)]
-    wait_running(service)
+    wait_decoding(service, since)
     service.pause("finish")
     try:
         done = [f.done() for f in futures]
@@ -335,8 +342,9 @@ def test_generate_until_returns_the_target_and_the_rest_resume_with_nothing_lost
 
 
 def test_abort_group_stops_one_prompts_samples(service):
+    since = decoded(service)
     futures = service.submit(prompts(2), LONG, n=3, request_ids=["a", "b"])
-    wait_running(service)
+    wait_decoding(service, since)
     stopped = service.abort_group("a")
     assert sorted(c.request_id for c in stopped) == ["a-0", "a-1", "a-2"]
     assert all(c.finish_reason == "abort" for c in stopped)
