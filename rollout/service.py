@@ -379,12 +379,9 @@ class RolloutService:
             raise RequestError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         with self._lock:
             self._paused = mode
+            if mode == "abort":
+                self._stop([r.id for w in self.workers for r in list(w.running.values()) + [q[2] for q in w.queue]])
             for w in self.workers:
-                if mode == "abort" and w.dead is None:
-                    queued, w.queue = [q[2] for q in w.queue], []
-                    for req in queued:
-                        self._complete(w, req, Completion(req.id, [], [], "abort"))
-                    w.aborts += list(w.running)
                 w.wake.set()
             if not self._changed.wait_for(lambda: not any(w.running for w in self.workers if w.dead is None),
                                           timeout=timeout_s):
@@ -428,7 +425,7 @@ class RolloutService:
                 futures = {w: pool.submit(w.replica.update_weights, shared.get(type(w.replica), params)) for w in live}
             errors = {w: f.exception() for w, f in futures.items() if f.exception() is not None}
             self.placement.reset()
-            self.weight_version += 1
+            self.weight_version += len(errors) < len(live)  # a new version where any replica took it
             if errors and len(errors) < len(live):
                 for w, e in errors.items():
                     self._drop(w, f"update_weights failed: {type(e).__name__}: {e}")

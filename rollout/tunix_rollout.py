@@ -33,7 +33,6 @@ continue differently (trained models do not sample it; Tunix's loss masks it out
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 from typing import Any
@@ -49,7 +48,7 @@ from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.engine.spec import SpecConfig
 from talaria_jax.models.config import ModelConfig
-from talaria_jax.models.model import ShardedModel, init_model, with_params
+from talaria_jax.models.model import forward, init_model, with_params
 from talaria_jax.rollout.replica import Replica
 from talaria_jax.rollout.service import RolloutService
 from talaria_jax.sharding import make_mesh
@@ -128,15 +127,6 @@ def _seed(seed: Any) -> int | None:
         return None if seed is None else int(seed)
     data = np.asarray(jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed)
     return int.from_bytes(hashlib.blake2b(data.tobytes(), digest_size=8).digest(), "little") >> 2
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _logps(graphdef, state, tokens, positions, targets):
-    """Log-softmax at temperature 1 of `targets` [B, C], the last C positions' next tokens."""
-    model = nnx.merge(graphdef, state)
-    logits = model(tokens, positions)[:, -targets.shape[1] - 1:-1]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 class TalariaRollout(base_rollout.BaseRollout):
@@ -218,19 +208,15 @@ class TalariaRollout(base_rollout.BaseRollout):
         tokens = np.concatenate([prompt, completion], axis=1).astype(np.int32)
         mask = tokens != self.pad_id()
         positions = np.where(mask, np.cumsum(mask, axis=1) - 1, -1).astype(np.int32)
-        model: ShardedModel = self._engines[0].model
-        return _logps(model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(positions),
-                      jnp.asarray(completion.astype(np.int32)))
+        logits = forward(self._engines[0].model, tokens, positions)[:, -completion.shape[1] - 1:-1]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return jnp.take_along_axis(logp, jnp.asarray(completion, jnp.int32)[..., None], axis=-1)[..., 0]
 
     def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
         """Every replica serves `params` (Tunix's, whole or a part: the rest keep their values) from
         now on; nothing computed with the old weights (KV, prefix cache, drafts) is reused."""
-        new = params_from_tunix(params)
-        current = self._engines[0].model.param_arrays()
-        unknown = sorted(new.keys() - current.keys())
-        if unknown:
-            raise ValueError(f"update_params: {unknown[:3]} are not parameters of {self.cfg.name}")
-        self.service.update_weights({**current, **new})
+        # a name the decoder lacks (lm_head of a tied model, say) is refused by models.with_params
+        self.service.update_weights({**self._engines[0].model.param_arrays(), **params_from_tunix(params)})
 
     def pad_id(self) -> int:
         return self._tok.pad_id()
