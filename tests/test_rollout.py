@@ -453,9 +453,10 @@ def test_http_api_matches_the_in_process_service(tmp_path, trainer):
         check_swap(s, *keep_swap(s, lambda: client.update_weights(str(tmp_path / "ckpt")), api=client), old)
         assert client.generate(ps[:1], params)[0][0].token_ids == greedy_generate(new.model, ps[:1], 5)[0]
         done, rest = client.generate_until(ps, params, n=2, target=3)
-        assert len(done) == 3 and len(rest) == 1
+        assert len(done) == 3 and len(rest) == 1 and rest[0].prompt in ps  # whichever finished last
+        left = rest[0].prompt
         done, rest = client.generate_until([], params, target=1, resume=rest)
-        assert rest == [] and done[0].token_ids == greedy_generate(new.model, ps[1:], 5)[0]
+        assert rest == [] and done[0].token_ids == greedy_generate(new.model, [left], 5)[0]
         assert client.abort_group("nobody") == []
         with pytest.raises(RequestError, match="checkpoint"):
             client.update_weights(str(tmp_path / "missing"))
