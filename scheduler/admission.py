@@ -20,6 +20,7 @@ class Reservation:
     pages: int
     start_s: float
     horizon_s: float
+    back_s: float | None = None  # when the agent said the session's next call comes (Hints.tool_s); None: unknown
 
     def charge(self, now: float) -> float:
         """Pages charged at `now`: full at the start, linearly down to 0 at start + horizon."""
@@ -40,8 +41,10 @@ class AdmissionBudget:
         self.horizon_s = horizon_s
         self.reservations: dict[str, Reservation] = {}
 
-    def reserve(self, session: str, model: str, pages: int, now: float) -> Reservation:
-        r = Reservation(session, model, pages, now, self.horizon_s)
+    def reserve(self, session: str, model: str, pages: int, now: float, horizon_s: float | None = None,
+                back_s: float | None = None) -> Reservation:
+        """Charges `pages` for `session`'s return over `horizon_s` (default: the budget's horizon)."""
+        r = Reservation(session, model, pages, now, horizon_s or self.horizon_s, back_s)
         self.reservations[session] = r
         return r
 

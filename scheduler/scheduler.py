@@ -10,9 +10,10 @@ import dataclasses
 from typing import Sequence
 
 from talaria_jax.scheduler import router
-from talaria_jax.scheduler.admission import AdmissionBudget
+from talaria_jax.scheduler.admission import AdmissionBudget, Reservation
 from talaria_jax.scheduler.api import InstanceAPI
 from talaria_jax.scheduler.estimates import CallTimes, SessionLengths, ToolGaps
+from talaria_jax.scheduler.hints import HintBook, within_margin
 from talaria_jax.scheduler.multiplexer import RoundMultiplexer
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, SessionTable
@@ -38,6 +39,16 @@ class _InstanceState:
     quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
 
 
+def _hold_until(r: Reservation, hold: float) -> float:
+    """How long a drained slot is held for reservation `r`'s return: `hold` past its start; with a
+    hinted return (`r.back_s`), until that return with its margin, or not at all when it comes later."""
+    if r.back_s is None:
+        return r.start_s + hold
+    if r.back_s > r.start_s + hold:
+        return r.start_s
+    return min(r.start_s + hold, r.start_s + within_margin(r.back_s - r.start_s))
+
+
 class Scheduler:
     """One policy over a set of instances (the same code drives simulated and real instances)."""
 
@@ -53,6 +64,7 @@ class Scheduler:
         self.gaps = ToolGaps(policy.reserve_horizon_s, policy.tool_gap_mean_s, policy.tool_gap_max_s)
         self.lengths = SessionLengths()  # calls per session
         self.call_s = CallTimes()  # seconds per call of each model, admission to finish
+        self.hints = HintBook()  # the agents' hints, and whether they have held up
         self._reserved_on: dict[str, dict[str, None]] = {}  # session -> instances whose budgets may hold its reservation
         # instances other than the routed one whose state the last on_arrival changed (a released
         # reservation can end a slot hold there): an event loop re-plans them if they are idle
@@ -79,6 +91,7 @@ class Scheduler:
                 self.state[held].budget.release(call.session)
                 if held != inst.name:
                     self.released.append(self._by_name[held])
+        self.hints.arrived(call, self.gaps.open.get(call.session), now, self.gaps.p90())
         self.gaps.end(call.session, now)
         if not self.sessions[call.session].single:
             self.lengths.issued(call.session, call.turn + 1)
@@ -106,6 +119,7 @@ class Scheduler:
         if session in self.sessions.sessions and not self.sessions[session].done:
             self._count_ended(session)  # a live session ends by going idle (a done one counted at its end)
         self.lengths.forget(session)
+        self.hints.forget(session)
         self.gaps.end(session, 0.0, observe=False)
         self._reserved_on.pop(session, None)
         for st in self.state.values():
@@ -121,17 +135,21 @@ class Scheduler:
             self.call_s.add(call.model, now - admitted[1])
         if self.index is not None:
             self.index.touch(inst)
-        if self.sessions[call.session].done:
+        self.hints.finished(call, now)
+        if self.ends(call):
             self._count_ended(call.session)
             return
         self.gaps.begin(call.session, now)
         self.state[inst.name].finished[call.session] = now
         p = self.policy
-        if p.reservations:
+        tool_s = self.hints.of(call).tool_s  # a return hinted past twice the p90 horizon gets no reservation
+        horizon = p.reserve_horizon_s if tool_s is None else within_margin(tool_s)  # (its KV may go to host)
+        if p.reservations and (tool_s is None or tool_s <= 2 * p.reserve_horizon_s):
             pages = inst.pages_for(call.model, call.context_after + p.reserve_growth_tokens)
-            self.state[inst.name].budget.reserve(call.session, call.model, pages, now)
+            self.state[inst.name].budget.reserve(call.session, call.model, pages, now, horizon,
+                                                 None if tool_s is None else now + tool_s)
             self._reserved_on.setdefault(call.session, {})[inst.name] = None
-            inst.protect_kv(call.session, now + p.reserve_horizon_s)
+            inst.protect_kv(call.session, now + horizon)
         elif p.kv_ttl_s > 0:
             inst.protect_kv(call.session, now + p.kv_ttl_s)
 
@@ -147,6 +165,26 @@ class Scheduler:
         return self._plan_on_demand(inst, st, now)
 
     # --- helpers ----------------------------------------------------------------------------
+    def ends(self, call: Call) -> bool:
+        """Whether `call` is known to end its session: a call sent without a session, or one whose
+        believed hints say no call follows (`Hints.calls_left` 0). Nothing else tells the scheduler:
+        a live server, like the simulator, learns of other ends only when a tool gap passes the p99."""
+        return self.sessions[call.session].single or self.hints.of(call).calls_left == 0
+
+    def _weight(self, sid: str) -> float:
+        """A session's weight in the slot order: 2**priority of its hinted call, else 1."""
+        h = self.hints.session(sid)
+        return 1.0 if h is None else 2.0 ** h[1].priority
+
+    def _left(self, sid: str) -> float:
+        """The calls `sid` has left (at least 1): its hint (`Hints.calls_left` of its latest call,
+        less the calls finished since), else the estimate (`SessionLengths.left`)."""
+        done = self.sessions[sid].next_turn
+        h = self.hints.session(sid)
+        if h is not None and h[1].calls_left is not None:
+            return max(1.0, float(h[0] + 1 + h[1].calls_left - done))
+        return self.lengths.left(done)
+
     def demand(self, inst: InstanceAPI) -> set[str]:
         return {c.model for _, c in self.state[inst.name].pending}
 
@@ -173,7 +211,7 @@ class Scheduler:
         out: dict[str, float] = {}
         for sid in sids:
             m = self.sessions[sid].model
-            out[m] = out.get(m, 0.0) + 1.0
+            out[m] = out.get(m, 0.0) + self._weight(sid)
         if order == "smith":  # Smith's rule: sessions a model's slot advances per second of it
             out = {m: n / self._call_s(st, inst, m) for m, n in out.items()}
             # aging: a model whose oldest pending call has waited max_wait_s goes first, oldest first
@@ -191,7 +229,7 @@ class Scheduler:
         model = {sid: self.sessions[sid].model for sid, t in st.finished.items() if now - t <= self.gaps.max_gap_s}
         model.update({c.session: c.model for c, _ in st.admitted.values()})
         model.update({c.session: c.model for _, c in st.pending})
-        return model, {sid: self.lengths.left(self.sessions[sid].next_turn) for sid in model}
+        return model, {sid: self._left(sid) for sid in model}
 
     def _chain_priority(self, inst: InstanceAPI, st: _InstanceState, now: float) -> dict[str, float]:
         """The "chain" slot order (``PolicyConfig.slot_order``): Smith's rule over each model's
@@ -212,10 +250,10 @@ class Scheduler:
           calls, critical and aged after each round, would otherwise keep a model of short calls
           waiting for all of its work."""
         model, left = self._sessions_here(st, now)
-        n: dict[str, int] = {}
+        n: dict[str, float] = {}
         rounds: dict[str, float] = {}
         for sid, m in model.items():
-            n[m] = n.get(m, 0) + 1
+            n[m] = n.get(m, 0.0) + self._weight(sid)
             rounds[m] = max(rounds.get(m, 0.0), left[sid])
         call = {m: self._call_s(st, inst, m) for m in n}
         work = {m: rounds[m] * call[m] for m in n}
@@ -253,7 +291,7 @@ class Scheduler:
         weight: dict[str, float] = {}
         rounds: dict[str, float] = {}
         for sid, m in model.items():
-            weight[m] = weight.get(m, 0.0) + 1.0 / left[sid]
+            weight[m] = weight.get(m, 0.0) + self._weight(sid) / left[sid]
             rounds[m] = max(rounds.get(m, 0.0), left[sid])
         call = {m: self._call_s(st, inst, m) for m in weight}
         total = sum(rounds[m] * call[m] for m in weight)
@@ -272,8 +310,9 @@ class Scheduler:
         return oldest
 
     def _count_ended(self, session: str) -> None:
-        """Counts an ended session's calls in `lengths` (a call sent without a session is not one)."""
-        self.lengths.end(session, self.sessions[session].next_turn)
+        """Counts an ended session's calls in `lengths` (a call sent without a session is not one);
+        a session that said it ended and calls again is taken back (`SessionLengths.issued`)."""
+        self.lengths.end(session, self.sessions[session].next_turn, reopen=True)
 
     def _call_s(self, st: _InstanceState, inst: InstanceAPI, model: str) -> float:
         """Seconds a call of `model` takes once admitted: the observed median (`CallTimes`), else the
@@ -294,9 +333,10 @@ class Scheduler:
 
     def _admit(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float,
                continuations_only: bool = False) -> int:
-        """Admits pending calls of `model` in arrival order while they fit; returns how many."""
+        """Admits pending calls of `model` while they fit, the highest `Hints.priority` first, then in
+        arrival order; returns how many."""
         keep, n = [], 0
-        for t, c in st.pending:
+        for t, c in sorted(st.pending, key=lambda tc: -tc[1].hints.priority):
             ok = c.model == model and (c.is_continuation or not continuations_only)
             if ok:
                 pages = inst.pages_for(c.model, c.context_after)
@@ -366,7 +406,7 @@ class Scheduler:
                 # than switching away and back would cost
                 nxt = st.mux.after(m, demand, self.slot_priority(inst, now))
                 hold = min(p.hold_s, 2.0 * inst.estimate_switch_s(nxt)) if nxt is not None else p.hold_s
-                holds = [r.start_s + hold for r in st.budget.live_for(m, now)]
+                holds = [_hold_until(r, hold) for r in st.budget.live_for(m, now)]
                 until = min(max(holds, default=now), slot.deadline_s)
                 if until > now:
                     return until

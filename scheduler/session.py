@@ -4,6 +4,62 @@ from __future__ import annotations
 import dataclasses
 
 
+MAX_PRIORITY = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Hints:
+    """What an agent may tell the scheduler about one call's session (all optional; docs/serving.md
+    "Agent hints"). Without a hint the scheduler estimates the same thing from what it observes.
+
+    calls_left: the calls the session makes after this one (0: this call ends it, so its KV is freed
+    as soon as it finishes and nothing is reserved for a return). tool_s: the seconds the agent's
+    tool is expected to run after this call before the next one (reservations and slot holds follow
+    it). priority: an integer in [-MAX_PRIORITY, MAX_PRIORITY], higher first; a session counts
+    2**priority times in the slot order (weighted Smith's rule) and its calls are admitted first
+    among its model's. Raises ValueError naming the field and its limit."""
+
+    calls_left: int | None = None
+    tool_s: float | None = None
+    priority: int = 0
+
+    def __post_init__(self):
+        if self.calls_left is not None and (type(self.calls_left) is not int or self.calls_left < 0):
+            raise ValueError(f"calls_left must be an integer >= 0, got {self.calls_left!r}")
+        if self.tool_s is not None and (isinstance(self.tool_s, bool) or not isinstance(self.tool_s, (int, float))
+                                        or not 0 <= self.tool_s < float("inf")):
+            raise ValueError(f"tool_s must be a finite number of seconds >= 0, got {self.tool_s!r}")
+        if type(self.priority) is not int or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
+
+    def __bool__(self) -> bool:
+        return self != NO_HINTS
+
+    @classmethod
+    def from_json(cls, given) -> "Hints":
+        """Hints from a JSON object (a request's `agent_hints`, a trace line's `hints`): integers may
+        be written as floats with no fraction, null is absent. Raises ValueError whose message starts
+        with the bad field's name, then its limit."""
+        if not isinstance(given, dict):
+            raise ValueError(f"hints must be an object, got {given!r}"[:300])
+        known = [f.name for f in dataclasses.fields(cls)]
+        kw = {}
+        for name, v in given.items():
+            if name not in known:
+                raise ValueError(f"{name} is not a hint (known: {', '.join(known)})"[:300])
+            if v is not None:
+                kw[name] = int(v) if name != "tool_s" and isinstance(v, float) and v.is_integer() else v
+        return cls(**kw)
+
+    def as_dict(self) -> dict:
+        """The hints given, as the JSON object of a request or a trace line (no None fields)."""
+        d = {"calls_left": self.calls_left, "tool_s": self.tool_s, "priority": self.priority or None}
+        return {k: v for k, v in d.items() if v is not None}
+
+
+NO_HINTS = Hints()
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One LLM call of a session. prompt_tokens includes the whole earlier context (the prefix),
@@ -19,6 +75,7 @@ class Call:
     tool_gap_s: float  # time the agent's tool runs after this call completes, before the next call
     start_s: float | None = None  # session arrival, on turn 0 only
     prefix_tokens: int | None = None  # reusable prefix when the context was compacted; None: all of it
+    hints: Hints = NO_HINTS  # what the agent said about this call's session (Hints)
 
     @property
     def key(self) -> tuple[str, int]:

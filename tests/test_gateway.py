@@ -215,6 +215,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
                           {"role": "tool", "content": "-3 C"}]}, "messages[2].tool_call_id"),
     ({"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [CALL]},
                           {"role": "user", "content": "and?"}]}, "messages[1].tool_calls"),  # dangling call
+    ({"extra_body": {"agent_hints": {"calls_left": "few"}}}, "agent_hints.calls_left"),
+    ({"extra_headers": {"x-agent-hints": "priority=99"}}, "x-agent-hints.priority"),
 ])
 def test_bad_agent_requests_are_named_and_the_next_call_is_served(cluster, extra, param):
     _, url, _ = cluster
@@ -534,3 +536,23 @@ def test_talaria_route_serves_over_local_instances(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def _sessions(instances) -> int:
+    """Sessions the instances keep (from their probe answers)."""
+    ask = {"model": "tiny-dense", "prompt": "x", "max_tokens": 1}
+    return sum(httpx.post(f"{u}/talaria/probe", json=ask, headers={"Authorization": f"Bearer {KEY}"}).json()["sessions"]
+               for u in instances)
+
+
+def test_agent_hints_reach_the_instances_and_last_calls_free_their_sessions(cluster):
+    _, url, instances = cluster
+    c = client(url)
+    kw = dict(model="tiny-dense", prompt="Once upon a time", max_tokens=4, temperature=0)
+    before = _sessions(instances)
+    for k in range(7):  # header and body hints: one call follows, then the session ends
+        c.completions.create(**kw, extra_headers={"x-session-id": f"h{k}", "x-agent-hints": "calls_left=1, tool_s=2"})
+        c.completions.create(**kw, extra_headers={"x-session-id": f"h{k}"}, extra_body={"agent_hints": {"calls_left": 0}})
+    # an instance believes hints once three sessions have borne them out: of seven sessions over two
+    # instances, at least one instance saw four, and freed the fourth as its last call ended
+    assert before + 1 <= _sessions(instances) < before + 7

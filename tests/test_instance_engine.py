@@ -9,6 +9,7 @@ from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.local import build_instances
 from talaria_jax.models import greedy_generate
+from talaria_jax.scheduler import Hints
 from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.sim.hardware import load_hardware
@@ -104,3 +105,17 @@ def test_an_abort_frees_pages_and_idle_sessions_are_forgotten(ie):
     run(ie, [ie.add_request([7, 8, 9], GREEDY, model="tiny-moe", cache_salt="a")])
     assert len(ie.sessions) == 0 and not ie.instance._host and not ie.instance.tokens.history
     ie.session_ttl_s = 3600.0
+
+
+def test_a_call_that_says_it_ends_its_session_frees_the_session_once_hints_hold(ie):
+    ie.reset(get_policy("talaria"))
+    for k in range(4):  # each session says one call follows, then that it ends
+        for left in (1, 0):
+            run(ie, [ie.add_request([1 + k, 2, 3, 4 - left], GREEDY, model="tiny-moe", cache_salt="a",
+                                    session=f"s{k}", hints=Hints(calls_left=left, tool_s=0.5))])
+    # the first two ends were not believed (fewer than three sessions had borne a hint out by then):
+    # those sessions keep their KV for a return, until their ttl; s2's second call was the third to
+    # bear a hint out, so s2 and s3 are freed as their last calls end
+    assert set(ie.sessions.sessions) == {"s0", "s1"} and set(ie.instance._host) == {"s0", "s1"}
+    assert not {"s2", "s3"} & set(ie.scheduler.state[ie.instance.name].budget.reservations)
+    ie.reset(get_policy("talaria"))

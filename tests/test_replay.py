@@ -109,3 +109,18 @@ def test_a_config_name_replays_in_bf16(tmp_path):
     s = res["policies"]["talaria"]["per_seed"][0]
     assert s["calls"] == 3 and s["prefill_tokens"] == 3000 + 800 + 500
     assert s["peak_hbm_fraction"] > 213e9 / 1074.6e9  # 213.7 GB of bf16 weights on device
+
+
+def test_replay_carries_the_agent_hints(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    _main(f"--trace={TRACE}", "--policies=talaria", "--seeds=0", "--hints=true", f"--json_out={out}")
+    res = json.loads(out.read_text())
+    assert res["hints"] == "true" and ", hints true" in capsys.readouterr().out
+    # told when each session ends, the scheduler reserves nothing for returns that never come
+    none = cli.run_replay(TRACE, "h200x8", ["talaria"], [0], hints="none")["policies"]["talaria"]
+    assert res["policies"]["talaria"]["sct_s"] != none["sct_s"]
+    try:
+        with pytest.raises(flags.IllegalFlagValueError, match="--hints=maybe: value should be one of <trace|none"):
+            _main("--hints=maybe")
+    finally:
+        flags.FLAGS.unparse_flags()

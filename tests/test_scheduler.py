@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from talaria_jax.scheduler import (AdmissionBudget, Call, RoundMultiplexer, Scheduler, SessionTable, WeightState,
+from talaria_jax.scheduler import (AdmissionBudget, Call, Hints, RoundMultiplexer, Scheduler, SessionTable, WeightState,
                                    get_policy, rank, talaria_score)
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.instance import SimInstance
@@ -520,3 +520,101 @@ def test_srpt_order_serves_the_sessions_nearest_their_end_first_and_ages_after_a
         sched.lengths.left(18) * inst.estimate_service_s(calls[2])
     aged = next(t for t in range(2000) if max((p := sched.slot_priority(inst, float(t))), key=p.get) == "m2")
     assert aged == math.ceil(work)
+
+
+# ---- agent hints ----------------------------------------------------------------------------------
+
+def test_hints_name_the_bad_field_and_its_limit():
+    for kw, pattern in (({"calls_left": -1}, r"calls_left must be an integer >= 0"),
+                        ({"tool_s": float("nan")}, r"tool_s must be a finite number"),
+                        ({"priority": 9}, r"priority must be an integer in \[-8, 8\]")):
+        with pytest.raises(ValueError, match=pattern):
+            Hints(**kw)
+    assert not Hints() and Hints(priority=1) and Hints(calls_left=0).as_dict() == {"calls_left": 0}
+
+
+def _finished(hints: Hints, turns: int = 2):
+    """A scheduler whose session "a" has finished its first call (with `hints`) on instance i0."""
+    inst = _inst("i0")
+    calls = [Call("a", k, "m1", 1000 + 20 * k, 10, 1.0, 0.0 if k == 0 else None) for k in range(turns)]
+    calls[0] = dataclasses.replace(calls[0], hints=hints)
+    sessions = SessionTable(calls)
+    sched = Scheduler(get_policy("talaria"), [inst], sessions)
+    sched.hints.min_checked = 0  # as if earlier sessions had borne their hints out
+    sched.on_arrival(calls[0], 0.0)
+    sessions.complete(calls[0], "i0", 3.0)
+    sched.on_finish(calls[0], inst, 3.0)
+    return sched, inst, calls
+
+
+def test_a_call_hinted_last_reserves_nothing_and_ends_its_session():
+    # without a hint the scheduler cannot know the session ended: it reserves for a return
+    sched, _, _ = _finished(Hints(), turns=1)
+    assert "a" in sched.state["i0"].budget.reservations and "a" in sched.lengths.running
+    sched, _, calls = _finished(Hints(calls_left=0), turns=1)
+    assert sched.ends(calls[0]) and "a" not in sched.state["i0"].budget.reservations
+    assert sched.lengths.ended[1] == 1 and "a" not in sched.state["i0"].finished
+
+
+def test_hinted_tool_time_sets_the_reservation_and_the_slot_hold():
+    from talaria_jax.scheduler.scheduler import _hold_until
+
+    sched, _, _ = _finished(Hints(tool_s=0.5))
+    r = sched.state["i0"].budget.reservations["a"]
+    assert (r.horizon_s, r.back_s) == (1.5 * 0.5 + 1.0, 3.5)
+    assert _hold_until(r, 2.2) == 3.0 + 1.75  # held until the hinted return, with its margin
+    assert _hold_until(dataclasses.replace(r, back_s=10.0), 2.2) == 3.0  # back after the hold: not held
+    sched, _, _ = _finished(Hints(tool_s=100.0))  # far past the p90: no reservation, the KV may go to host
+    assert "a" not in sched.state["i0"].budget.reservations
+
+
+def test_calls_left_and_priority_hints_set_the_slot_order():
+    sched, inst, calls = _finished(Hints())
+    assert sched._left("a") == sched.lengths.left(1)  # no hint: the estimate
+    sched, inst, calls = _finished(Hints(calls_left=7, priority=2))
+    assert sched._left("a") == 7 and sched._weight("a") == 4.0
+    sched.on_arrival(dataclasses.replace(calls[1], hints=Hints(priority=-1)), 4.0)  # a later call's hints replace
+    assert sched._left("a") == sched.lengths.left(1) and sched._weight("a") == 0.5
+
+
+def test_a_higher_priority_call_is_admitted_first():
+    calls = [Call(s, 0, "m1", 4000, 10, 0.0, 0.0, hints=Hints(priority=p)) for s, p in (("low", 0), ("high", 3))]
+    inst = _inst("i0")
+    sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))  # (priority needs no trust)
+    for c in calls:
+        sched.on_arrival(c, 0.0)
+    assert [c.session for _, c in sorted(sched.state["i0"].pending, key=lambda tc: -tc[1].hints.priority)] == \
+        ["high", "low"]
+    inst.switch_model("m1")
+    _run(inst)
+    sched._admit(inst, sched.state["i0"], "m1", 1.0)
+    assert [c.session for c, _ in sched.state["i0"].admitted.values()] == ["high", "low"]
+
+
+def test_hints_are_believed_once_borne_out_and_dropped_once_proved_wrong():
+    from talaria_jax.scheduler.hints import HintBook
+
+    book = HintBook(min_checked=3)
+    ok = [Call(f"t{k}", 0, "m1", 100, 10, 0.0, hints=Hints(calls_left=3, tool_s=1.0)) for k in range(4)]
+    book.arrived(ok[0], None, 0.0, 13.6)
+    assert not book.believed("t0")  # nothing borne out yet
+    for c in ok:  # four sessions bear their hints out (a next call, in time)
+        book.arrived(c, None, 0.0, 13.6)
+        book.arrived(dataclasses.replace(c, turn=1), 10.0, 11.0, 13.6)
+    assert book.believed("t0") and book.sessions_checked == 4
+    liar = Call("x", 0, "m1", 100, 10, 0.0, hints=Hints(calls_left=0))
+    book.arrived(liar, None, 12.0, 13.6)
+    book.finished(liar, 12.0)
+    assert book.believed("x") and book.of(liar).calls_left == 0
+    book.arrived(dataclasses.replace(liar, turn=1, hints=Hints(calls_left=5, priority=2)), 12.5, 13.0, 13.6)  # back
+    assert not book.believed("x") and book.of(book.latest["x"]) == Hints(priority=2)  # priority is still taken
+    assert book.believed("t0")  # one wrong session in five: the others are still believed
+    late = Call("y", 0, "m1", 100, 10, 0.0, hints=Hints(tool_s=1.0))
+    book.arrived(late, None, 14.0, 13.6)
+    book.arrived(dataclasses.replace(late, turn=1), 14.0, 14.0 + 1.5 * 1.0 + 1.0 + 0.1, 13.6)  # past its margin
+    assert not book.believed("y") and not book.believed("t0")  # 2 of 6 wrong: nobody's hints believed
+    gone = Call("z", 0, "m1", 100, 10, 0.0, hints=Hints(calls_left=0))
+    book.arrived(gone, None, 20.0, 13.6)
+    book.finished(gone, 21.0)
+    book.arrived(Call("w", 0, "m1", 100, 10, 0.0), None, 21.0 + 13.7, 13.6)  # z stayed away past the p90 gap
+    assert book.sessions_checked == 7 and "z" not in book.ended

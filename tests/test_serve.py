@@ -105,9 +105,12 @@ def test_token_id_prompts_logprobs_and_n(tiny):
 
 
 def _post(url, path, body, key=KEY, raw=None):
+    """`key`: the API key ("": none sent), or a (header, value) sent with the right key."""
+    extra = dict([key]) if isinstance(key, tuple) else {}
+    key = KEY if extra else key
     auth = {"Authorization": f"Bearer {key}"} if key else {}  # "": no key sent at all
     return httpx.post(f"{url}{path}", content=raw if raw is not None else json.dumps(body),
-                      headers={**auth, "Content-Type": "application/json"}, timeout=60)
+                      headers={**auth, "Content-Type": "application/json", **extra}, timeout=60)
 
 
 @pytest.mark.parametrize("path,body,raw,key,status,param,text", [
@@ -143,6 +146,19 @@ def _post(url, path, body, key=KEY, raw=None):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": -1}, None, KEY, 400, "seed", "[0, 2**63)"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2.5}, None, KEY, 400, "max_tokens",
      "must be an integer"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "agent_hints": {"calls_left": -1}}, None, KEY, 400,
+     "agent_hints.calls_left", "'agent_hints.calls_left' must be an integer >= 0, got -1"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "agent_hints": {"priority": 20}}, None, KEY, 400,
+     "agent_hints.priority", "must be an integer in [-8, 8], got 20"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "agent_hints": {"tool_s": "soon"}}, None, KEY, 400,
+     "agent_hints.tool_s", "'agent_hints.tool_s' must be a finite number of seconds >= 0, got 'soon'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "agent_hints": {"steps_left": 2}}, None, KEY, 400,
+     "agent_hints.steps_left", "'agent_hints.steps_left' is not a hint (known: calls_left, tool_s, priority)"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi"}, None, ("x-agent-hints", "calls_left"), 400,
+     "x-agent-hints", "name=number pairs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi"}, None, ("x-agent-hints", "calls_left=1, tool_s=-3"), 400,
+     "x-agent-hints.tool_s", "'x-agent-hints.tool_s' must be a finite number of seconds >= 0, got -3.0"),
 ])
 def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, body, raw, key, status, param, text):
     _, app, url = tiny
@@ -160,6 +176,7 @@ def test_bad_input_gets_the_openai_error_body_and_serving_goes_on(tiny, path, bo
     ({"max_tokens": 2.0, "n": 1.0}, None),  # integers written as floats (JSON Schema's integers)
     ({"seed": 2**63 - 1, "n": 2, "temperature": 1.0}, None),  # the second choice's seed wraps to 0
     ({}, "a\\ud800b"),  # a lone surrogate: valid JSON, not valid UTF-8
+    ({"agent_hints": {"calls_left": 0, "tool_s": 1.5, "priority": -2}}, None),  # (one model's engine: unused)
 ])
 def test_edge_inputs_that_openai_accepts_are_served(tiny, extra, raw_prompt):
     _, app, url = tiny

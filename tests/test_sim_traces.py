@@ -1,10 +1,13 @@
 """The trace format and generator: validation with line numbers, determinism, the default trace."""
+import dataclasses
 import json
 
 import pytest
 
 from talaria_jax.sim.hardware import CONFIG_ROOT
-from talaria_jax.sim.traces import TraceError, TraceSpec, generate, parse_jsonl, read_jsonl, summary, write_jsonl
+from talaria_jax.scheduler import Hints
+from talaria_jax.sim.traces import (TraceError, TraceSpec, generate, parse_jsonl, read_jsonl, summary, with_hints,
+                                    write_jsonl)
 
 GOOD = [
     {"session": "s0", "turn": 0, "model": "m1", "prompt_tokens": 100, "output_tokens": 10, "tool_gap_s": 1.0,
@@ -33,6 +36,9 @@ def test_parses_and_ignores_unknown_fields():
                                                       r"output_tokens = 110"),
     ({"prompt_tokens": 105, "prefix_tokens": 106}, 2, r"'prefix_tokens'=106 must be <= prompt_tokens = 105"),
     ({"prefix_tokens": -1}, 2, r"'prefix_tokens'=-1 outside \[0, inf\]"),
+    ({"hints": {"calls_left": -2}}, 2, r"field 'hints': calls_left must be an integer >= 0, got -2"),
+    ({"hints": {"steps": 2}}, 2, r"field 'hints': steps is not a hint \(known: calls_left, tool_s, priority\)"),
+    ({"hints": 3}, 2, r"field 'hints': hints must be an object, got 3"),
 ])
 def test_malformed_line_names_line_and_field(patch, line, pattern):
     rows = [dict(GOOD[0]), {**GOOD[1], **patch}]
@@ -98,6 +104,18 @@ def test_default_trace_matches_references():
     assert calls == generate(TraceSpec())  # the file is what the documented spec generates
 
 
+@pytest.mark.parametrize("name, spec, median", [
+    ("short-30", TraceSpec(turns=6, turns_sigma=0.5), 7),
+    ("long-30", TraceSpec(turns=64, turns_sigma=0.4), 55),
+    ("bimodal-30", TraceSpec(turns=3, turns_sigma=0.5, long_turns=50, long_share=0.3), 4),
+])
+def test_session_length_traces_are_what_their_spec_generates(name, spec, median):
+    calls = read_jsonl(CONFIG_ROOT / "traces" / f"{name}.jsonl")
+    assert calls == generate(spec) and summary(calls)["calls_per_session"][0] == median
+    with pytest.raises(TraceError, match=r"'long_turns'=0 outside \[1, 10000\]"):
+        TraceSpec(long_share=0.5)
+
+
 def test_talaria_trace_command(tmp_path, capsys):
     from talaria_jax.launch import trace as cli
 
@@ -119,3 +137,21 @@ def test_talaria_trace_command(tmp_path, capsys):
             cli.main(["talaria-trace", f"--out={out}", *argv])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("talaria-trace: error: ") and msg in err and err.count("\n") == 1
+
+
+def test_hints_round_trip_and_the_replay_modes(tmp_path):
+    calls = generate(TraceSpec(sessions=3, turns=4, seed=1))
+    true = with_hints(calls, "true")
+    assert [c.hints.calls_left for c in true[:4]] == [3, 2, 1, 0]
+    assert all(c.hints.tool_s == c.tool_gap_s for c in true)
+    write_jsonl(true, tmp_path / "h.jsonl")
+    assert read_jsonl(tmp_path / "h.jsonl") == true  # hints travel in the trace file
+    assert with_hints(true, "trace") == true and not any(c.hints for c in with_hints(true, "none"))
+    wrong = with_hints(calls, "wrong", seed=0)
+    assert [c.hints.calls_left for c in wrong[:4]] == [0, 1, 2, 3]  # counted from the wrong end
+    assert sorted(c.hints.tool_s for c in wrong) == sorted(c.tool_gap_s for c in calls)
+    assert [c.hints.tool_s for c in wrong] != [c.tool_gap_s for c in calls]
+    prio = [c if c.turn else dataclasses.replace(c, hints=Hints(priority=2)) for c in calls]
+    assert with_hints(prio, "none")[0].hints == Hints(priority=2)  # priorities stay: they are not predictions
+    with pytest.raises(ValueError, match="hints mode 'some' not in trace|none|true|wrong"):
+        with_hints(calls, "some")

@@ -39,7 +39,7 @@ from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware
 from talaria_jax.sim.compare import run_replay, trace_shapes
 from talaria_jax.sim.instance import CapacityError
-from talaria_jax.sim.traces import read_jsonl
+from talaria_jax.sim.traces import HINT_MODES, read_jsonl, with_hints
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"), "JSONL trace (docs/traces.md).")
@@ -49,6 +49,9 @@ flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "Policies to replay (talar
                   "talaria-smith, talaria-round-robin, talaria-srpt).")
 flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds (run-to-run kernel and tool-time jitter).")
 flags.DEFINE_float("tool_gap_scale", 1.0, "Multiply every tool gap of the trace by this (>= 0): how the ratios depend on tool time.")
+flags.DEFINE_enum("hints", "trace", list(HINT_MODES), "The agent hints the calls carry (docs/serving.md \"Agent hints\"): "
+                  "trace: as the trace has them; none; ends: only each session's last call says it ends it; true: each call's real calls left and tool time; wrong: "
+                  "another session's calls left and another call's tool time.")
 flags.DEFINE_integer("servers", 1, "Servers, one TP instance each; every server can host every model.")
 flags.DEFINE_string("json_out", "", "Write the results as JSON here.")
 flags.DEFINE_string("plot", "", "Write an SCT CDF per policy (PNG) here (with --sweep: a heatmap of talaria's ratio "
@@ -86,6 +89,7 @@ def format_table(res: dict) -> str:
     scale = res.get("tool_gap_scale", 1.0)
     lines = [f"trace `{pathlib.Path(res['trace']).name}`, hardware `{res['hardware']}`, servers {res['servers']}, "
              f"seeds {','.join(map(str, res['seeds']))}" + (f", tool gaps x{scale:g}" if scale != 1.0 else "")
+             + (f", hints {res['hints']}" if res.get("hints", "trace") != "trace" else "")
              + " (figures are means over seeds)", "",
              "| policy | SCT p50 (s) | SCT p95 (s) | SCT mean (s) | calls/s | switches | KV restored from host (Mtok) "
              "| prefix recomputed (Mtok) | talaria speed-up p50 / p95 | speed-up ceiling p50 / p95 |",
@@ -124,7 +128,7 @@ def plot_cdf(res: dict, path: str) -> None:
 
 def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers: int, local_models: Sequence[str],
               model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0,
-              seeds: Sequence[int] = (0,)) -> dict:
+              seeds: Sequence[int] = (0,), hints: str = "trace") -> dict:
     """Replays every policy on real instances (after a warm-up replay of each: a compile inside a
     measured chunk would count as serving time), then the simulator on the same calls, models, hardware and tool-time
     jitter (seeded per call as in the simulator; kernel time is the real engine's own)."""
@@ -134,6 +138,7 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
 
     calls = local.local_trace() if trace is None else local.map_models(read_jsonl(trace), model_map)
     calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * tool_gap_scale) for c in calls]
+    calls = with_hints(calls, hints)
     hw = dataclasses.replace(load_hardware(hardware), num_gpus=devices_per_instance)
     longest = max(c.context_after for c in calls)
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
@@ -149,7 +154,7 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
         print(f"{name}: warm-up replay in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     out: dict = {"backend": "local", "trace": trace or "local-12x4", "hardware": hw.name, "servers": servers,
                  "models": list(local_models), "devices_per_instance": devices_per_instance, "seeds": list(seeds),
-                 "policies": {}}
+                 "hints": hints, "policies": {}}
     keys = ("sct_p50_s", "sct_p95_s")
     for name in policies:
         pol = get_policy(name)
@@ -236,7 +241,7 @@ def _main(argv: Sequence[str]) -> None:
             sweep.pyplot()  # fail before the sweep, not after it
         noise = _parse_seeds(FLAGS.noise_seeds, "--noise_seeds") if FLAGS.noise_seeds else []
         res = sweep.run_sweep(FLAGS.policies, seeds, FLAGS.trace, FLAGS.sweep_traces or None,
-                              progress=lambda m: print(m, file=sys.stderr), noise_seeds=noise)
+                              progress=lambda m: print(m, file=sys.stderr), noise_seeds=noise, hints=FLAGS.hints)
         print(sweep.format_sweep(res))
         _write_json(res)
         if FLAGS.plot:
@@ -244,7 +249,7 @@ def _main(argv: Sequence[str]) -> None:
             print(f"wrote {FLAGS.plot}", file=sys.stderr)
         return
     res = run_replay(FLAGS.trace, FLAGS.hardware, FLAGS.policies, seeds, FLAGS.servers,
-                     FLAGS.models_table, FLAGS.tool_gap_scale)
+                     FLAGS.models_table, FLAGS.tool_gap_scale, FLAGS.hints)
     print(format_table(res))
     _write_json(res)
     if FLAGS.plot:
@@ -256,6 +261,7 @@ def _main(argv: Sequence[str]) -> None:
         trace, hw = read_jsonl(FLAGS.trace), load_hardware(FLAGS.hardware)
         shapes = trace_shapes(trace, hw, FLAGS.models_table)
         calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * FLAGS.tool_gap_scale) for c in trace]
+        calls = with_hints(calls, FLAGS.hints, seeds[0])
         runs = {n: replay(calls, get_policy(n), hw, shapes, servers=FLAGS.servers, seed=seeds[0]) for n in FLAGS.policies}
         sweep.plot_timeline(runs, FLAGS.timeline)
         print(f"wrote {FLAGS.timeline}", file=sys.stderr)
@@ -280,7 +286,8 @@ def _main_local() -> None:
     hardware = FLAGS.hardware if FLAGS["hardware"].present else "cpu"  # talaria-calibrate's profile
     seeds = _parse_seeds(FLAGS.seeds) if FLAGS["seeds"].present else [0]  # a local replay takes minutes
     res = run_local(FLAGS.trace if trace_given else None, hardware, FLAGS.policies, servers, FLAGS.local_models,
-                    _parse_map(FLAGS.model_map), FLAGS.devices_per_instance, FLAGS.tool_gap_scale, seeds)
+                    _parse_map(FLAGS.model_map), FLAGS.devices_per_instance, FLAGS.tool_gap_scale, seeds,
+                    FLAGS.hints)
     print(format_local_table(res))
     _write_json(res)
 

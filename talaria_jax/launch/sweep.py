@@ -67,10 +67,12 @@ def cell_trace(name: str, default_path: str | pathlib.Path) -> Trace:
 
 
 def run_sweep(policies: Sequence[str], seeds: Sequence[int], default_trace: str | pathlib.Path | None = None,
-              trace_names: Sequence[str] | None = None, progress=print, noise_seeds: Sequence[int] = ()) -> dict:
+              trace_names: Sequence[str] | None = None, progress=print, noise_seeds: Sequence[int] = (),
+              hints: str = "trace") -> dict:
     """Replays `policies` (talaria among them) in every cell; returns {"cells": [...]} with each cell's
     seed-averaged p50/p95 per policy, talaria's ratio over each rival and the rivals that beat it, and
-    with `noise_seeds` talaria's SCT over those seeds divided by its SCT over `seeds` ("noise")."""
+    with `noise_seeds` talaria's SCT over those seeds divided by its SCT over `seeds` ("noise").
+    `hints`: the agent hints the calls carry (a `traces.with_hints` mode)."""
     if "talaria" not in policies:
         raise ValueError("--sweep compares talaria with the other policies: put talaria in --policies")
     if set(noise_seeds) & set(seeds):
@@ -84,7 +86,7 @@ def run_sweep(policies: Sequence[str], seeds: Sequence[int], default_trace: str 
             traces[cell.trace] = cell_trace(cell.trace, default_trace)
         calls, hw = traces[cell.trace], load_hardware(cell.hardware)
         res = replay_calls(calls, cell.trace, hw, trace_shapes(calls, hw), policies, seeds,
-                           tool_gap_scale=cell.tool_gap_scale)
+                           tool_gap_scale=cell.tool_gap_scale, hints=hints)
         sct = {n: (v["sct_p50_s"], v["sct_p95_s"]) for n, v in res["policies"].items()}
         ratio, beaten_by = compare(sct)
         t50, t95 = sct["talaria"]
@@ -92,11 +94,12 @@ def run_sweep(policies: Sequence[str], seeds: Sequence[int], default_trace: str 
                     "beaten_by": beaten_by, "floor": (res["floor"]["sct_p50_s"], res["floor"]["sct_p95_s"])})
         if noise_seeds:
             other = replay_calls(calls, cell.trace, hw, trace_shapes(calls, hw), ["talaria"], noise_seeds,
-                                 tool_gap_scale=cell.tool_gap_scale)["policies"]["talaria"]
+                                 tool_gap_scale=cell.tool_gap_scale, hints=hints)["policies"]["talaria"]
             out[-1]["noise"] = (other["sct_p50_s"] / t50, other["sct_p95_s"] / t95)
         progress(f"[{k}/{len(todo)}] {cell.label}: talaria {t50:.0f} / {t95:.0f} s"
                  + (f", beaten by {', '.join(beaten_by)}" if beaten_by else ", best"))
-    return {"policies": list(policies), "seeds": list(seeds), "noise_seeds": list(noise_seeds), "tie": TIE, "cells": out}
+    return {"policies": list(policies), "seeds": list(seeds), "noise_seeds": list(noise_seeds), "tie": TIE,
+            "hints": hints, "cells": out}
 
 
 def compare(sct: dict[str, tuple[float, float]], tie: float = TIE) -> tuple[dict, list[str]]:

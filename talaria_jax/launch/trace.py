@@ -23,12 +23,18 @@ from absl import flags
 
 from talaria_jax.models.config import available_models
 from talaria_jax.sim.hardware import ConfigError, load_models
-from talaria_jax.sim.traces import TraceError, TraceSpec, generate, summary, write_jsonl
+from talaria_jax.sim.traces import TraceError, TraceSpec, generate, summary, with_hints, write_jsonl
 
 FLAGS = flags.FlagValues()
 _D = TraceSpec()
 flags.DEFINE_integer("sessions", _D.sessions, "Agent sessions.", flag_values=FLAGS)
-flags.DEFINE_integer("turns", _D.turns, "LLM calls per session.", flag_values=FLAGS)
+flags.DEFINE_integer("turns", _D.turns, "LLM calls per session (the median with --turns_sigma).", flag_values=FLAGS)
+flags.DEFINE_float("turns_sigma", _D.turns_sigma, "Lognormal sigma of calls per session (0: every session makes "
+                   "--turns).", flag_values=FLAGS)
+flags.DEFINE_integer("long_turns", _D.long_turns, "With --long_share: the median calls of the long sessions.",
+                     flag_values=FLAGS)
+flags.DEFINE_float("long_share", _D.long_share, "Share of sessions around --long_turns calls instead of --turns "
+                   "(a bimodal mix).", flag_values=FLAGS)
 flags.DEFINE_list("models", list(_D.models), "Models in order of popularity (Zipf s=1 over this order): variants "
                   "of configs/hardware/models.yaml or config names under configs/models/.", flag_values=FLAGS)
 flags.DEFINE_float("arrival_rate", _D.arrival_rate_per_s, "Poisson session arrivals per second.", flag_values=FLAGS)
@@ -40,6 +46,9 @@ flags.DEFINE_integer("compact_at_tokens", _D.compact_at_tokens, "Compact a sessi
                      f"{_D.max_context_tokens}).", flag_values=FLAGS)
 flags.DEFINE_float("tool_gap_scale", _D.tool_gap_scale, "Multiply every drawn tool gap by this (>= 0).",
                    flag_values=FLAGS)
+flags.DEFINE_bool("hints", False, "Give every call the agent hints an agent that knows its plan would send: the "
+                  "calls its session makes after it and its tool time (docs/serving.md \"Agent hints\").",
+                  flag_values=FLAGS)
 flags.DEFINE_bool("help", False, "Show this help.", short_name="h", flag_values=FLAGS)
 
 
@@ -67,7 +76,8 @@ def spec_from_flags() -> TraceSpec:
             raise _Usage(f"--models: {m!r} is neither a variant of configs/hardware/models.yaml nor a config under "
                          f"configs/models/ (known: {', '.join(sorted(known))})")
     try:
-        return TraceSpec(sessions=FLAGS.sessions, turns=FLAGS.turns, models=models,
+        return TraceSpec(sessions=FLAGS.sessions, turns=FLAGS.turns, turns_sigma=FLAGS.turns_sigma,
+                         long_turns=FLAGS.long_turns, long_share=FLAGS.long_share, models=models,
                          arrival_rate_per_s=FLAGS.arrival_rate, seed=FLAGS.seed,
                          compact_at_tokens=FLAGS.compact_at_tokens, tool_gap_scale=FLAGS.tool_gap_scale)
     except TraceError as e:  # names the TraceSpec field: the flag of the same name
@@ -78,6 +88,7 @@ def format_summary(s: dict) -> str:
     """A markdown table of ``summary()``."""
     per_model = ", ".join(f"{m} {n}" for m, n in sorted(s["sessions_per_model"].items(), key=lambda x: -x[1]))
     rows = [("sessions", s["sessions"]), ("calls", s["calls"]), ("sessions per model", per_model),
+            ("calls per session, median / p90 / max", " / ".join(map(str, s["calls_per_session"]))),
             ("output tokens, mean", f"{s['output_tokens_mean']:.0f}"),
             ("tool gap median / p90 / mean (s)",
              f"{s['tool_gap_median_s']:.2f} / {s['tool_gap_p90_s']:.1f} / {s['tool_gap_mean_s']:.1f}"),
@@ -107,6 +118,8 @@ def main(argv: Sequence[str]) -> int:
             raise _Usage(f"unexpected arguments: {rest[1:]}")
         spec = spec_from_flags()
         calls = generate(spec)
+        if FLAGS.hints:
+            calls = with_hints(calls, "true")
         out = pathlib.Path(FLAGS.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(calls, out)

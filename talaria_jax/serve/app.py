@@ -219,6 +219,9 @@ async def _prepare(request: Request, chat: bool, probing: bool = False) -> Prepa
         raise ApiError(404, f"the model '{p.model}' does not exist (this server serves "
                        f"{', '.join(repr(n) for n in srv.by_name)})", "model", "model_not_found")
     p.session = session_header(request) or p.session
+    header = request.headers.get("x-agent-hints")
+    if header is not None:  # replaces the body's agent_hints, as x-session-id replaces session_id
+        p.hints = protocol.agent_hints(protocol.hints_header(header), "x-agent-hints")
     if given is not None:  # rendered and tokenized by another instance of this model
         prompt = protocol.token_ids(given, "talaria_prompt_token_ids")
     else:
@@ -240,7 +243,8 @@ async def _generate(request: Request, chat: bool):
     if session is not None:
         srv.metrics.session_started(session)
     loop = asyncio.get_running_loop()
-    route = {} if srv.backend is None else {"model": served.name}
+    # a multi-model instance's scheduler takes the agent hints; a one-model engine has none to give them to
+    route = {} if srv.backend is None else {"model": served.name, "hints": p.hints}
     choices: list[_Choice] = []
     try:
         for i, params in enumerate(p.params):

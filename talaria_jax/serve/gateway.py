@@ -440,8 +440,11 @@ class Gateway:
         if _sampled(body) and body.get("seed") is None:
             body["seed"] = secrets.randbelow(_SEED_MAX)  # a retry elsewhere draws the same tokens
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        if request.headers.get("x-session-id") is not None:  # (a body's session_id travels in the body)
-            headers["x-session-id"] = request.headers["x-session-id"]
+        for name in ("x-session-id", "x-agent-hints"):  # (the body's session_id and agent_hints travel in the body)
+            if request.headers.get(name) is not None:
+                headers[name] = request.headers[name]
+        if "x-agent-hints" in headers:  # refused here, as a bad body is
+            protocol.agent_hints(protocol.hints_header(headers["x-agent-hints"]), "x-agent-hints")
         call = _Call(body, json.dumps(body).encode(), headers, path, body["model"], sid,
                      hmac.new(self.secret, key.encode(), hashlib.sha256).hexdigest()[:16], chat)
         if body.get("stream") is True:

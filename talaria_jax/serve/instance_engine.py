@@ -24,7 +24,7 @@ from talaria_jax.instance import Instance, LiveTokens
 from talaria_jax.scheduler import Scheduler
 from talaria_jax.scheduler.api import PrefixLocation
 from talaria_jax.scheduler.policies import PolicyConfig
-from talaria_jax.scheduler.session import Call, Session, SessionTable
+from talaria_jax.scheduler.session import NO_HINTS, Call, Hints, Session, SessionTable
 
 __all__ = ["InstanceEngine", "LiveSessions"]
 
@@ -53,10 +53,10 @@ class LiveSessions(SessionTable):
         self.sessions: dict[str, _LiveSession] = {}
 
     def next_call(self, sid: str, single: bool, salt: str | None, model: str, prompt_tokens: int,
-                  max_tokens: int) -> Call:
+                  max_tokens: int, hints: Hints = NO_HINTS) -> Call:
         """The session's next call (its first opens the session)."""
         s = self.sessions.setdefault(sid, _LiveSession(sid, single))
-        call = Call(sid, s.arrivals, model, prompt_tokens, max_tokens, 0.0)
+        call = Call(sid, s.arrivals, model, prompt_tokens, max_tokens, 0.0, hints=hints)
         s.arrivals, s.salt = s.arrivals + 1, salt
         if not s.calls:  # the first call names the session's model; the rest are not needed
             s.calls.append(call)
@@ -120,15 +120,16 @@ class InstanceEngine:
 
     # --- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams, *, model: str,
-                    cache_salt: str | None = None, session: str | None = None) -> str:
+                    cache_salt: str | None = None, session: str | None = None, hints: Hints = NO_HINTS) -> str:
         """Checks the request against `model`'s engine (RequestError, nothing queued) and routes it as
-        the next call of `session`."""
+        the next call of `session`, with what the agent said of it (`Hints`; a call that ends its
+        session frees the session's KV when it finishes)."""
         if model not in self.instance.served:
             raise RequestError(f"model {model!r} is not served here (serving {', '.join(self.models)})")
         ids = self.engine_of(model).check_request(prompt, params)
         rid = f"req-{next(self._ids)}"
         call = self.sessions.next_call(session if session is not None else f"~{rid}", session is None, cache_salt,
-                                       model, len(ids), params.max_tokens)
+                                       model, len(ids), params.max_tokens, hints)
         self.instance.tokens.begin(call, ids, params, salt=cache_salt, single=session is None)
         self.requests[rid], self._rid[call.key] = call, rid
         self.scheduler.on_arrival(call, self.clock())
@@ -146,7 +147,7 @@ class InstanceEngine:
         if out is not None:
             out.request_id = rid
         self.sessions.complete(call, self.instance.name, self.clock())  # the call has ended
-        if self.sessions[call.session].done:
+        if self.scheduler.ends(call):
             self._forget(call.session)
         return out
 
@@ -178,7 +179,7 @@ class InstanceEngine:
             self.requests.pop(rid, None)
             self.sessions.complete(call, inst.name, end)
             self.scheduler.on_finish(call, inst, end)
-            if self.sessions[call.session].done:  # a single call
+            if self.scheduler.ends(call):  # a single call, or one that said it ends its session (believed)
                 self._forget(call.session)
         if end - self._swept >= min(60.0, self.session_ttl_s):
             self._sweep(end)

@@ -3,8 +3,9 @@ errors that name the field and the limit, and the response and stream-chunk bodi
 
 Parsing is plain Python over the decoded JSON (not a schema library), so every error is a one-line
 OpenAI error body: `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
-Supported beyond OpenAI's fields: a prompt of token ids (a list of ints), and `session_id` (also the
-`x-session-id` header), which names the agent session a call belongs to.
+Supported beyond OpenAI's fields: a prompt of token ids (a list of ints), `session_id` (also the
+`x-session-id` header), which names the agent session a call belongs to, and `agent_hints` (also the
+`x-agent-hints` header), what the agent knows of that session (`agent_hints`).
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from talaria_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from talaria_jax.scheduler.session import NO_HINTS, Hints
 from talaria_jax.serve.tools import ToolChoice
 
-__all__ = ["ApiError", "Limits", "Parsed", "parse_chat", "parse_completion"]
+__all__ = ["ApiError", "Limits", "Parsed", "agent_hints", "parse_chat", "parse_completion"]
 
 
 class ApiError(Exception):
@@ -64,6 +66,7 @@ class Parsed:
     tools: list[dict] | None = None
     tool_choice: ToolChoice = ToolChoice("none")
     response_format: dict | None = None  # json_object or json_schema ({"type": ..., "json_schema": ...})
+    hints: Hints = NO_HINTS  # the body's agent_hints (the x-agent-hints header replaces them: `agent_hints`)
 
 
 # ---- parsing -----------------------------------------------------------------------------------
@@ -149,12 +152,44 @@ def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str], max_tok
     session = _field(body, "session_id", lambda v: isinstance(v, str) and 0 < len(v) <= 256,
                      "a string of 1 to 256 characters", None)
     bias = _logit_bias(body)
+    hints = agent_hints(_field(body, "agent_hints", lambda v: isinstance(v, dict), "an object", {}), "agent_hints")
     # max_tokens None (chat without one): the rest of the context, set once the prompt is known
     base = SamplingParams(max_tokens=max_tokens or 1, temperature=float(temperature), top_p=float(top_p), seed=seed,
                           logit_bias=bias)
     params = [dataclasses.replace(base, seed=None if seed is None else (seed + i) % SEED_LIMIT) for i in range(n)]
     return {"model": model, "params": params, "stream": stream, "include_usage": include_usage,
-            "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens}
+            "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens, "hints": hints}
+
+
+def agent_hints(given: Mapping[str, Any], where: str) -> Hints:
+    """`Hints` from the request body's `agent_hints` object, or from the `x-agent-hints` header's
+    pairs (`hints_header`); ApiError 400 naming `where.field` and its limit. Fields: calls_left (calls
+    the session makes after this one; 0 ends it), tool_s (seconds before the next call), priority
+    (higher first)."""
+    try:
+        return Hints.from_json(given)
+    except ValueError as e:  # "<field> ...": the field, then its limit
+        field, _, rest = str(e).partition(" ")
+        raise ApiError(400, f"'{where}.{field}' {rest}"[:300], f"{where}.{field}"[:300], "invalid_value") from None
+
+
+def hints_header(value: str) -> dict[str, Any]:
+    """The `x-agent-hints` header's `name=value` pairs (comma-separated, JSON numbers) as a dict for
+    `agent_hints`; ApiError 400 naming the header when a pair does not read."""
+    out: dict[str, Any] = {}
+    for pair in value.split(","):
+        name, eq, raw = (x.strip() for x in pair.partition("="))
+        if not pair.strip():
+            continue
+        try:
+            v = float(raw) if eq and raw else None
+        except ValueError:
+            v = None
+        if v is None or not name:
+            raise ApiError(400, f"the x-agent-hints header must be name=number pairs separated by commas "
+                           f"(calls_left=2, tool_s=1.5), got {pair.strip()!r}"[:300], "x-agent-hints", "invalid_value")
+        out[name] = v
+    return out
 
 
 def _logit_bias(body: Mapping) -> tuple[tuple[int, float], ...]:

@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from talaria_jax.engine.sampling import MAX_TOP_LOGPROBS
 from talaria_jax.scheduler.api import WeightState
+from talaria_jax.scheduler.session import MAX_PRIORITY
 from talaria_jax.serve.protocol import ROLES, SEED_LIMIT, Limits
 
 __all__ = ["CHAT_COMPLETIONS", "COMPLETIONS", "HEALTH", "METRICS", "MODELS", "PROBE", "VERSION", "components",
@@ -56,6 +57,18 @@ class StreamOptions(_Open):
     include_usage: bool = Field(False, description="A last chunk with `usage` and no choices, before `[DONE]`.")
 
 
+class AgentHints(BaseModel):
+    """What the agent knows of the call's session (all optional); the scheduler of a multi-model
+    instance and the gateway use them, and estimate what is left out."""
+    model_config = ConfigDict(extra="forbid")
+    calls_left: int | None = Field(None, ge=0, description="Calls the session makes after this one; 0: this "
+                                   "call ends it (its KV is freed when the call finishes).")
+    tool_s: float | None = Field(None, ge=0, description="Seconds the agent's tool runs after this call before "
+                                 "the next one (KV reservations and slot holds follow it).")
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+                                 description="Higher first: the session counts 2**priority times in the slot order.")
+
+
 class _Request(_Open):
     """The fields completions and chat completions share."""
     model: str = Field(description="A served model's name (`GET /v1/models`).")
@@ -72,6 +85,8 @@ class _Request(_Open):
     session_id: str | None = Field(None, min_length=1, max_length=256, description=(
         "The agent session the call belongs to (the `x-session-id` header takes precedence); the "
         "scheduler keeps a session's KV cache where its next call will go."))
+    agent_hints: AgentHints | None = Field(None, description=(
+        "What the agent knows of the session (the `x-agent-hints` header replaces it)."))
     user: Any = Field(None, description="Accepted and not used.", examples=["user-1234"])
 
 
@@ -401,7 +416,7 @@ def _json(model: type[BaseModel], description: str) -> dict:
 
 _ERRORS = {
     400: "A bad request: not JSON, a field of the wrong type or out of range, a prompt over the context, a "
-         "conversation the chat template refuses, a bad x-session-id header (`param` names the field)",
+         "conversation the chat template refuses, a bad x-session-id or x-agent-hints header (`param` names the field)",
     401: "No API key, or not one of the server's (`Authorization: Bearer <key>`)",
     404: "The model does not exist here",
     413: "The body is over the server's limit",
@@ -439,6 +454,9 @@ _SECURED = {"security": [{"bearer": []}]}
 _SESSION_HEADER = {"name": "x-session-id", "in": "header", "required": False,
                    "description": "The agent session of the call (instead of the body's `session_id`).",
                    "schema": {"type": "string", "pattern": "^[ -~]{1,256}$"}}
+_HINTS_HEADER = {"name": "x-agent-hints", "in": "header", "required": False,
+                 "description": "The call's agent hints as name=number pairs (`calls_left=0, tool_s=1.5, priority=1`), "
+                                "instead of the body's `agent_hints`.", "schema": {"type": "string"}}
 _GENERATION_ERRORS = (400, 401, 404, 413, 499, 500, 503)
 
 # FastAPI route arguments (`@app.get(path, **HEALTH)`)
@@ -452,15 +470,15 @@ METRICS = {"summary": "Prometheus metrics", "openapi_extra": _SECURED, "response
                                "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401, 500)}}
 COMPLETIONS = {"summary": "Completes a prompt", "responses": {200: _generated(Completion, CompletionChunk),
                                                               **_errors(*_GENERATION_ERRORS)},
-               "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER], **_body(CompletionRequest)}}
+               "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER, _HINTS_HEADER], **_body(CompletionRequest)}}
 CHAT_COMPLETIONS = {"summary": "Answers a conversation",
                     "responses": {200: _generated(ChatCompletion, ChatCompletionChunk), **_errors(*_GENERATION_ERRORS)},
-                    "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER], **_body(ChatCompletionRequest)}}
+                    "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER, _HINTS_HEADER], **_body(ChatCompletionRequest)}}
 PROBE = {"summary": "The router's view of this instance for one request",
          "responses": {200: _json(ProbeAnswer, "The instance's state and the prompt's cached tokens"),
                        **_errors(400, 401, 404, 413, 500, 503, s404=(
                            "The model does not exist here, or the server has no scheduler (one engine)"))},
-         "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER],
+         "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER, _HINTS_HEADER],
                            **_body(CompletionRequest, ChatCompletionRequest)}}
 
 

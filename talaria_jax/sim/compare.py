@@ -15,7 +15,7 @@ from talaria_jax.sim.bounds import sct_floor_s
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape, load_hardware, load_models
-from talaria_jax.sim.traces import Trace, TraceError, read_jsonl
+from talaria_jax.sim.traces import Trace, TraceError, read_jsonl, with_hints
 
 _AGG_KEYS = ("sct_p50_s", "sct_p95_s", "sct_mean_s", "calls_per_s", "makespan_s", "model_switches", "switch_time_s",
              "kv_restored_tokens", "kv_recomputed_tokens", "kv_device_hit_tokens", "prefill_tokens", "peak_hbm_fraction")
@@ -42,13 +42,14 @@ def check_trace(calls: Trace, hw: HardwareConfig, shapes: dict[str, ModelShape],
 
 
 def run_replay(trace: str, hardware: str, policies: Sequence[str], seeds: Sequence[int], servers: int = 1,
-               models_table: str | None = None, tool_gap_scale: float = 1.0) -> dict:
+               models_table: str | None = None, tool_gap_scale: float = 1.0, hints: str = "trace") -> dict:
     """Replays every policy for every seed; returns the JSON-ready results (seed-averaged figures
-    per policy, per-seed figures and every session's SCT). `tool_gap_scale` multiplies every tool gap."""
+    per policy, per-seed figures and every session's SCT). `tool_gap_scale` multiplies every tool gap;
+    `hints` is a `traces.with_hints` mode (the agent hints the calls carry)."""
     calls = read_jsonl(trace)
     hw = load_hardware(hardware)
     return replay_calls(calls, str(trace), hw, trace_shapes(calls, hw, models_table), policies, seeds, servers,
-                        tool_gap_scale)
+                        tool_gap_scale, hints)
 
 
 def trace_shapes(calls: Trace, hw: HardwareConfig, models_table: str | None = None) -> dict[str, ModelShape]:
@@ -60,20 +61,22 @@ def trace_shapes(calls: Trace, hw: HardwareConfig, models_table: str | None = No
 
 
 def replay_calls(calls: Sequence[Call], label: str, hw: HardwareConfig, shapes: dict[str, ModelShape],
-                 policies: Sequence[str], seeds: Sequence[int], servers: int = 1, tool_gap_scale: float = 1.0) -> dict:
+                 policies: Sequence[str], seeds: Sequence[int], servers: int = 1, tool_gap_scale: float = 1.0,
+                 hints: str = "trace") -> dict:
     """`run_replay` over calls already loaded and checked (`label` names them in the results)."""
     if not tool_gap_scale >= 0:
         raise ValueError(f"tool_gap_scale={tool_gap_scale} must be >= 0")
     if tool_gap_scale != 1.0:
         calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * tool_gap_scale) for c in calls]
+    hinted = {seed: with_hints(calls, hints, seed) for seed in seeds}  # (wrong hints: drawn per seed)
     out: dict = {"trace": label, "hardware": hw.name, "servers": servers, "seeds": list(seeds),
-                 "tool_gap_scale": tool_gap_scale, "policies": {}}
+                 "tool_gap_scale": tool_gap_scale, "hints": hints, "policies": {}}
     floors: dict[int, np.ndarray] = {}  # seed -> per-session floors (tool time is common to all policies)
     for name in policies:
         pol = get_policy(name)
         per_seed, scts = [], []
         for seed in seeds:
-            r = replay(calls, pol, hw, shapes, servers=servers, seed=seed)
+            r = replay(hinted[seed], pol, hw, shapes, servers=servers, seed=seed)
             per_seed.append(r.summary())
             scts.append(sorted(r.sct_s.values()))
             if seed not in floors:

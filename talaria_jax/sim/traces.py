@@ -1,8 +1,10 @@
 """SWE-bench-style agent session traces: a generator and the JSONL format (docs/traces.md).
 
 One call per line: {"session", "turn", "model", "prompt_tokens", "output_tokens", "tool_gap_s"}
-plus "start_s" on turn 0 and, on a turn that compacts its context, "prefix_tokens". Unknown fields
-are ignored; a malformed line raises ``TraceError`` with its line number. Statistics of the
+plus "start_s" on turn 0, on a turn that compacts its context "prefix_tokens", and where the agent
+told the server something of its session "hints" ({"calls_left", "tool_s", "priority"}, any of them:
+``Hints``; `with_hints` derives them from the trace). Unknown fields are ignored; a malformed line
+raises ``TraceError`` with its line number. Statistics of the
 generator follow docs/references.md ("Agent sessions").
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from talaria_jax.scheduler.session import Call
+from talaria_jax.scheduler.session import NO_HINTS, Call, Hints
 
 # docs/references.md "Agent sessions" (TraceLab, 357K steps): tool gap median 0.3 s, p90 13.6 s, p99 3.6 min.
 TOOL_GAP_MEDIAN_S = 0.3
@@ -33,7 +35,14 @@ class TraceSpec:
     """Generator settings; defaults give the default trace configs/traces/swebench-30x32.jsonl."""
 
     sessions: int = 30
-    turns: int = 32  # the paper: 960 calls over 30 sessions
+    turns: int = 32  # calls per session (the paper: 960 calls over 30 sessions); the median with turns_sigma
+    # Session lengths: lognormal around `turns` with this sigma (0: every session makes `turns` calls),
+    # and a share `long_share` of sessions around `long_turns` instead (a bimodal mix of quick lookups
+    # and long coding sessions), each clipped to [1, max_turns].
+    turns_sigma: float = 0.0
+    long_turns: int = 0
+    long_share: float = 0.0
+    max_turns: int = 1000
     models: tuple[str, ...] = ("qwen3-235b-a22b", "glm-4.5-fp8", "llama-3.1-405b-fp8")
     zipf_s: float = 1.0  # popularity of model rank r is proportional to r^-s
     arrival_rate_per_s: float = 0.5  # Poisson session arrivals: a batch of SWE-bench tasks launched together
@@ -60,6 +69,9 @@ class TraceSpec:
 
     def __post_init__(self):
         checks = [("sessions", self.sessions, 1, 1_000_000), ("turns", self.turns, 1, 10_000),
+                  ("turns_sigma", self.turns_sigma, 0.0, 5.0), ("long_share", self.long_share, 0.0, 1.0),
+                  ("long_turns", self.long_turns, 1 if self.long_share else 0, 10_000),
+                  ("max_turns", self.max_turns, 1, 10_000),
                   ("zipf_s", self.zipf_s, 0.0, 10.0), ("arrival_rate_per_s", self.arrival_rate_per_s, 1e-9, 1e9),
                   ("obs_median_tokens", self.obs_median_tokens, 1, 1e6), ("output_mean_tokens", self.output_mean_tokens, 1, 1e6),
                   ("gap_median_s", self.gap_median_s, 1e-6, 1e6), ("gap_p90_s", self.gap_p90_s, self.gap_median_s, 1e6),
@@ -96,9 +108,10 @@ def generate(spec: TraceSpec) -> list[Call]:
         model = spec.models[int(rng.choice(len(spec.models), p=pop))]
         system = prompt = int(rng.integers(spec.system_tokens[0], spec.system_tokens[1] + 1))
         sid = f"s{s:0{width}d}"
-        for k in range(spec.turns):
+        turns = _turns(spec, rng)
+        for k in range(turns):
             out = int(np.clip(rng.lognormal(out_mu, spec.output_sigma), *spec.output_range))
-            last = k == spec.turns - 1
+            last = k == turns - 1
             gap = 0.0 if last else float(min(spec.gap_max_s, rng.lognormal(math.log(spec.gap_median_s), gap_sigma)))
             gap *= spec.tool_gap_scale
             prefix = None
@@ -111,6 +124,15 @@ def generate(spec: TraceSpec) -> list[Call]:
     return calls
 
 
+def _turns(spec: TraceSpec, rng: np.random.Generator) -> int:
+    """One session's calls (no draw at all for fixed lengths, so such traces stay as they were)."""
+    if not spec.turns_sigma and not spec.long_share:
+        return spec.turns
+    median = spec.long_turns if spec.long_share and rng.random() < spec.long_share else spec.turns
+    n = median * math.exp(spec.turns_sigma * rng.standard_normal()) if spec.turns_sigma else median
+    return int(min(spec.max_turns, max(1, round(n))))
+
+
 def write_jsonl(calls: Iterable[Call], path: str | pathlib.Path) -> None:
     with open(path, "w") as f:
         for c in calls:
@@ -120,6 +142,8 @@ def write_jsonl(calls: Iterable[Call], path: str | pathlib.Path) -> None:
                 d["start_s"] = c.start_s
             if c.prefix_tokens is not None:
                 d["prefix_tokens"] = c.prefix_tokens
+            if c.hints:
+                d["hints"] = c.hints.as_dict()
             f.write(json.dumps(d) + "\n")
 
 
@@ -177,6 +201,7 @@ def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> Trace:
         gap = _field(d, "tool_gap_s", float, where, 0.0)
         start = _field(d, "start_s", float, where, 0.0) if turn == 0 else None
         prefix = _field(d, "prefix_tokens", int, where, 0) if "prefix_tokens" in d else None
+        hints = _hints(d["hints"], where) if "hints" in d else NO_HINTS
         prev = last.get(sid)
         if prev is None and turn != 0:
             raise TraceError(f"{where}: session {sid!r} starts at turn {turn}; its first line must be turn 0")
@@ -198,12 +223,50 @@ def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> Trace:
             if prev is not None and prefix > prev.context_after:
                 raise TraceError(f"{where}: field 'prefix_tokens'={prefix} must be <= previous prompt_tokens + "
                                  f"output_tokens = {prev.context_after} (the session's earlier context)")
-        c = Call(sid, turn, model, prompt, out, gap, start, prefix)
+        c = Call(sid, turn, model, prompt, out, gap, start, prefix, hints)
         calls.append(c)
         last[sid], lines_of[c.key] = c, n
     if not calls:
         raise TraceError(f"{source}: no calls")
     return Trace(calls, source, lines_of)
+
+
+def _hints(d, where: str) -> Hints:
+    try:
+        return Hints.from_json(d)
+    except ValueError as e:
+        raise TraceError(f"{where}: field 'hints': {e}") from None
+
+
+HINT_MODES = ("trace", "none", "ends", "true", "wrong")
+
+
+def with_hints(calls: Sequence[Call], mode: str, seed: int = 0) -> list[Call]:
+    """The calls with the hints an agent would send. trace: as the trace has them; none: none;
+    ends: only a session's last call says so (calls_left 0), as an agent that knows when its task is
+    done would; true: each call's calls_left and tool_s from the trace itself (what the agent will do);
+    wrong: an agent wrong about everything: its calls counted from the wrong end (calls_left of turn
+    k is k, so its first call says it ends the session and its last says it has as many to go) and
+    the tool time of another call (the trace's gaps shuffled, drawn from `seed`). Priorities are
+    left as they are."""
+    if mode not in HINT_MODES:
+        raise ValueError(f"hints mode {mode!r} not in {'|'.join(HINT_MODES)}")
+    if mode == "trace":
+        return list(calls)
+    if mode == "none":
+        return [dataclasses.replace(c, hints=Hints(priority=c.hints.priority)) for c in calls]
+    length: dict[str, int] = {}
+    for c in calls:
+        length[c.session] = max(length.get(c.session, 0), c.turn + 1)
+    if mode == "ends":
+        return [dataclasses.replace(c, hints=Hints(0 if c.turn == length[c.session] - 1 else None,
+                                                   priority=c.hints.priority)) for c in calls]
+    if mode == "true":
+        return [dataclasses.replace(c, hints=Hints(length[c.session] - c.turn - 1, c.tool_gap_s, c.hints.priority))
+                for c in calls]
+    gaps = [c.tool_gap_s for c in calls]
+    shuffled = [gaps[k] for k in np.random.default_rng(seed).permutation(len(gaps))]
+    return [dataclasses.replace(c, hints=Hints(c.turn, shuffled[k], c.hints.priority)) for k, c in enumerate(calls)]
 
 
 def read_jsonl(path: str | pathlib.Path) -> Trace:
@@ -227,6 +290,8 @@ def summary(calls: Sequence[Call]) -> dict:
         models[cs[0].model] = models.get(cs[0].model, 0) + 1
     return {
         "sessions": len(by), "calls": len(calls), "sessions_per_model": models,
+        "calls_per_session": [int(np.median([len(cs) for cs in by.values()])),
+                              int(np.quantile([len(cs) for cs in by.values()], 0.9)), max(len(cs) for cs in by.values())],
         "output_tokens_mean": float(np.mean([c.output_tokens for c in calls])),
         "tool_gap_median_s": float(np.median(gaps)) if gaps.size else 0.0,
         "tool_gap_p90_s": float(np.quantile(gaps, 0.9)) if gaps.size else 0.0,
