@@ -82,6 +82,12 @@ class PolicyConfig:
     # session have no prior: scheduler.estimates.SessionLengths)
     tool_gap_mean_s: float = _TOOL_GAP_MEAN_S
     tool_gap_max_s: float = _TOOL_GAP_P99_S  # an open gap longer than this counts as closed at it (its session ended)
+    # chain and srpt only: the p50/p95 knob. A waiting call ages (its model goes first, oldest call
+    # first) after patience x its order's bound. 0: every call ages at once, so slots go oldest call
+    # first, as round-robin would (the p95 end); larger: Smith's rule decides longer, the shortest
+    # remaining sessions first (the p50 end); inf: never aged, no starvation bound. 1 is the order
+    # as described above (docs/scheduler.md "The p50/p95 knob").
+    patience: float = 1.0
     weights: RouterWeights = dataclasses.field(default_factory=RouterWeights)
 
     def __post_init__(self):
@@ -96,6 +102,8 @@ class PolicyConfig:
             raise ValueError(f"policy {self.name}: slot_s={self.slot_s} must be > 0")
         if self.switches_per_slot is not None and self.switches_per_slot <= 0:
             raise ValueError(f"policy {self.name}: switches_per_slot={self.switches_per_slot} must be > 0 or None")
+        if not self.patience >= 0:
+            raise ValueError(f"policy {self.name}: patience={self.patience} must be >= 0 (inf: never aged)")
         if self.switches_per_slot is not None and not 0 <= self.min_slot_s <= self.slot_s:
             raise ValueError(f"policy {self.name}: min_slot_s={self.min_slot_s} must be in [0, slot_s={self.slot_s}]")
 
@@ -137,7 +145,30 @@ DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-
 
 
 def get_policy(name: str) -> PolicyConfig:
-    """Returns a named policy; an unknown name raises ValueError listing the known ones."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-    return POLICIES[name]
+    """Returns a named policy, or one with numeric fields changed: `talaria[patience=0.5]`,
+    `talaria[patience=inf;slot_s=30]`. Raises ValueError for an unknown name (listing the known
+    ones), an unknown or non-numeric field, or a value out of its range."""
+    base, bracket, rest = name.partition("[")
+    if base not in POLICIES:
+        raise ValueError(f"unknown policy {base!r}; known: {', '.join(POLICIES)}")
+    if not bracket:
+        return POLICIES[base]
+    if not rest.endswith("]"):
+        raise ValueError(f"policy {name!r}: write changed fields as {base}[field=number;field=number]")
+    types = {f.name: f.type for f in dataclasses.fields(PolicyConfig)}
+    numeric = {n for n, t in types.items() if t in ("float", "int", "float | None")}
+    changes = {}
+    for pair in filter(None, rest[:-1].split(";")):
+        field, _, value = (x.strip() for x in pair.partition("="))
+        if field not in numeric:
+            raise ValueError(f"policy {name!r}: {field!r} is not a numeric field of PolicyConfig "
+                             f"(numeric: {', '.join(sorted(numeric))})")
+        try:
+            changes[field] = float(value)
+        except ValueError:
+            raise ValueError(f"policy {name!r}: {field}={value!r} is not a number") from None
+        if types[field] == "int":
+            if not changes[field].is_integer():
+                raise ValueError(f"policy {name!r}: {field}={value!r} must be an integer")
+            changes[field] = int(changes[field])
+    return dataclasses.replace(POLICIES[base], name=name, **changes)

@@ -266,7 +266,7 @@ class Scheduler:
             critical = rounds[m] * (gap + call[m]) >= total
             bound = sum(st.mux.slot_length(inst.estimate_switch_s(o)) for o in oldest if o != m) \
                 if critical else total
-            if now - oldest[m] >= bound:
+            if now - oldest[m] >= self.policy.patience * bound:
                 aged.append(m)
         for m in aged:
             out[m] = _aged(now, oldest[m])
@@ -297,7 +297,7 @@ class Scheduler:
         total = sum(rounds[m] * call[m] for m in weight)
         out = {m: w / call[m] for m, w in weight.items()}
         for m, t in self._oldest_pending(st).items():
-            if now - t >= total:
+            if now - t >= self.policy.patience * total:
                 out[m] = _aged(now, t)
         return out
 

@@ -471,6 +471,37 @@ def test_chain_order_ages_a_call_by_the_critical_chain():
     assert aged_at[60.0] < aged_at[0.0]
 
 
+@pytest.mark.parametrize("patience", [0.0, 0.5, 2.0, math.inf])
+def test_patience_scales_the_wait_before_a_call_ages(patience):
+    # as above with short tool gaps: m2's call ages after patience x all the work left here; at 0 it
+    # goes first at once (oldest call first, the p95 end), at inf never (Smith's rule alone, the p50 end)
+    calls = [Call(s, 0, "m1", 1000, 10, 0.0, 0.0) for s in "abc"] + [Call("d", 0, "m2", 1000, 10, 0.0, 0.0)]
+    inst = _inst("i")
+    sched = Scheduler(get_policy(f"talaria[patience={patience}]"), [inst], SessionTable(calls))
+    _sessions_ended_after(sched, 32)
+    for c in calls:
+        sched.on_arrival(c, 0.0 if c.model == "m2" else 0.5)
+    for k in range(100):
+        sched.gaps.begin(f"other{k}", 0.0)
+        sched.gaps.end(f"other{k}", 0.0)
+    work = 32 * (inst.estimate_service_s(calls[0]) + inst.estimate_service_s(calls[-1]))
+    first = lambda t: max(sched.slot_priority(inst, float(t)).items(), key=lambda kv: kv[1])[0]
+    aged_at = next((t for t in range(0, 4000) if first(t) == "m2"), None)
+    assert aged_at == (None if patience == math.inf else math.ceil(patience * work)), (aged_at, work)
+
+
+def test_a_policy_name_changes_numeric_fields():
+    p = get_policy("talaria[patience=0.5;reserve_growth_tokens=500]")
+    assert (p.patience, p.reserve_growth_tokens, p.slot_order) == (0.5, 500, "chain")
+    for bad, msg in (("talaria[patience=soon]", "patience='soon' is not a number"),
+                     ("talaria[router=1]", "'router' is not a numeric field of PolicyConfig"),
+                     ("talaria[patience=-1]", "patience=-1.0 must be >= 0"),
+                     ("talaria[reserve_growth_tokens=1.5]", "must be an integer"),
+                     ("fastest[patience=1]", "unknown policy 'fastest'")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            get_policy(bad)
+
+
 def test_chain_order_does_not_keep_short_calls_behind_a_younger_aged_call():
     # m1's calls take 20 s, m2's 0.1 s (a 135M model next to a tiny one on a CPU): m1's chain is
     # critical, so its call pending since 0.5 s ages after one round of slots; m2's call has waited

@@ -27,7 +27,8 @@ _MODEL = flags.DEFINE_list("model", ["smollm2-135m-instruct"], "Local instances:
 _TP = flags.DEFINE_integer("tp", None, "Local instances: devices each (default: 1 on CPU, else the devices split "
                            "evenly).",
                            lower_bound=1)
-_POLICY = flags.DEFINE_string("policy", "talaria", "Scheduling policy: talaria, round, load, sticky, composite, ...")
+_POLICY = flags.DEFINE_string("policy", "talaria", "Scheduling policy: talaria, round, load, sticky, composite, ... "
+                              "(a numeric field changed: 'talaria[patience=0.5]').")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (127.0.0.1: this machine only).")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
 _KEY = flags.DEFINE_string("api_key", None, "Comma-separated API keys (each a tenant; the instances must take them "

@@ -29,7 +29,7 @@ _MODEL = flags.DEFINE_list("model", ["smollm2-135m-instruct"], "Models of the in
 _NAME = flags.DEFINE_list("served_model_name", None, "The models' names in requests, one per --model (default: "
                           "--model).")
 _POLICY = flags.DEFINE_string("policy", "talaria", "Scheduling policy of the instance's models (talaria, round, ...; "
-                              "see talaria_jax/scheduler/policies.py).")
+                              "a numeric field changed: 'talaria[patience=0.5]'; see talaria_jax/scheduler/policies.py).")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Hardware profile of the scheduler's estimates (configs/hardware/ "
                                 "name or YAML; default: cpu on the CPU backend, else h200x8).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (127.0.0.1: this machine only).")
