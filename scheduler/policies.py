@@ -57,7 +57,10 @@ class PolicyConfig:
     # over each model's sessions of 1 / their calls left, per second of call, a call aged only after
     # all the work left here (Scheduler._srpt_priority)
     slot_order: str = "chain"
-    sp: bool = True  # session-prefill: admit continuations before the active slot closes
+    sp: bool = True  # session-prefill: admit the active model's calls before its slot closes
+    # session-prefill admits a new session's first call of the active model too, not only the
+    # continuations of its sessions (the paper's definition; docs/scheduler.md "Session-prefill")
+    sp_first_calls: bool = True
     host_kv: bool = True  # keep session KV restorable from host memory across switches
     staging: bool = True  # stage the next model into a device staging area; D2D at the switch
     reservations: bool = True  # soft reservations: charge likely returns to the admission budget
@@ -138,6 +141,9 @@ POLICIES: dict[str, PolicyConfig] = {
     # a variant, not the default: shortest remaining sessions first (docs/traces.md: the best
     # p50 of the sweep's policies in most cells, behind the chain order at p95 with long tool gaps)
     "talaria-srpt": PolicyConfig("talaria-srpt", slot_order="srpt"),
+    # a variant, not the default: session-prefill admits only continuations, as the paper defines it
+    # (docs/scheduler.md "Session-prefill")
+    "talaria-sp-continuations": PolicyConfig("talaria-sp-continuations", sp_first_calls=False),
 }
 
 DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",

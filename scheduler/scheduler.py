@@ -391,7 +391,7 @@ class Scheduler:
                 self._open_slot(inst, st, m, now)  # still first in slot order: a fresh slot, no drain
                 slot = mux.slot
             if p.sp and now < slot.deadline_s:
-                self._admit(inst, st, m, now, continuations_only=True)  # session-prefill
+                self._admit(inst, st, m, now, continuations_only=not p.sp_first_calls)  # session-prefill
             self._stage_next(inst, st, m, now)
             if inst.num_running() or inst.num_waiting():
                 return None

@@ -153,6 +153,17 @@ def test_without_sp_the_continuation_waits_a_round():
         assert [m for _, m, _ in res.instances[0].stats.switch_log] == ["m1", "m2", "m1"], name
 
 
+def test_session_prefill_admits_a_new_sessions_first_call_of_the_active_model():
+    # as above, but the call that comes 0.1 s after a0 ends is the first call of a new m1 session c:
+    # talaria's SP admits it in m1's open slot; the paper's SP (continuations only) leaves it for
+    # m1's next slot, after m2's
+    trace = _SP_TRACE[:1] + [Call("c", 0, "m1", 1100, 10, 0.0, 4.2025)] + _SP_TRACE[2:]
+    for name, order in (("talaria", [("a", 0), ("c", 0), ("b", 0)]),
+                        ("talaria-sp-continuations", [("a", 0), ("b", 0), ("c", 0)])):
+        res = replay(trace, get_policy(name), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+        assert _order(res) == order, name
+
+
 def test_round_multiplexer_order():
     mux = RoundMultiplexer(("m1", "m2", "m3"), slot_s=5.0)
     assert mux.next_model(set()) is None

@@ -14,12 +14,14 @@ def test_compare_marks_rivals_more_than_the_tie_faster():
 
 def test_matrix_cells():
     cells = sweep.cells()
-    assert len(cells) == 4 * 2 * 4 + 3
-    assert {c.trace for c in cells} == {"default", "gen1", "gen2", "gen3", "open0.02", "open0.03", "open0.05"}
+    assert len(cells) == 7 * 2 * 4 + 3
+    assert {c.trace for c in cells} == {"default", "gen1", "gen2", "gen3", "short", "long", "bimodal", "open0.02",
+                                        "open0.03", "open0.05"}
+    assert sweep.cell_trace("bimodal", "unused")[0].session == "s00"
     assert [c.label for c in sweep.cells(["open0.05"])] == ["open0.05 h200x8 gaps x1"]
     with pytest.raises(ValueError, match=r"sweep traces \['gen5'\] unknown; known: default, gen1"):
         sweep.cells(["gen5"])
-    with pytest.raises(ValueError, match="not default, gen<seed> or open<rate>"):
+    with pytest.raises(ValueError, match="not default, gen<seed>, open<rate> or short, long, bimodal"):
         sweep.cell_trace("nope", "unused")
 
 

@@ -1,7 +1,8 @@
 """`talaria-replay --sweep`: every policy in every cell of a regime matrix, and where talaria is not best.
 
 Cells: tool-gap scale {0, 0.1, 0.25, 1} x hardware {h200x8, h100x8} x trace {the default trace file,
-the generator at seeds 1-3}, plus an open-arrival load sweep (30 default-style sessions arriving at
+the generator at seeds 1-3, the traces of short, long and bimodal sessions (configs/traces/
+short-30.jsonl, long-30.jsonl, bimodal-30.jsonl)}, plus an open-arrival load sweep (30 default-style sessions arriving at
 0.02, 0.03 and 0.05 sessions/s on h200x8, tool gaps x1). Each cell replays every policy over the
 same seeds. A cell is marked where a rival's p50 or p95 SCT is more than 2% below talaria's.
 
@@ -27,13 +28,14 @@ from talaria_jax.sim.traces import Trace, TraceSpec, generate, read_jsonl
 SCALES = (0.0, 0.1, 0.25, 1.0)
 HARDWARE = ("h200x8", "h100x8")
 GENERATOR_SEEDS = (1, 2, 3)
+LENGTH_TRACES = ("short", "long", "bimodal")  # configs/traces/<name>-30.jsonl: other session lengths
 ARRIVAL_RATES = (0.02, 0.03, 0.05)  # sessions/s of the open-arrival load sweep
 TIE = 0.02  # a rival within 2% of talaria does not beat it
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    trace: str  # "default", "gen<seed>" or "open<rate>"
+    trace: str  # "default", "gen<seed>", "open<rate>" or one of LENGTH_TRACES
     hardware: str
     tool_gap_scale: float
 
@@ -44,7 +46,7 @@ class Cell:
 
 def cells(trace_names: Sequence[str] | None = None) -> list[Cell]:
     """The matrix, or its cells of `trace_names` (an unknown name raises ValueError listing the known)."""
-    names = ["default"] + [f"gen{s}" for s in GENERATOR_SEEDS]
+    names = ["default"] + [f"gen{s}" for s in GENERATOR_SEEDS] + list(LENGTH_TRACES)
     out = [Cell(t, hw, sc) for t in names for hw in HARDWARE for sc in SCALES]
     out += [Cell(f"open{r:g}", "h200x8", 1.0) for r in ARRIVAL_RATES]
     known = list(dict.fromkeys(c.trace for c in out))
@@ -57,12 +59,14 @@ def cells(trace_names: Sequence[str] | None = None) -> list[Cell]:
 def cell_trace(name: str, default_path: str | pathlib.Path) -> Trace:
     if name == "default":
         return read_jsonl(default_path)
+    if name in LENGTH_TRACES:
+        return read_jsonl(CONFIG_ROOT / "traces" / f"{name}-30.jsonl")
     if name.startswith("gen"):
         spec = TraceSpec(seed=int(name[3:]))
     elif name.startswith("open"):
         spec = TraceSpec(arrival_rate_per_s=float(name[4:]))
     else:
-        raise ValueError(f"sweep trace {name!r}: not default, gen<seed> or open<rate>")
+        raise ValueError(f"sweep trace {name!r}: not default, gen<seed>, open<rate> or {', '.join(LENGTH_TRACES)}")
     return Trace(generate(spec), f"generated {spec}")
 
 
