@@ -50,8 +50,9 @@ flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "Policies to replay (talar
 flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds (run-to-run kernel and tool-time jitter).")
 flags.DEFINE_float("tool_gap_scale", 1.0, "Multiply every tool gap of the trace by this (>= 0): how the ratios depend on tool time.")
 flags.DEFINE_enum("hints", "trace", list(HINT_MODES), "The agent hints the calls carry (docs/serving.md \"Agent hints\"): "
-                  "trace: as the trace has them; none; ends: only each session's last call says it ends it; true: each call's real calls left and tool time; wrong: "
-                  "another session's calls left and another call's tool time.")
+                  "trace: as the trace has them; none; ends: only each session's last call says it ends it; true: "
+                  "each call's real calls left and tool time; wrong: calls counted from the wrong end and another "
+                  "call's tool time.")
 flags.DEFINE_integer("servers", 1, "Servers, one TP instance each; every server can host every model.")
 flags.DEFINE_string("json_out", "", "Write the results as JSON here.")
 flags.DEFINE_string("plot", "", "Write an SCT CDF per policy (PNG) here (with --sweep: a heatmap of talaria's ratio "

@@ -4,8 +4,8 @@ One call per line: {"session", "turn", "model", "prompt_tokens", "output_tokens"
 plus "start_s" on turn 0, on a turn that compacts its context "prefix_tokens", and where the agent
 told the server something of its session "hints" ({"calls_left", "tool_s", "priority"}, any of them:
 ``Hints``; `with_hints` derives them from the trace). Unknown fields are ignored; a malformed line
-raises ``TraceError`` with its line number. Statistics of the
-generator follow docs/references.md ("Agent sessions").
+raises ``TraceError`` with its line number. Statistics of the generator follow docs/references.md
+("Agent sessions").
 """
 from __future__ import annotations
 
