@@ -30,7 +30,7 @@ test-fast: $(STAMP)
 # A first SmolLM2-135M-Instruct answer, then agent sessions with the openai client through the router gateway
 # over two local instances (SmolLM2 and two tiny models each), under talaria and under round, two passes
 # each, and the two policies in the simulator on 8 x H200. The first run converts the GGUF and compiles
-# (4.6 min here); a later one reads both caches in ~/.cache/talaria_jax (2.1 min).
+# (2.4 min here); a later one reads both caches in ~/.cache/talaria_jax (1.5 min).
 demo: $(STAMP)
 	$(PY) -m talaria_jax.launch.demo
 
