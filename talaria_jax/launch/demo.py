@@ -102,6 +102,8 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
     for q in ("p50", "p90"):
         print(f"| {q} | | | " + " | ".join(" / ".join(_fmt(x[f"sct_{q}_s"]) for x in sums[p]) for p in pols) + " |")
     mean = {p: {q: float(np.mean([x[f"sct_{q}_s"] for x in sums[p]])) for q in ("p50", "p90")} for p in pols}
+    # each policy's best pass: a pass that met step shapes no earlier pass compiled is not its fastest
+    best = {p: {q: min(x[f"sct_{q}_s"] for x in sums[p]) for q in ("p50", "p90")} for p in pols}
     # the noise: how far one policy's own passes differ, relative to their mean
     noise = max(abs(a[f"sct_{q}_s"] - b[f"sct_{q}_s"]) / mean[p][q] for p in pols for q in ("p50", "p90")
                 for a, b in zip(sums[p], sums[p][1:])) if _RUNS.value > 1 else math.nan
@@ -109,7 +111,7 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
     real_calls = [c.e2e_s for run in runs[pols[0]] for r in run for c in r.calls
                   if r.model not in RANDOM and c.error is None]
     call_s = float(np.median(real_calls)) if real_calls else math.nan
-    return {"mean": mean, "noise": noise, "switch_s": switch_s, "call_s": call_s, "stats": stats,
+    return {"best": best, "noise": noise, "switch_s": switch_s, "call_s": call_s, "stats": stats,
             "first": {s.id: by[pols[0]][0][s.id] for s in script}, "script": script, "random": RANDOM}
 
 
@@ -136,7 +138,7 @@ def main(argv):
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the start", flush=True)
     real = _real_engines(say, pols)
     a, b = pols[0], pols[-1]
-    m = real["mean"]
+    m = real["best"]
     ratios = {q: m[b][q] / m[a][q] for q in ("p50", "p90")}
     noise = real["noise"]
     if not math.isfinite(noise):
@@ -147,7 +149,7 @@ def main(argv):
         verdict = (f"one policy's passes differ by up to {noise:.0%}, and the policies by more at "
                    + ", ".join(q for q, r in ratios.items() if abs(r - 1) > noise) + ".")
     if len(pols) > 1:
-        print(f"\n{b}/{a} SCT on this machine (mean of the passes): p50 {ratios['p50']:.2f}x, "
+        print(f"\n{b}/{a} SCT on this machine (best pass of each): p50 {ratios['p50']:.2f}x, "
               f"p90 {ratios['p90']:.2f}x; {verdict}")
     print(f"Here a model switch takes {real['switch_s'][a]:.2f} s (every model stays in memory: a CPU's devices "
           f"share the host's) and a SmolLM2 call about {real['call_s']:.1f} s. A call waits for the calls running "
