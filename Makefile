@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml requirements-model.txt
 venv: $(STAMP)
 
 # pytest-xdist workers (one per core, at most 4), a test file per worker at a time (its module-scoped
-# models and servers built once); one compilation cache for all of them (tests/conftest.py).
-PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile
+# models and servers built once), the longest files first (tests/conftest.py); one compilation cache for
+# all of them.
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
 # The docs site first (strict, a few seconds), so a broken link fails CI before the suite runs.
 test: docs

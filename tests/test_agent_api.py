@@ -131,21 +131,24 @@ def test_json_schema_outputs_validate_every_time(server):
             raise AssertionError(f"{e}: {text!r} ({a.usage.completion_tokens} tokens)") from None
         jsonschema.validate(value, schema)
     # json_object: any object (unbounded: at temperature 0 this model nests until max_tokens)
-    for seed in range(3):
-        any_object = server.chat.completions.create(
+    def ask_object(seed):
+        return server.chat.completions.create(
             model="smol", messages=[{"role": "user", "content": "Give a JSON object about a cat."}],
             response_format={"type": "json_object"}, temperature=0.8, seed=seed, max_tokens=200).choices[0]
+    for any_object in _many(ask_object, range(3)):  # batched
         assert any_object.message.content.startswith("{")
         if any_object.finish_reason == "stop":
             assert isinstance(json.loads(any_object.message.content), dict)
 
 
 def test_a_streamed_tool_call_adds_up_to_the_answer(server):
-    for k in (0, 21, 47):
+    def whole_and_streamed(k):
         kw = dict(model="smol", messages=[{"role": "user", "content": PROMPTS[k]}], tools=TOOLS, temperature=0,
                   tool_choice="required", parallel_tool_calls=False, max_tokens=300)
         whole = server.chat.completions.create(**kw).choices[0]
-        chunks = [c.choices[0] for c in server.chat.completions.create(**kw, stream=True) if c.choices]
+        return whole, [c.choices[0] for c in server.chat.completions.create(**kw, stream=True) if c.choices]
+
+    for whole, chunks in _many(whole_and_streamed, (0, 21, 47)):  # batched
         calls = [t for c in chunks for t in (c.delta.tool_calls or [])]
         assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
         assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \

@@ -115,9 +115,9 @@ def test_mini_swe_agent_runs_bash_steps_through_the_gateway(cluster, tmp_path):
 
     hits = _metric(instance, "prefix_cache_hits_total")
     agent = DefaultAgent(model, Env(cwd=str(tmp_path), timeout=10), system_template=SWE_SYSTEM,
-                         instance_template=SWE_TASK, step_limit=3, cost_limit=0)
+                         instance_template=SWE_TASK, step_limit=2, cost_limit=0)
     result = agent.run("Make greeting.txt say goodbye.")
-    assert result["exit_status"] == "LimitsExceeded", result  # 3 steps, then the limit ends the run
+    assert result["exit_status"] == "LimitsExceeded", result  # 2 steps, then the limit ends the run
     assert not [m for m in agent.messages if m.get("extra", {}).get("interrupt_type") == "FormatError"]
     assert len(ran) >= 2 and all(isinstance(c, str) and c for c in ran)  # bash calls, each executed
     assert _metric(instance, "prefix_cache_hits_total") - hits >= 64  # the steps after the first reuse the prefix

@@ -197,7 +197,7 @@ def test_tool_calls_through_the_gateway_stream_as_they_answer(cluster):
     assert json.loads(calls[0].function.arguments)["city"]
     turn = USER + [{"role": "assistant", "content": None, "tool_calls": [whole.message.tool_calls[0].model_dump()]},
                    {"role": "tool", "tool_call_id": whole.message.tool_calls[0].id, "content": "-3 C"}]
-    after = c.chat.completions.create(**{**kw, "messages": turn, "tool_choice": "none"})
+    after = c.chat.completions.create(**{**kw, "messages": turn, "tool_choice": "none", "max_tokens": 16})
     assert after.choices[0].message.content and after.usage.prompt_tokens_details.cached_tokens > 0
 
 

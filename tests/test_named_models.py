@@ -58,7 +58,7 @@ def test_convert_writes_a_checkpoint_with_its_tokenizer(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert resolve(out)[0] == "orbax"
-    conv, orig = load_model(out), load_model(SMOL, use_cache=False)
+    conv, orig = load_model(out), load_model(SMOL)  # the conversion cache's copy (a cold conversion: above)
     assert conv.model.fingerprint == orig.model.fingerprint
     _same_params(conv.model, orig.model)
     msgs = [{"role": "user", "content": "hi"}]
