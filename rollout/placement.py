@@ -154,6 +154,11 @@ class CacheAware(Placement):
 
     def __init__(self, num_replicas: int, block: int, capacity_blocks: int, locality: float = 1.0,
                  load: float = 1.0):
+        """Weights of the locality and load terms (see the module docstring).
+
+        Raises:
+            ValueError: a negative weight.
+        """
         if locality < 0 or load < 0:
             raise ValueError(f"CacheAware: weights must be >= 0, got locality={locality}, load={load}")
         self.locality, self.load = locality, load

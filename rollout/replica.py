@@ -76,6 +76,11 @@ class ReplicaSpec:
     compilation_cache: str | None = "off"  # a folder, None for the default, "off"
 
     def build(self) -> Replica:
+        """Loads the model onto `devices` (all of this process's when None) and builds its engine.
+
+        Raises:
+            ValueError: `devices` names devices this process does not have.
+        """
         import jax
 
         from talaria_jax.engine import enable_compilation_cache

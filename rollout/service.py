@@ -162,6 +162,11 @@ class RolloutService:
 
     def __init__(self, replicas: Sequence, placement: str | Placement = "cache_aware", *, seed: int = 0,
                  steps_per_call: int = 1):
+        """Starts one worker thread per replica; `placement` places each request (cache-aware by default).
+
+        Raises:
+            ValueError: no replicas, `steps_per_call` < 1, or replicas that serve different models.
+        """
         if not replicas:
             raise ValueError("RolloutService needs at least one replica")
         if steps_per_call < 1:
@@ -240,8 +245,12 @@ class RolloutService:
         prompt, returns the first `target` to finish (in the order they finished) once they have,
         and stops the rest, handing them back as Partials (tokens, logprobs and weight versions so
         far) to pass as `resume` next time. Over-provision the prompts (say 25%) so the slowest
-        samples do not hold up a synchronous step. RequestError when target is not in [1, number of
-        requests]."""
+        samples do not hold up a synchronous step.
+
+        Raises:
+            RequestError: a prompt or sampling field out of range (named), a `resume` entry that is not a
+                Partial or has used its max_tokens, or a `target` outside [1, the requests of this call].
+        """
         reqs = self._requests(prompts, params, n, None, None, request_ids, cache_salt)
         ready = []  # resumed Partials that had finished
         for p in resume:
@@ -277,7 +286,11 @@ class RolloutService:
         """`n` multi-turn trajectories per prompt, as [prompt][sample]: each turn generates from the
         context so far, then the trajectory's environment (`make_env(i, j)`) returns the tokens to
         append or None to end. Environments run in the calling thread, as turns finish; each next
-        turn is placed at once (its earlier turns' KV is where placement looks first)."""
+        turn is placed at once (its earlier turns' KV is where placement looks first).
+
+        Raises:
+            RequestError: `max_turns` not an integer >= 1, or a prompt or sampling field out of range (named).
+        """
         if not isinstance(max_turns, int) or max_turns < 1:
             raise RequestError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         prompts = self._check_prompts(prompts, params, n)
@@ -373,8 +386,12 @@ class RolloutService:
 
     def pause(self, mode: str = "keep", timeout_s: float = 600.0) -> None:
         """Stops admitting requests and returns once no replica holds one (see the module docstring
-        for the modes). Requests submitted while paused queue until `resume`. RequestError for an
-        unknown mode; TimeoutError if the replicas have not let go of their requests in timeout_s."""
+        for the modes). Requests submitted while paused queue until `resume`.
+
+        Raises:
+            RequestError: an unknown mode.
+            TimeoutError: the replicas still hold requests after `timeout_s`.
+        """
         if mode not in PAUSE_MODES:
             raise RequestError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         with self._lock:
@@ -406,7 +423,13 @@ class RolloutService:
         the queued and kept requests run under the new weights after `resume`. The replicas update
         concurrently; Ray replicas get the parameters through the object store once
         (`share_weights`). A replica whose update fails is dropped (it would serve the old policy) and
-        the error raised."""
+        the error raised.
+
+        Raises:
+            RequestError: requests are in flight or a `rollout` runs and the service is not paused, or the
+                pause has not taken effect yet.
+            RuntimeError: every replica has failed.
+        """
         with self._lock:
             if self._paused is None and (self._ids or self._rollouts):
                 raise RequestError(f"update_weights: {len(self._ids)} requests are in flight ({self._rollouts} "

@@ -74,7 +74,11 @@ _NAMES = [
 
 def config_from_tunix(model: nnx.Module, name: str = "tunix") -> ModelConfig:
     """Our decoder config for a Tunix Llama3 or dense Qwen3 module (its forward, see the module
-    docstring); the compute dtype is its parameters'. ValueError names a family or feature not mapped."""
+    docstring); the compute dtype is its parameters'.
+
+    Raises:
+        ValueError: a family or feature not mapped.
+    """
     family = type(model).__name__
     if family not in ("Llama3", "Qwen3"):
         raise ValueError(f"tunix model {family}: mapped families are Llama3 and Qwen3 (dense)")
@@ -107,7 +111,11 @@ def _flat(params: Any) -> dict[str, Any]:
 def params_from_tunix(params: Any) -> dict[str, Any]:
     """Tunix parameters (an nnx.State, the module, or a nested dict of arrays, whole or in part) as
     our flat names, same shapes: both keep q/k/v as [embed, heads, head_dim] and o as [heads,
-    head_dim, embed]. ValueError names a parameter with no counterpart here (a LoRA adapter, say)."""
+    head_dim, embed].
+
+    Raises:
+        ValueError: a parameter with no counterpart here (a LoRA adapter, say), named.
+    """
     out = {}
     for name, value in _flat(params).items():
         for pattern, ours in _NAMES:
@@ -143,6 +151,14 @@ class TalariaRollout(base_rollout.BaseRollout):
                  rollout_config: base_rollout.RolloutConfig | None = None, *, replicas: int = 2,
                  placement: str = "cache_aware", speculation: SpecConfig | None = None, max_seqs: int = 16,
                  engine: EngineConfig | None = None, seed: int = 0):
+        """`replicas` engines on equal shares of `mesh`'s devices (one device when None), each serving
+        `rollout_actor`'s parameters; `engine` overrides the engine configuration built from
+        `rollout_config`.
+
+        Raises:
+            ValueError: `replicas` < 1, or a model or parameter with no counterpart here
+                (`config_from_tunix`, `params_from_tunix`).
+        """
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         rollout_config = rollout_config or base_rollout.RolloutConfig()
@@ -172,7 +188,11 @@ class TalariaRollout(base_rollout.BaseRollout):
                  **kwargs) -> base_rollout.RolloutOutput:
         """One completion per prompt (GRPO passes each prompt `num_generations` times: placement
         keeps a group's repeats on the replica that holds its prefix). A str is one prompt, as Tunix's
-        sampler takes it (its agentic learner passes one conversation so)."""
+        sampler takes it (its agentic learner passes one conversation so).
+
+        Raises:
+            RuntimeError: a rollout request failed (its id and error).
+        """
         ids = [self._tokenize(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
         width = max(len(x) for x in ids)
         if rollout_config.max_prompt_length is not None and rollout_config.max_prompt_length >= width:

@@ -81,6 +81,11 @@ class EngineConfig:
     compiler_options: dict[str, Any] | None = None
 
     def validate(self) -> None:
+        """Checks every field's type and range (the engine calls it).
+
+        Raises:
+            ValueError: a field of the wrong type or out of range, named with its limit.
+        """
         for f in ("page_size", "max_seqs", "max_tokens_per_step", "max_model_len", "pages_per_block", "query_tile"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
@@ -145,7 +150,13 @@ class Engine:
         everything serving runs.
         `arena`: a KV arena shared with other engines on the same mesh (`KVArena.for_models`), which
         then sizes the pool and its pages (EngineConfig.num_pages and kv_memory_bytes_per_device must be
-        unset); None: the engine's own, of config.page_size tokens per page."""
+        unset); None: the engine's own, of config.page_size tokens per page.
+
+        Raises:
+            ValueError: an invalid `config` (`EngineConfig.validate` names the field), a `max_model_len` past
+                the model's, tree drafts on a model without full attention, or a pool size given beside a shared
+                `arena` or an `arena` on another mesh.
+        """
         config.validate()
         if config.speculation is not None and config.speculation.tree and any(model.cfg.sliding_windows):
             raise ValueError(f"EngineConfig.speculation: tree drafts need full attention; {model.cfg.name} has "
@@ -372,7 +383,12 @@ class Engine:
         emptied, host KV copies of the old weights are freed (and refused by `restore`), and suffix
         drafts start from empty trees. The new fingerprint is random: no other engine's KV matches it.
         Refused (RequestError) while requests are in flight, which would mix two policies in one
-        output; abort or finish them first."""
+        output; abort or finish them first.
+
+        Raises:
+            RequestError: requests are in flight, or the engine reads its weights from a shared slot (an
+                instance's).
+        """
         if self.requests:
             raise RequestError(f"update_weights: {len(self.requests)} requests are in flight; finish or abort them "
                                f"first")

@@ -89,7 +89,11 @@ class Constraint:
 
     def chain(self, tokens: Sequence[int]) -> np.ndarray:
         """int32 [n + 1, W] for n `tokens` the grammar allows in turn (cut them with `valid_prefix`):
-        the mask before each of them and after the last. The grammar's state is left as it was."""
+        the mask before each of them and after the last. The grammar's state is left as it was.
+
+        Raises:
+            AssertionError: the grammar refuses one of `tokens` (a caller's error: cut them first).
+        """
         n = len(tokens)
         out = np.zeros((n + 1, self._words), np.int32)
         self._m.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)

@@ -54,7 +54,11 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """SamplingError (a RequestError) naming the field unless every field has its type and range:
-        ints are ints (not bools, not floats: 2.5 is not silently truncated), floats are real numbers."""
+        ints are ints (not bools, not floats: 2.5 is not silently truncated), floats are real numbers.
+
+        Raises:
+            SamplingError: a field of the wrong type or out of range, named with its limit.
+        """
         for f in ("max_tokens", "top_k"):
             if not _is_int(getattr(self, f)):
                 raise SamplingError(f"{f} must be an integer, got {_kind(getattr(self, f))}")

@@ -264,6 +264,10 @@ def load_hf_checkpoint(path: str | pathlib.Path, mesh: Mesh | None = None, cfg: 
     given, else `cfg.dtype`, else the checkpoint's own (config.json `dtype`, else its tensors'; on a
     GPU or TPU bfloat16 where that is float32: `default_compute_dtype`). Every tensor is checked
     against the shape the config implies; a mismatch raises CheckpointError naming the parameter. `fingerprint` digests the config (with its dtype) and the safetensors files.
+
+    Raises:
+        CheckpointError: no config.json and no `cfg`, a tensor whose shape is not the config's (named),
+            or tensors the config does not use.
     """
     path = pathlib.Path(path)
     mesh = mesh or make_mesh(jax.devices()[:1])
