@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Sequence
 
 __all__ = ["CacheAware", "LeastLoaded", "Placement", "PlacementRequest", "PrefixIndex", "ReplicaLoad", "RoundRobin",
-           "make_placement", "PLACEMENTS"]
+           "StickyLeastLoaded", "make_placement", "PLACEMENTS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,28 @@ class LeastLoaded(Placement):
         return _least_loaded(loads)
 
 
+class StickyLeastLoaded(Placement):
+    """A trajectory's first request to the least loaded replica, its later ones to the same replica
+    while it lives: the session-sticky, least-requests routing RL frameworks default to (verl,
+    NeMo-RL), blind to what each replica has cached beyond that."""
+
+    name = "sticky_least_loaded"
+
+    def __init__(self):
+        self._home: dict[str, int] = {}
+
+    def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad | None]) -> int:
+        home = self._home.get(req.trajectory) if req.trajectory is not None else None
+        if home is None or home >= len(loads) or loads[home] is None:
+            home = _least_loaded(loads)
+            if req.trajectory is not None:
+                self._home[req.trajectory] = home
+        return home
+
+    def reset(self) -> None:
+        self._home.clear()
+
+
 class CacheAware(Placement):
     """WAR's placement (module docstring). `block` and `capacity_blocks` size each replica's
     `PrefixIndex` (the engine's page size and page count)."""
@@ -184,7 +206,7 @@ class CacheAware(Placement):
             index.clear()
 
 
-PLACEMENTS = ("cache_aware", "round_robin", "least_loaded")
+PLACEMENTS = ("cache_aware", "round_robin", "least_loaded", "sticky_least_loaded")
 
 
 def make_placement(name: str, num_replicas: int, block: int = 16, capacity_blocks: int = 1 << 16) -> Placement:
@@ -195,4 +217,6 @@ def make_placement(name: str, num_replicas: int, block: int = 16, capacity_block
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
+    if name == "sticky_least_loaded":
+        return StickyLeastLoaded()
     raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {name!r}")

@@ -13,7 +13,8 @@ import pytest
 from conftest import FAST_COMPILE, TEST_CACHE
 from talaria_jax.engine import EngineConfig, RequestError, SamplingParams
 from talaria_jax.models.model import forward, greedy_generate
-from talaria_jax.rollout.placement import CacheAware, LeastLoaded, PlacementRequest, PrefixIndex, ReplicaLoad, RoundRobin
+from talaria_jax.rollout.placement import (CacheAware, LeastLoaded, PlacementRequest, PrefixIndex, ReplicaLoad, RoundRobin,
+                                           make_placement)
 from talaria_jax.rollout.replica import ReplicaSpec
 from talaria_jax.rollout.server import RolloutClient, make_app
 from talaria_jax.rollout.service import RolloutService
@@ -89,6 +90,11 @@ def test_baselines():
     ca.computed(2, list(range(8)))
     assert ca.choose(PlacementRequest(tuple(range(8))), gone) == 2  # its cache, not the failed replica's
     assert rr.priority(PlacementRequest((1,), arrival=3)) < rr.priority(PlacementRequest((1,) * 9, turn=5, arrival=4))
+    sticky = make_placement("sticky_least_loaded", 3)  # a trajectory stays where it started while that lives
+    assert sticky.choose(PlacementRequest((1,), trajectory="a"), loads) == 1
+    assert sticky.choose(PlacementRequest((1, 2), trajectory="a", turn=1), [ReplicaLoad(0, 4)] + loads[1:]) == 1
+    assert sticky.choose(PlacementRequest((1, 2, 3), trajectory="a", turn=2), gone) == 0  # its replica failed
+    assert sticky.choose(PlacementRequest((1,), trajectory="b"), loads) == 1
 
 
 # ---- the service ----------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "The policy: a na
 _REPLICAS = flags.DEFINE_integer("replicas", 2, "Rollout replicas.", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices_per_replica", 1, "Devices of each replica's mesh (its TP degree).",
                                 lower_bound=1)
-_PLACEMENT = flags.DEFINE_enum("placement", "cache_aware", ["cache_aware", "round_robin", "least_loaded"],
+_PLACEMENT = flags.DEFINE_enum("placement", "cache_aware", ["cache_aware", "round_robin", "least_loaded",
+                                                              "sticky_least_loaded"],
                                "How requests are placed on replicas.")
 _SPECULATE = flags.DEFINE_integer("speculate", 8, "Suffix-tree speculative decoding: draft tokens per request and "
                                   "step at most (0: off); used at a step only where the measured step cost says it "

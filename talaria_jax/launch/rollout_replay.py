@@ -1,0 +1,101 @@
+"""talaria-rollout-replay: one synchronous RL rollout step replayed on simulated replicas, WAR against
+its baselines (rollout/replay.py: the real placement, suffix drafter and speculation policy over a
+hardware profile's cost model).
+
+    talaria-rollout-replay --hardware=h200x8 --model=qwen3-235b-a22b-fp8 --replicas=8 --prompts=8 --samples=8
+
+The step is generated (`--prompts` x `--samples` trajectories of `--turns` model turns, lengths and
+repetition as the flags say) or read from `--trajectories` (JSONL, `rollout.replay.write_jsonl`'s
+format). Every configuration replays the same tokens; only the time differs.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from absl import app, flags
+
+CONFIGS = {  # name: (placement, speculation)
+    "baseline": ("round_robin", False),  # data-parallel rollouts: round-robin, no speculation
+    "sticky_least_loaded": ("sticky_least_loaded", False),  # RL frameworks' default router today
+    "placement_only": ("cache_aware", False),
+    "spec_only": ("round_robin", True),
+    "war": ("cache_aware", True),  # cache-aware placement, suffix drafts where the policy finds they pay
+}
+
+_HARDWARE = flags.DEFINE_string("hardware", "h200x8", "Hardware profile of one replica (configs/hardware).")
+_MODEL = flags.DEFINE_string("model", "qwen3-235b-a22b-fp8", "Model variant (configs/hardware/models.yaml).")
+_REPLICAS = flags.DEFINE_integer("replicas", 8, "Rollout replicas.", lower_bound=1)
+_MAX_SEQS = flags.DEFINE_integer("max_seqs", 64, "Batch slots per replica.", lower_bound=1)
+_STEP_TOKENS = flags.DEFINE_integer("max_tokens_per_step", 2048, "Token budget of an engine step.", lower_bound=1)
+_PROMPTS = flags.DEFINE_integer("prompts", 8, "Prompts of the step (GRPO groups).", lower_bound=1)
+_SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per prompt.", lower_bound=1)
+_TURNS = flags.DEFINE_list("turns", ["1", "4"], "Model turns per trajectory: min,max (uniform).")
+_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 2048, "Tokens of each prompt.", lower_bound=1)
+_OUTPUT_TOKENS = flags.DEFINE_float("output_tokens", 512, "Median output tokens of a turn.", lower_bound=1)
+_OUTPUT_SIGMA = flags.DEFINE_float("output_sigma", 0.8, "Lognormal sigma of output lengths.", lower_bound=0)
+_MAX_OUTPUT = flags.DEFINE_integer("max_output", 8192, "Output tokens of a turn at most.", lower_bound=1)
+_OBSERVATION = flags.DEFINE_integer("observation_tokens", 512, "Tool output tokens before each later turn.",
+                                    lower_bound=1)
+_TOOL_S = flags.DEFINE_float("tool_s", 2.0, "Tool seconds between turns.", lower_bound=0)
+_REPETITION = flags.DEFINE_float("repetition", 0.5, "Share of output phrases drawn from the task's pool.",
+                                 lower_bound=0, upper_bound=1)
+_SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "Draft tokens per sequence and step at most.", lower_bound=1)
+_TRAJECTORIES = flags.DEFINE_string("trajectories", None, "A JSONL file of trajectories to replay instead.")
+_CONFIGS = flags.DEFINE_list("configs", list(CONFIGS), f"Configurations: {', '.join(CONFIGS)}.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated step.")
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    unknown = [c for c in _CONFIGS.value if c not in CONFIGS]
+    if unknown:
+        raise app.UsageError(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    turns = tuple(int(x) for x in _TURNS.value)
+    if len(turns) != 2 or not 1 <= turns[0] <= turns[1]:
+        raise app.UsageError(f"--turns must be min,max with 1 <= min <= max, got {_TURNS.value}")
+    from talaria_jax.engine.spec import SpecConfig
+    from talaria_jax.rollout.replay import ReplicaShape, read_jsonl, replay_step, synthetic_step
+    from talaria_jax.sim.hardware import ConfigError, load_hardware, load_models
+
+    try:
+        hw = load_hardware(_HARDWARE.value)
+        models = load_models(tp=hw.num_gpus)
+    except (ConfigError, FileNotFoundError) as e:
+        raise app.UsageError(f"--hardware: {e}") from None
+    if _MODEL.value not in models:
+        raise app.UsageError(f"--model: unknown {_MODEL.value!r}; known: {', '.join(models)}")
+    shape = ReplicaShape(hw, models[_MODEL.value], max_seqs=_MAX_SEQS.value, max_tokens_per_step=_STEP_TOKENS.value)
+    if _TRAJECTORIES.value:
+        trajs = read_jsonl(_TRAJECTORIES.value)
+    else:
+        trajs = synthetic_step(_PROMPTS.value, _SAMPLES.value, turns=turns, prompt_tokens=_PROMPT_TOKENS.value,
+                               output_tokens=_OUTPUT_TOKENS.value, output_sigma=_OUTPUT_SIGMA.value,
+                               max_output=_MAX_OUTPUT.value, observation_tokens=_OBSERVATION.value,
+                               tool_s=_TOOL_S.value, repetition=_REPETITION.value, seed=_SEED.value)
+    tokens = sum(t.output_tokens for t in trajs)
+    print(f"{len(trajs)} trajectories, {sum(len(t.turns) for t in trajs)} turns, {tokens} output tokens, on "
+          f"{_REPLICAS.value} x {hw.name} replicas of {_MODEL.value} ({_MAX_SEQS.value} slots each)", flush=True)
+    print("| config | step s | tok/s | over baseline | prefill tokens | verify steps | accepted / drafted | replay s |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = None
+    for name in _CONFIGS.value:
+        placement, speculate = CONFIGS[name]
+        t = time.perf_counter()
+        res = replay_step(trajs, shape, _REPLICAS.value, placement,
+                          SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None)
+        wall = time.perf_counter() - t
+        base = base or (res.tokens_per_s if name == "baseline" else None)
+        gain = f"{res.tokens_per_s / base:.2f}x" if base else "-"
+        acc = f"{res.accepted} / {res.drafted}" if speculate else "-"
+        print(f"| {name} | {res.step_s:.1f} | {res.tokens_per_s:.0f} | {gain} | {res.prefill_tokens} | "
+              f"{res.verify_steps} of {res.steps} | {acc} | {wall:.1f} |", flush=True)
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
