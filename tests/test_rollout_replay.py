@@ -87,16 +87,17 @@ def test_trajectory_files_round_trip_and_bad_input_is_named(tmp_path):
         replay_step(trajs, SHAPE, 0)
 
 
-def test_the_launcher_prints_every_configuration_and_names_a_bad_flag():
+def test_the_launcher_prints_every_configuration_and_names_a_bad_flag(tmp_path):
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "talaria_jax.launch.rollout_replay", "--replicas=2", "--prompts=2", "--samples=2",
            "--turns=1,2", "--prompt_tokens=64", "--output_tokens=24", "--observation_tokens=16"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(cmd + [f"--plot={tmp_path / 'timeline.png'}"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split(" | ")[0].strip("| ") for line in run.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["baseline", "sticky_least_loaded", "placement_only", "spec_only", "war"]
     assert "| baseline | " in run.stdout and "| 1.00x |" in run.stdout
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
     bad = subprocess.run(cmd + ["--configs=war,nope"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--configs: unknown ['nope']" in bad.stderr

@@ -44,6 +44,38 @@ _SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "Draft tokens per sequence an
 _TRAJECTORIES = flags.DEFINE_string("trajectories", None, "A JSONL file of trajectories to replay instead.")
 _CONFIGS = flags.DEFINE_list("configs", list(CONFIGS), f"Configurations: {', '.join(CONFIGS)}.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated step.")
+_PLOT = flags.DEFINE_string("plot", None, "Write a timeline of each configuration's step here (PNG): per replica, "
+                            "its prefill, decode and verify steps, and the idle time until the last trajectory.")
+COLORS = {"prefill": "tab:orange", "decode": "tab:blue", "verify": "tab:green"}
+
+
+def plot_timelines(results: dict, path: str) -> None:
+    """One panel per configuration: a lane per replica, its steps coloured by kind, the gaps idle,
+    and the step's end (its last trajectory) as a line. Consecutive steps of one kind are merged."""
+    from talaria_jax.launch.sweep import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 0.35 * len(next(iter(results.values())).timeline)
+                                                       * len(results)), sharex=True, squeeze=False)
+    for ax, (name, res) in zip(axes[:, 0], results.items()):
+        for lane, spans in enumerate(res.timeline):
+            merged: list[list] = []
+            for start, end, kind in spans:
+                if merged and merged[-1][2] == kind and start - merged[-1][1] < 1e-6:
+                    merged[-1][1] = end
+                else:
+                    merged.append([start, end, kind])
+            for kind, color in COLORS.items():
+                bars = [(a, b - a) for a, b, k in merged if k == kind]
+                ax.broken_barh(bars, (lane - 0.4, 0.8), color=color, label=kind if lane == 0 else None)
+        ax.axvline(res.step_s, color="black", lw=1)
+        ax.set_yticks(range(len(res.timeline)))
+        ax.set_yticklabels([f"r{i}" for i in range(len(res.timeline))], fontsize=7)
+        ax.set_title(f"{name}: step {res.step_s:.1f} s, {res.tokens_per_s:.0f} tok/s", fontsize=9, loc="left")
+    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=3)
+    axes[-1, 0].set_xlabel("seconds (white: idle; the line: the last trajectory ends)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -79,18 +111,22 @@ def main(argv: Sequence[str]) -> None:
           f"{_REPLICAS.value} x {hw.name} replicas of {_MODEL.value} ({_MAX_SEQS.value} slots each)", flush=True)
     print("| config | step s | tok/s | over baseline | prefill tokens | verify steps | accepted / drafted | replay s |")
     print("|---|---|---|---|---|---|---|---|")
-    base = None
+    base, results = None, {}
     for name in _CONFIGS.value:
         placement, speculate = CONFIGS[name]
         t = time.perf_counter()
         res = replay_step(trajs, shape, _REPLICAS.value, placement,
                           SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None)
         wall = time.perf_counter() - t
+        results[name] = res
         base = base or (res.tokens_per_s if name == "baseline" else None)
         gain = f"{res.tokens_per_s / base:.2f}x" if base else "-"
         acc = f"{res.accepted} / {res.drafted}" if speculate else "-"
         print(f"| {name} | {res.step_s:.1f} | {res.tokens_per_s:.0f} | {gain} | {res.prefill_tokens} | "
               f"{res.verify_steps} of {res.steps} | {acc} | {wall:.1f} |", flush=True)
+    if _PLOT.value:
+        plot_timelines(results, _PLOT.value)
+        print(f"wrote {_PLOT.value}")
 
 
 def run() -> None:
