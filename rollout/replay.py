@@ -191,7 +191,7 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
                 donor = min(donors, key=lambda d: d.queue[0][:2])
                 heapq.heappush(rep.queue, heapq.heappop(donor.queue))
         while rep.queue and len(rep.running) < shape.max_seqs:
-            used = sum(x.ctx + x.prefill_left + len(x.output) for x in rep.running)
+            used = sum(len(x.prompt) + len(x.output) for x in rep.running)  # KV each running turn ends with
             nxt = rep.queue[0][2]
             if rep.running and used + len(nxt.prompt) + len(nxt.output) > kv_cap:
                 break
