@@ -76,6 +76,11 @@ class ReplicaShape:
     kv_tokens: int | None = None
 
     def kv_capacity(self) -> int:
+        """Tokens of KV a replica holds.
+
+        Raises:
+            ValueError: the model's weights do not fit the profile's usable HBM.
+        """
         if self.kv_tokens is not None:
             return self.kv_tokens
         free = self.hardware.usable_hbm_bytes - self.model.weight_bytes
