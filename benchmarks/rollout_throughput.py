@@ -49,6 +49,15 @@ _SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "WAR's draft tokens per reque
 _KV_MIB = flags.DEFINE_integer("kv_mib", 1024, "KV pool of each replica, MiB per device.", lower_bound=64)
 _ABLATION = flags.DEFINE_bool("ablation", False, "Also run speculation alone and placement alone.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_SIMULATE = flags.DEFINE_bool("simulate", True, "Also replay each load's trajectories on the simulator "
+                              "(rollout/replay.py, --hardware's profile) and print its prediction of every "
+                              "configuration beside the measurement.")
+_HARDWARE = flags.DEFINE_string("hardware", "cpu", "--simulate: the hardware profile (talaria-calibrate's cpu).")
+_RECORD = flags.DEFINE_string("record_dir", None, "Write each load's trajectories here as JSONL "
+                              "(<load>.jsonl, talaria-rollout-replay --trajectories).")
+_RESIMULATE = flags.DEFINE_string("resimulate", None, "Measure nothing: replay the trajectories of a run's "
+                                  "--record_dir on the simulator (--hardware) against the measurements of its "
+                                  "--out JSON, this file.")
 _TUNIX = flags.DEFINE_bool("tunix", False, "Time one GRPO step's rollout in Tunix: talaria's engine vs vanilla.")
 _TUNIX_PROMPTS = flags.DEFINE_integer("tunix_prompts", 8, "--tunix: questions per GRPO step.", lower_bound=1)
 _TUNIX_GROUP = flags.DEFINE_integer("tunix_group", 8, "--tunix: samples per question.", lower_bound=1)
@@ -60,29 +69,35 @@ CONFIGS = {"war": (True, "cache_aware"), "baseline": (False, "round_robin"), "sp
            "placement_only": (False, "cache_aware")}
 
 
-def build(speculate: bool, placement: str):
+def engine_config(speculate: bool, warmup: bool = True):
     from talaria_jax.engine import EngineConfig
-    from talaria_jax.rollout import ReplicaSpec, RolloutService, SpecConfig
+    from talaria_jax.rollout import SpecConfig
 
     spec = SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None
     k1 = _SPEC.value + 1 if speculate else 1
-    cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value * k1),
-                       max_model_len=agent_env.MAX_MODEL_LEN, kv_memory_bytes_per_device=_KV_MIB.value << 20,
-                       prefix_cache=True, speculation=spec)
+    return EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value * k1),
+                        max_model_len=agent_env.MAX_MODEL_LEN, kv_memory_bytes_per_device=_KV_MIB.value << 20,
+                        prefix_cache=True, speculation=spec, warmup=warmup)
+
+
+def build(speculate: bool, placement: str):
+    from talaria_jax.rollout import ReplicaSpec, RolloutService
+
+    cfg = engine_config(speculate)
     d = _DEVICES.value
     replicas = [ReplicaSpec(agent_env.MODEL, devices=tuple(range(i * d, (i + 1) * d)), dtype="float32", engine=cfg,
                             compilation_cache=None).build() for i in range(_REPLICAS.value)]
     if speculate:
         for r in replicas:
             r.engine.spec_policy()  # measure the step-cost curve now, not inside the timed rollout
-    return RolloutService(replicas, placement, seed=0)
+    return RolloutService(replicas, placement, seed=0), replica_shape(replicas[0].engine)
 
 
 def run(name: str, tasks, tokenizer, samples: int):
     from talaria_jax.engine import SamplingParams
 
     t0 = time.perf_counter()
-    service = build(*CONFIGS[name])
+    service, shape = build(*CONFIGS[name])
     print(f"  {name}: replicas built and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     make_env, rewards = agent_env.env_factory(tasks, tokenizer)
     prompts = [agent_env.first_prompt(tokenizer, t) for t in tasks]
@@ -99,13 +114,74 @@ def run(name: str, tasks, tokenizer, samples: int):
                spec_share=spec_steps / steps if steps else 0.0,
                accepted_per_spec_step=sum(r["accepted_tokens"] for r in reps) / spec_steps if spec_steps else None,
                turns=sum(len(t.turns) for g in trajs for t in g), solved=sum(v == 1.0 for v in rewards.values()),
-               ids=[t.token_ids for g in trajs for t in g])
+               ids=[t.token_ids for g in trajs for t in g], trajs=trajs, shape=shape)
     print(f"  {name}: {out['tokens']} tokens in {secs:.1f} s = {out['tok_s']:.1f} tok/s; prefilled "
           f"{out['prefill_tokens']}, cached {out['cached_tokens']}; speculated {out['spec_share']:.0%} of steps",
           flush=True)
     del service
     gc.collect()
     return out
+
+
+def replica_shape(e):
+    """The simulator's view of a replica of engine `e`: --hardware's profile, the served model's shape,
+    the engine's limits and KV."""
+    from talaria_jax.rollout.replay import ReplicaShape
+    from talaria_jax.sim.hardware import ModelShape, load_hardware
+
+    return ReplicaShape(load_hardware(_HARDWARE.value), ModelShape.from_config(e.cfg, e.cfg.weight_dtype, _DEVICES.value),
+                        max_seqs=e.config.max_seqs, max_tokens_per_step=e.config.max_tokens_per_step,
+                        page_size=e.page_size, kv_tokens=e.pool_spec.num_slots)
+
+
+def simulate(load: str, records, measured: dict, shapes: dict) -> list[dict]:
+    """Each configuration's step replayed on the simulator from the trajectories the run generated
+    (the same in every configuration), beside what was measured (`run`'s dict per configuration),
+    on replicas of `shapes[name]`."""
+    from talaria_jax.rollout import SpecConfig
+    from talaria_jax.rollout.replay import replay_step
+
+    rows = []
+    for name, r in measured.items():
+        speculate, placement = CONFIGS[name]
+        res = replay_step(records, shapes[name], _REPLICAS.value, placement,
+                          SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None)
+        rows.append(dict(load=load, config=name, measured=r["tok_s"], simulated=res.tokens_per_s,
+                         error=res.tokens_per_s / r["tok_s"] - 1, measured_s=r["seconds"], simulated_s=res.step_s,
+                         prefill=f"{res.prefill_tokens} / {r['prefill_tokens']}",
+                         spec=f"{res.verify_steps / res.steps:.0%} / {r['spec_share']:.0%}" if speculate else "-"))
+    return rows
+
+
+def resimulate(path: str) -> list[dict]:
+    """--resimulate: a measured run's rows and trajectories on the simulator, with each
+    configuration's replica shape from an engine of its configuration (built without warming up)."""
+    import jax
+
+    from talaria_jax.engine.engine import Engine
+    from talaria_jax.rollout.replay import read_jsonl
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import load_model
+
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    model = load_model(agent_env.MODEL, make_mesh(jax.devices()[:_DEVICES.value]), dtype="float32").model
+    shape = {s: replica_shape(Engine(model, engine_config(s, warmup=False))) for s in (False, True)}
+    out = []
+    for row in rows:
+        records = read_jsonl(os.path.join(_RECORD.value or ".", f"{row['load']}.jsonl"))
+        out += simulate(row["load"], records, row["results"],
+                        {name: shape[CONFIGS[name][0]] for name in row["results"]})
+    return out
+
+
+def print_simulated(sim_rows: list[dict]) -> None:
+    print(f"\nThe simulator (rollout/replay.py on the {_HARDWARE.value!r} profile) on the same trajectories:\n")
+    common.print_markdown_table(
+        [("load", "load", ""), ("config", "config", ""), ("measured tok/s", "measured", ".1f"),
+         ("simulated tok/s", "simulated", ".1f"), ("error", "error", "+.0%"), ("measured s", "measured_s", ".1f"),
+         ("simulated s", "simulated_s", ".1f"), ("prefill tokens sim / measured", "prefill", ""),
+         ("steps speculated sim / measured", "spec", "")], sim_rows)
 
 
 def tunix_step() -> None:
@@ -168,6 +244,10 @@ def main(argv):
     del argv
     from absl import logging
 
+    from talaria_jax.local import simulate_cpu_devices
+
+    simulate_cpu_devices(_REPLICAS.value * _DEVICES.value)  # one simulated device per replica rank
+
     logging.set_verbosity(logging.WARNING)
     if _TUNIX.value:
         return tunix_step()
@@ -175,10 +255,14 @@ def main(argv):
     from talaria_jax.tokenizer import load_tokenizer
     from talaria_jax.weights.named import resolve
 
+    if _RESIMULATE.value:
+        return print_simulated(resimulate(_RESIMULATE.value))
+    from talaria_jax.rollout.replay import records_of, write_jsonl
+
     enable_compilation_cache()
     tokenizer = load_tokenizer(resolve(agent_env.MODEL)[1])
     names = ["war", "baseline"] + (["spec_only", "placement_only"] if _ABLATION.value else [])
-    rows = []
+    rows, sim_rows = [], []
     for load in _LOADS.value:
         if load not in PAPER:
             raise app.UsageError(f"--loads: unknown {load!r}; known: low, high")
@@ -188,8 +272,16 @@ def main(argv):
               f"{_REPLICAS.value} replicas x {_MAX_SEQS.value} slots (load average {os.getloadavg()[0]:.2f})", flush=True)
         results = {name: run(name, tasks, tokenizer, samples) for name in names}
         same = all(r["ids"] == results["baseline"]["ids"] for r in results.values())
+        records = records_of(results["baseline"].pop("trajs"))
+        if _RECORD.value:
+            os.makedirs(_RECORD.value, exist_ok=True)
+            write_jsonl(records, os.path.join(_RECORD.value, f"{load}.jsonl"))
+        shapes = {name: r.pop("shape") for name, r in results.items()}
         for r in results.values():
-            r.pop("ids")
+            for k in ("ids", "trajs"):
+                r.pop(k, None)
+        if _SIMULATE.value:
+            sim_rows += simulate(load, records, results, shapes)
         base = results["baseline"]["tok_s"]
         row = dict(load=load, trajectories=n_tasks * samples, turns=results["war"]["turns"],
                    tokens=results["war"]["tokens"], same_tokens=same, paper=PAPER[load],
@@ -209,10 +301,12 @@ def main(argv):
         r["cached"] = f"{r['war_cached']} / {r['baseline_cached']}"
     print()
     common.print_markdown_table(cols, rows)
+    if _SIMULATE.value:
+        print_simulated(sim_rows)
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (2 cores: above ~1 the timings are noisy)")
     if _OUT.value:
         with open(_OUT.value, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "simulated": sim_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ import pytest
 
 from talaria_jax.engine.spec import SpecConfig
 from talaria_jax.engine.spec.suffix import Draft
-from talaria_jax.rollout.replay import (ReplicaShape, TrajectoryRecord, TurnRecord, _accepted, read_jsonl, replay_step,
-                                        synthetic_step, write_jsonl)
+from talaria_jax.rollout.replay import (ReplicaShape, TrajectoryRecord, TurnRecord, _accepted, read_jsonl, records_of,
+                                        replay_step, synthetic_step, write_jsonl)
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import load_hardware, load_models
 
@@ -101,3 +101,35 @@ def test_the_launcher_prints_every_configuration_and_names_a_bad_flag(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     bad = subprocess.run(cmd + ["--configs=war,nope"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--configs: unknown ['nope']" in bad.stderr
+    sweep = subprocess.run(cmd + ["--sweep=1,3", f"--sweep_plot={tmp_path / 'sweep.png'}"], capture_output=True,
+                           text=True, timeout=300)
+    assert sweep.returncode == 0, sweep.stderr[-2000:]
+    rows = [line.split(" | ") for line in sweep.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip("| ") for r in rows[1:]] == ["1", "3"] and rows[2][1] == "6"  # 3 a replica, in groups of 2
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_a_rollout_services_trajectories_become_records():
+    from talaria_jax.rollout.replica import Completion
+    from talaria_jax.rollout.service import Trajectory
+
+    def traj(prompt, parts):  # parts: ("model", ids) or ("env", ids), in order
+        t = Trajectory(list(prompt))
+        for kind, ids in parts:
+            t.token_ids += ids
+            t.mask += [int(kind == "model")] * len(ids)
+            if kind == "model":
+                t.turns.append(Completion("r", list(ids), [0.0] * len(ids), "stop"))
+        return t
+
+    a = traj([1, 2], [("model", [3, 4]), ("env", [5]), ("model", [6]), ("model", [7, 8])])  # no env tokens between
+    b = traj([1, 2], [("model", [9]), ("env", [10, 11]), ("model", []), ("env", [12]), ("model", [13])])
+    recs = records_of([[a, b]], tool_s=0.5)
+    assert [r.id for r in recs] == ["p0s0", "p0s1"] and {r.group for r in recs} == {"p0"}
+    assert [(x.prompt, x.output) for x in recs[0].turns] == [((1, 2), (3, 4)), ((5,), (6,)), ((), (7, 8))]
+    # a turn with no output is left out: its environment tokens and the next one's go to the next turn
+    assert [(x.prompt, x.output) for x in recs[1].turns] == [((1, 2), (9,)), ((10, 11, 12), (13,))]
+    assert all(x.tool_s == 0.5 for r in recs for x in r.turns)
+    for r, t in zip(recs, (a, b)):  # nothing lost or reordered
+        assert sum((x.prompt + x.output for x in r.turns), ()) == tuple(t.prompt + t.token_ids)
+    assert replay_step(recs, SHAPE, 2).output_tokens == 7

@@ -1,6 +1,9 @@
 """Speculative decoding with suffix drafts: the drafter's trees, the lossless verifier (a statistical
 test), the engine's output with drafts equal to its output without (greedy and seeded, chain and tree,
 one device and a TP mesh), no page left behind by rejected drafts, and the load policy."""
+import collections
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +42,7 @@ def test_scan_drafts_like_a_trie(tree):
 def test_trie_counts_matches_and_removal():
     t = SuffixTree(max_depth=4)
     t.extend("x", [1, 2, 3, 1, 2, 4])
-    assert [n.depth for n in t.match([9, 1, 2])] == [2, 1]
+    assert [t.depth(n) for n in t.match([9, 1, 2])] == [2, 1]
     d = t.draft([7, 1, 2], 4, SpecConfig(max_spec_factor=2.0, min_token_prob=0.0))
     assert d.tokens.tolist() == [3, 1] and d.match_len == 2  # [1 2] -> 3 (tie with 4: the smaller token)
     assert np.allclose(d.probs, [0.5, 0.5])
@@ -49,8 +52,44 @@ def test_trie_counts_matches_and_removal():
     assert t.draft([1, 2], 4, SpecConfig(max_spec_factor=2.0, min_token_prob=0.0)).tokens[0] == 4  # now 2:1
     t.remove("y")
     t.remove("x")
-    assert t.num_nodes == 1 and not t.root.children and t.num_tokens == 0
+    assert t.num_nodes == 1 and not t.ops.children(t.root) and t.num_tokens == 0 and not t.match([1, 2])
     assert nodes > 1
+
+
+def test_trie_counts_every_substring_through_extends_and_removals():
+    """Against brute force: after any mix of extends and removals, the trie holds exactly the
+    substrings (up to max_depth) of the sequences it holds, each with its number of occurrences."""
+    rng = np.random.default_rng(0)
+    for depth in (1, 3, 6):
+        t, seqs = SuffixTree(depth), {}
+        for _ in range(300):
+            sid = int(rng.integers(0, 5))
+            if rng.random() < 0.2:
+                t.remove(sid)
+                seqs.pop(sid, None)
+            else:
+                toks = rng.integers(0, 3, rng.integers(0, 6)).tolist()
+                t.extend(sid, toks)
+                seqs.setdefault(sid, []).extend(toks)
+            want = collections.Counter(tuple(s[i:j]) for s in seqs.values() for i in range(len(s))
+                                       for j in range(i + 1, min(i + depth, len(s)) + 1))
+            got, stack = {}, [((), t.root)]
+            while stack:
+                path, node = stack.pop()
+                for tok, count, child in t.ops.children(node):
+                    got[path + (tok,)] = count
+                    stack.append((path + (tok,), child))
+            assert got == want and t.num_nodes == len(want) + 1
+
+
+def test_a_large_trie_holds_no_objects_for_the_garbage_collector():
+    """Nodes are ints in flat lists, so a trie of ~100K nodes adds a handful of tracked objects
+    (a node object each made the collector's passes cost as much as the insertions)."""
+    gc.collect()
+    before = len(gc.get_objects())
+    t = SuffixTree(64)
+    t.extend("a", np.random.default_rng(0).integers(0, 50_000, 2_000).tolist())
+    assert t.num_nodes > 100_000 and len(gc.get_objects()) - before < 100
 
 
 def test_a_shorter_match_drafts_past_the_depth_limit():

@@ -7,6 +7,11 @@ hardware profile's cost model).
 The step is generated (`--prompts` x `--samples` trajectories of `--turns` model turns, lengths and
 repetition as the flags say) or read from `--trajectories` (JSONL, `rollout.replay.write_jsonl`'s
 format). Every configuration replays the same tokens; only the time differs.
+
+`--sweep` replays a generated step at each load it lists (trajectories per replica: `--prompts` is
+that x `--replicas` / `--samples`) and prints each configuration's tokens/s and WAR's ratios:
+
+    talaria-rollout-replay --replicas=8 --sweep=1,4,16,64 --sweep_plot=sweep.png
 """
 from __future__ import annotations
 
@@ -44,6 +49,10 @@ _SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "Draft tokens per sequence an
 _TRAJECTORIES = flags.DEFINE_string("trajectories", None, "A JSONL file of trajectories to replay instead.")
 _CONFIGS = flags.DEFINE_list("configs", list(CONFIGS), f"Configurations: {', '.join(CONFIGS)}.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated step.")
+_SWEEP = flags.DEFINE_list("sweep", None, "Trajectories per replica: replay a generated step at each load and print "
+                           "every configuration's tokens/s and WAR's ratios (--prompts is ignored).")
+_SWEEP_PLOT = flags.DEFINE_string("sweep_plot", None, "--sweep: plot each configuration's tokens/s over the "
+                                  "baseline's against the load here (PNG).")
 _PLOT = flags.DEFINE_string("plot", None, "Write a timeline of each configuration's step here (PNG): per replica, "
                             "its prefill, decode and verify steps, and the idle time until the last trajectory.")
 COLORS = {"prefill": "tab:orange", "decode": "tab:blue", "verify": "tab:green"}
@@ -78,6 +87,72 @@ def plot_timelines(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec_tokens: int) -> dict:
+    """Each configuration's replay of the same step: name -> (StepResult, seconds it took here)."""
+    from talaria_jax.engine.spec import SpecConfig
+    from talaria_jax.rollout.replay import replay_step
+
+    out = {}
+    for name in configs:
+        placement, speculate = CONFIGS[name]
+        t = time.perf_counter()
+        res = replay_step(trajs, shape, replicas, placement, SpecConfig(max_spec_tokens=max_spec_tokens) if speculate else None)
+        out[name] = (res, time.perf_counter() - t)
+    return out
+
+
+def print_step(results: dict) -> None:
+    print("| config | step s | tok/s | over baseline | prefill tokens | verify steps | accepted / drafted | replay s |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = results["baseline"][0].tokens_per_s if "baseline" in results else None
+    for name, (res, wall) in results.items():
+        gain = f"{res.tokens_per_s / base:.2f}x" if base else "-"
+        acc = f"{res.accepted} / {res.drafted}" if CONFIGS[name][1] else "-"
+        print(f"| {name} | {res.step_s:.1f} | {res.tokens_per_s:.0f} | {gain} | {res.prefill_tokens} | "
+              f"{res.verify_steps} of {res.steps} | {acc} | {wall:.1f} |", flush=True)
+
+
+def print_sweep(rows: list[dict], configs: Sequence[str]) -> None:
+    """A row per load: the baseline's and WAR's tok/s, each configuration's over the baseline's, WAR's
+    over sticky-least-loaded's, and the share of WAR's steps that verified drafts."""
+    ratios = [(c, "baseline") for c in configs if c != "baseline"]
+    if "war" in configs and "sticky_least_loaded" in configs:
+        ratios.append(("war", "sticky_least_loaded"))
+    shown = [c for c in ("baseline", "war") if c in configs]
+    print("| per replica | trajectories | output tokens | " + " | ".join(f"{c} tok/s" for c in shown) + " | "
+          + " | ".join(f"{a} / {b}" for a, b in ratios) + " | war steps verifying | replay s |")
+    print("|" + "---:|" * (5 + len(shown) + len(ratios)))
+    for r in rows:
+        res = r["results"]
+        tps = {c: res[c][0].tokens_per_s for c in configs}
+        war = res["war"][0] if "war" in res else None
+        print(f"| {r['per_replica']} | {r['trajectories']} | {r['tokens']} | "
+              + " | ".join(f"{tps[c]:.0f}" for c in shown) + " | "
+              + " | ".join(f"{tps[a] / tps[b]:.2f}x" for a, b in ratios) + " | "
+              + (f"{war.verify_steps / war.steps:.0%}" if war else "-") + f" | {sum(w for _, w in res.values()):.0f} |",
+              flush=True)
+
+
+def plot_sweep(rows: list[dict], configs: Sequence[str], title: str, path: str) -> None:
+    from talaria_jax.launch.sweep import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["per_replica"] for r in rows]
+    for c in configs:
+        if c != "baseline":
+            ax.plot(x, [r["results"][c][0].tokens_per_s / r["results"]["baseline"][0].tokens_per_s for r in rows],
+                    marker="o", label=c)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("trajectories per replica")
+    ax.set_ylabel("rollout tokens/s over the baseline")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -87,8 +162,12 @@ def main(argv: Sequence[str]) -> None:
     turns = tuple(int(x) for x in _TURNS.value)
     if len(turns) != 2 or not 1 <= turns[0] <= turns[1]:
         raise app.UsageError(f"--turns must be min,max with 1 <= min <= max, got {_TURNS.value}")
-    from talaria_jax.engine.spec import SpecConfig
-    from talaria_jax.rollout.replay import ReplicaShape, read_jsonl, replay_step, synthetic_step
+    sweep = [int(x) for x in _SWEEP.value or ()]
+    if any(v < 1 for v in sweep):
+        raise app.UsageError(f"--sweep: trajectories per replica must be >= 1, got {_SWEEP.value}")
+    if (sweep or _SWEEP_PLOT.value) and ("baseline" not in _CONFIGS.value or _TRAJECTORIES.value):
+        raise app.UsageError("--sweep needs the baseline among --configs and a generated step (no --trajectories)")
+    from talaria_jax.rollout.replay import ReplicaShape, read_jsonl, synthetic_step
     from talaria_jax.sim.hardware import ConfigError, load_hardware, load_models
 
     try:
@@ -99,33 +178,36 @@ def main(argv: Sequence[str]) -> None:
     if _MODEL.value not in models:
         raise app.UsageError(f"--model: unknown {_MODEL.value!r}; known: {', '.join(models)}")
     shape = ReplicaShape(hw, models[_MODEL.value], max_seqs=_MAX_SEQS.value, max_tokens_per_step=_STEP_TOKENS.value)
-    if _TRAJECTORIES.value:
-        trajs = read_jsonl(_TRAJECTORIES.value)
-    else:
-        trajs = synthetic_step(_PROMPTS.value, _SAMPLES.value, turns=turns, prompt_tokens=_PROMPT_TOKENS.value,
-                               output_tokens=_OUTPUT_TOKENS.value, output_sigma=_OUTPUT_SIGMA.value,
-                               max_output=_MAX_OUTPUT.value, observation_tokens=_OBSERVATION.value,
-                               tool_s=_TOOL_S.value, repetition=_REPETITION.value, seed=_SEED.value)
+
+    def generate(prompts: int):
+        return synthetic_step(prompts, _SAMPLES.value, turns=turns, prompt_tokens=_PROMPT_TOKENS.value,
+                              output_tokens=_OUTPUT_TOKENS.value, output_sigma=_OUTPUT_SIGMA.value,
+                              max_output=_MAX_OUTPUT.value, observation_tokens=_OBSERVATION.value,
+                              tool_s=_TOOL_S.value, repetition=_REPETITION.value, seed=_SEED.value)
+
+    where = f"{_REPLICAS.value} x {hw.name} replicas of {_MODEL.value} ({_MAX_SEQS.value} slots each)"
+    if sweep:
+        print(f"A load sweep on {where}", flush=True)
+        rows = []
+        for v in sweep:
+            trajs = generate(max(1, round(v * _REPLICAS.value / _SAMPLES.value)))
+            rows.append(dict(per_replica=v, trajectories=len(trajs), tokens=sum(t.output_tokens for t in trajs),
+                             results=replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value)))
+            print(f"  {v} per replica: {len(trajs)} trajectories, replayed in "
+                  f"{sum(w for _, w in rows[-1]['results'].values()):.0f} s", flush=True)
+        print_sweep(rows, _CONFIGS.value)
+        if _SWEEP_PLOT.value:
+            plot_sweep(rows, _CONFIGS.value, where, _SWEEP_PLOT.value)
+            print(f"wrote {_SWEEP_PLOT.value}")
+        return
+    trajs = read_jsonl(_TRAJECTORIES.value) if _TRAJECTORIES.value else generate(_PROMPTS.value)
     tokens = sum(t.output_tokens for t in trajs)
-    print(f"{len(trajs)} trajectories, {sum(len(t.turns) for t in trajs)} turns, {tokens} output tokens, on "
-          f"{_REPLICAS.value} x {hw.name} replicas of {_MODEL.value} ({_MAX_SEQS.value} slots each)", flush=True)
-    print("| config | step s | tok/s | over baseline | prefill tokens | verify steps | accepted / drafted | replay s |")
-    print("|---|---|---|---|---|---|---|---|")
-    base, results = None, {}
-    for name in _CONFIGS.value:
-        placement, speculate = CONFIGS[name]
-        t = time.perf_counter()
-        res = replay_step(trajs, shape, _REPLICAS.value, placement,
-                          SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None)
-        wall = time.perf_counter() - t
-        results[name] = res
-        base = base or (res.tokens_per_s if name == "baseline" else None)
-        gain = f"{res.tokens_per_s / base:.2f}x" if base else "-"
-        acc = f"{res.accepted} / {res.drafted}" if speculate else "-"
-        print(f"| {name} | {res.step_s:.1f} | {res.tokens_per_s:.0f} | {gain} | {res.prefill_tokens} | "
-              f"{res.verify_steps} of {res.steps} | {acc} | {wall:.1f} |", flush=True)
+    print(f"{len(trajs)} trajectories, {sum(len(t.turns) for t in trajs)} turns, {tokens} output tokens, on {where}",
+          flush=True)
+    results = replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value)
+    print_step(results)
     if _PLOT.value:
-        plot_timelines(results, _PLOT.value)
+        plot_timelines({name: res for name, (res, _) in results.items()}, _PLOT.value)
         print(f"wrote {_PLOT.value}")
 
 

@@ -94,53 +94,83 @@ class Draft:
         return cls(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
-class _Node:
-    __slots__ = ("children", "count", "link", "depth")
-
-    def __init__(self, depth: int, link: "_Node | None"):
-        self.children: dict[int, _Node] = {}
-        self.count = 0
-        self.link = link
-        self.depth = depth
-
-
 class SuffixTree:
-    """A depth-bounded suffix trie with counts and suffix links over several token sequences."""
+    """A depth-bounded suffix trie with counts and suffix links over several token sequences.
+
+    A node is an int, and the trie is flat: one dict from (node, token) to child, and a list per
+    field (count, depth, suffix link, first child, next sibling, token), so a trie of millions of
+    nodes holds no Python objects the garbage collector walks (a node object each made the
+    collector's passes cost as much as the insertions)."""
 
     def __init__(self, max_depth: int = 64):
         self.max_depth = max_depth
-        self.root = _Node(0, None)
-        self.root.link = self.root
+        self.root = 0
+        self._child: dict[int, int] = {}  # node << 32 | token -> child
+        self._count, self._depth, self._link = [0], [0], [0]
+        self._first, self._next, self._token = [-1], [-1], [-1]  # children as a linked list, for drafting
+        self._free: list[int] = []  # ids of removed nodes, reused first
         self._tokens: dict[object, list[int]] = {}
-        self._live: dict[object, list[_Node]] = {}  # per sequence: nodes of its suffixes shorter than max_depth
-        self._last: dict[object, _Node] = {}  # per sequence: the node of its longest indexed suffix
+        self._live: dict[object, list[int]] = {}  # per sequence: nodes of its suffixes shorter than max_depth
+        self._last: dict[object, int] = {}  # per sequence: the node of its longest indexed suffix
         self.num_nodes = 1
         self.num_tokens = 0
+        self.ops = _TrieOps(self)
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._tokens
+
+    def depth(self, node: int) -> int:
+        """The length of the node's substring."""
+        return self._depth[node]
+
+    def count(self, node: int) -> int:
+        """How often the node's substring occurs."""
+        return self._count[node]
 
     def extend(self, seq_id, tokens: Sequence[int]) -> None:
         """Appends tokens to sequence seq_id (a new one if unknown): each suffix ending at a new token
         is counted once more."""
         toks = self._tokens.setdefault(seq_id, [])
-        live = self._live.setdefault(seq_id, [self.root])  # shortest first: the root is the empty suffix
+        live = self._live.setdefault(seq_id, [0])  # shortest first: the root is the empty suffix
+        get, child_of, count, cap = self._child.get, self._child, self._count, self.max_depth - 1
+        depth, link, first, nxt_sib, token, free = (self._depth, self._link, self._first, self._next, self._token,
+                                                    self._free)
+        created = 0
         for t in tokens:
             t = int(t)
             toks.append(t)
-            self.root.count += 1
-            nxt, below = [self.root], self.root
+            count[0] += 1
+            nxt, below = [0], 0
             for node in live:  # shortest first, so each new child's suffix link (the shorter one) exists
-                child = node.children.get(t)
-                if child is None:
-                    child = node.children[t] = _Node(node.depth + 1, below)
-                    self.num_nodes += 1
-                child.count += 1
+                key = node << 32 | t
+                child = get(key)
+                if child is not None:
+                    count[child] += 1
+                elif free:
+                    child = free.pop()
+                    count[child], depth[child], link[child], token[child] = 1, depth[node] + 1, below, t
+                    first[child], nxt_sib[child], first[node] = -1, first[node], child
+                    child_of[key] = child
+                    created += 1
+                else:
+                    child = len(count)
+                    count.append(1)
+                    depth.append(depth[node] + 1)
+                    link.append(below)
+                    first.append(-1)
+                    nxt_sib.append(first[node])
+                    token.append(t)
+                    first[node] = child_of[key] = child
+                    created += 1
                 below = child
-                if child.depth < self.max_depth:
-                    nxt.append(child)
-            self._live[seq_id] = live = nxt
+                nxt.append(child)
+            if len(live) > cap:  # live[i] is the suffix of i tokens: its child is at max_depth
+                nxt.pop()
+            live = nxt
+        self._live[seq_id] = live
+        if tokens:
             self._last[seq_id] = below
+        self.num_nodes += created
         self.num_tokens += len(tokens)
 
     def remove(self, seq_id) -> None:
@@ -150,30 +180,51 @@ class SuffixTree:
         self._last.pop(seq_id, None)
         if toks is None:
             return
-        self.root.count -= len(toks)
+        count = self._count
+        count[0] -= len(toks)
         self.num_tokens -= len(toks)
         for i in range(len(toks)):
-            node = self.root
+            node = 0
             for t in toks[i:i + self.max_depth]:
-                child = node.children[t]
-                child.count -= 1
-                if child.count == 0:  # nothing below it is reached either: drop the subtree
-                    del node.children[t]
-                    self.num_nodes -= _size(child)
+                child = self._child[node << 32 | t]
+                count[child] -= 1
+                if count[child] == 0:  # nothing below it is reached either: drop the subtree
+                    self._drop(node, child)
                     break
                 node = child
 
-    def match(self, pattern: Sequence[int]) -> list[_Node]:
-        """Nodes of the pattern's suffixes that occur, longest first (node.depth is the match length)."""
+    def _drop(self, parent: int, node: int) -> None:
+        first, nxt = self._first, self._next
+        if first[parent] == node:  # unlink it from its parent's children
+            first[parent] = nxt[node]
+        else:
+            x = first[parent]
+            while nxt[x] != node:
+                x = nxt[x]
+            nxt[x] = nxt[node]
+        stack = [(parent, node)]
+        while stack:
+            p, x = stack.pop()
+            del self._child[p << 32 | self._token[x]]
+            self._free.append(x)
+            self.num_nodes -= 1
+            c = first[x]
+            while c != -1:
+                stack.append((x, c))
+                c = nxt[c]
+
+    def match(self, pattern: Sequence[int]) -> list[int]:
+        """Nodes of the pattern's suffixes that occur, longest first (`depth(node)` is the match length)."""
         pattern = pattern[-self.max_depth:]
+        get, depth = self._child.get, self._depth
         # The longest suffix that occurs: any substring of an indexed substring is indexed, so if
         # pattern[i:] occurs then so does pattern[j:] for j > i. It is mostly short: try the suffixes
         # of up to 8 tokens, each from the root, shortest first.
-        p, node, short = len(pattern), self.root, min(len(pattern), 8, self.max_depth - 1)
+        p, node, short = len(pattern), 0, min(len(pattern), 8, self.max_depth - 1)
         for k in range(1, short + 1):
-            x = self.root
+            x = 0
             for t in pattern[p - k:]:
-                x = x.children.get(t)
+                x = get(x << 32 | t)
                 if x is None:
                     return self._links(node)
             node = x
@@ -181,22 +232,22 @@ class SuffixTree:
             return self._links(node)
         # Else walk from the left, restarting via suffix links on a miss (Aho-Corasick style over a
         # trie that contains every substring).
-        node = self.root
+        node = 0
         for t in pattern:
-            while node is not self.root and (t not in node.children or node.depth >= self.max_depth):
-                node = node.link
-            node = node.children.get(t, self.root) if node.depth < self.max_depth else self.root
+            while node and (depth[node] >= self.max_depth or get(node << 32 | t) is None):
+                node = self._link[node]
+            node = get(node << 32 | t, 0) if depth[node] < self.max_depth else 0
         return self._links(node)
 
-    def _links(self, node: _Node) -> list[_Node]:
+    def _links(self, node: int) -> list[int]:
         """node and the nodes of its suffixes, longest first (the root left out)."""
-        out = []
-        while node is not self.root:
+        out, link = [], self._link
+        while node:
             out.append(node)
-            node = node.link
+            node = link[node]
         return out
 
-    def match_own(self, seq_id, pattern: Sequence[int]) -> list[_Node]:
+    def match_own(self, seq_id, pattern: Sequence[int]) -> list[int]:
         """match(pattern), mostly without walking the pattern when it ends with sequence seq_id's last
         r = min(len, max_depth) tokens (a request's context and its response in the global tree): that
         suffix is indexed, so the answer is its node and links, unless the pattern's suffix of r + 1
@@ -204,13 +255,13 @@ class SuffixTree:
         pattern that does not end with the sequence."""
         node = self._last.get(seq_id)
         pattern = list(pattern[-self.max_depth:])
-        r = 0 if node is None else node.depth
+        r = 0 if node is None else self._depth[node]
         if not 0 < r <= len(pattern) or pattern[len(pattern) - r:] != self._tokens[seq_id][-r:]:  # not its end
             return self.match(pattern)
         if r < len(pattern):
-            x = self.root
+            x = 0
             for t in pattern[len(pattern) - r - 1:]:
-                x = x.children.get(t)
+                x = self._child.get(x << 32 | t)
                 if x is None:
                     break
             else:
@@ -222,56 +273,61 @@ class SuffixTree:
         """The best draft after pattern scoring above floor, else an empty one (seq_id: a sequence the
         pattern likely ends with, see match_own)."""
         nodes = self.match(pattern) if seq_id is None else self.match_own(seq_id, pattern)
-        return _best_draft([(n.depth, n.count, n) for n in nodes], _TRIE, max_tokens, cfg, self.max_depth, floor)
-
-
-def _size(node: _Node) -> int:
-    n, stack = 0, [node]
-    while stack:
-        x = stack.pop()
-        n += 1
-        stack.extend(x.children.values())
-    return n
+        depth, count = self._depth, self._count
+        return _best_draft([(depth[n], count[n], n) for n in nodes], self.ops, max_tokens, cfg, self.max_depth, floor)
 
 
 class _TrieOps:
-    """Counts and children of a trie node (the draft functions' view of a node)."""
-    @staticmethod
-    def count(node: _Node) -> int:
-        return node.count
+    """Counts and children of a trie's nodes (the draft functions' view of a node)."""
+    def __init__(self, tree: SuffixTree):
+        self.tree = tree
 
-    @staticmethod
-    def children(node: _Node, min_count: float = 0) -> list[tuple[int, int, _Node]]:
+    def count(self, node: int) -> int:
+        return self.tree._count[node]
+
+    def children(self, node: int, min_count: float = 0) -> list[tuple[int, int, int]]:
         """(token, count, child) of the children occurring at least min_count times."""
-        return [(t, c.count, c) for t, c in node.children.items() if c.count >= min_count]
+        tr, out = self.tree, []
+        count, c = tr._count, tr._first[node]
+        while c != -1:
+            if count[c] >= min_count:
+                out.append((tr._token[c], count[c], c))
+            c = tr._next[c]
+        return out
 
-    @staticmethod
-    def going_on(node: _Node) -> int:
+    def going_on(self, node: int) -> int:
         """How many of the node's occurrences have a next token (an upper bound where that is slow)."""
-        kids = node.children
-        return sum(c.count for c in kids.values()) if len(kids) <= 8 else node.count
+        tr = self.tree
+        total, n, c = 0, 0, tr._first[node]
+        while c != -1:
+            n += 1
+            if n > 8:
+                return tr._count[node]
+            total += tr._count[c]
+            c = tr._next[c]
+        return total
 
-    @staticmethod
-    def best_child(node: _Node) -> tuple[int, int, _Node] | None:
+    def best_child(self, node: int) -> tuple[int, int, int] | None:
         """The most frequent child (ties: the smaller token), or None."""
-        if not node.children:
-            return None
-        t, c = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
-        return t, c.count, c
+        kids = self.children(node)
+        return max(kids, key=lambda k: (k[1], -k[0])) if kids else None
 
-    @staticmethod
-    def run(node: _Node, n: int, p: float, min_prob: float, above: float = -1.0):
+    def run(self, node: int, n: int, p: float, min_prob: float, above: float = -1.0):
         """The steps below node (at most n) while each has one child only, so its path probability is
         p x child count / node's count: tokens, path probabilities (each >= min_prob and > above) and
         the last node. A chain of such steps (one in a trie, a run of equal tokens after every
         occurrence in a scan) is taken at once."""
-        toks, probs, c0 = [], [], node.count
-        while len(toks) < n and len(node.children) == 1:
-            (t, child), = node.children.items()
-            q = p * child.count / c0
+        tr = self.tree
+        count, first, nxt, token = tr._count, tr._first, tr._next, tr._token
+        toks, probs, c0 = [], [], count[node]
+        while len(toks) < n:
+            child = first[node]
+            if child == -1 or nxt[child] != -1:
+                break
+            q = p * count[child] / c0
             if q < min_prob or q <= above:
                 break
-            toks.append(t)
+            toks.append(token[child])
             probs.append(q)
             node = child
         return toks, probs, node
@@ -323,8 +379,6 @@ class _ScanOps:
             ends = nxt
         return toks, probs, ends
 
-
-_TRIE = _TrieOps()
 
 
 class TokenScan:
