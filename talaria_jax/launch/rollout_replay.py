@@ -87,29 +87,32 @@ def plot_timelines(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec_tokens: int) -> dict:
-    """Each configuration's replay of the same step: name -> (StepResult, seconds it took here)."""
+def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec_tokens: int):
+    """Each configuration's replay of the same step, as it ends: (name, StepResult, seconds it took here)."""
     from talaria_jax.engine.spec import SpecConfig
     from talaria_jax.rollout.replay import replay_step
 
-    out = {}
     for name in configs:
         placement, speculate = CONFIGS[name]
         t = time.perf_counter()
         res = replay_step(trajs, shape, replicas, placement, SpecConfig(max_spec_tokens=max_spec_tokens) if speculate else None)
-        out[name] = (res, time.perf_counter() - t)
-    return out
+        yield name, res, time.perf_counter() - t
 
 
-def print_step(results: dict) -> None:
+def print_step(results) -> dict:
+    """Prints each configuration's row as its replay ends (the baseline's tok/s is the unit once it
+    has run); returns name -> (StepResult, seconds)."""
     print("| config | step s | tok/s | over baseline | prefill tokens | verify steps | accepted / drafted | replay s |")
     print("|---|---|---|---|---|---|---|---|")
-    base = results["baseline"][0].tokens_per_s if "baseline" in results else None
-    for name, (res, wall) in results.items():
+    out, base = {}, None
+    for name, res, wall in results:
+        out[name] = res, wall
+        base = base or (res.tokens_per_s if name == "baseline" else None)
         gain = f"{res.tokens_per_s / base:.2f}x" if base else "-"
         acc = f"{res.accepted} / {res.drafted}" if CONFIGS[name][1] else "-"
         print(f"| {name} | {res.step_s:.1f} | {res.tokens_per_s:.0f} | {gain} | {res.prefill_tokens} | "
               f"{res.verify_steps} of {res.steps} | {acc} | {wall:.1f} |", flush=True)
+    return out
 
 
 def print_sweep(rows: list[dict], configs: Sequence[str]) -> None:
@@ -192,7 +195,8 @@ def main(argv: Sequence[str]) -> None:
         for v in sweep:
             trajs = generate(max(1, round(v * _REPLICAS.value / _SAMPLES.value)))
             rows.append(dict(per_replica=v, trajectories=len(trajs), tokens=sum(t.output_tokens for t in trajs),
-                             results=replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value)))
+                             results={name: (res, wall) for name, res, wall in
+                                      replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value)}))
             print(f"  {v} per replica: {len(trajs)} trajectories, replayed in "
                   f"{sum(w for _, w in rows[-1]['results'].values()):.0f} s", flush=True)
         print_sweep(rows, _CONFIGS.value)
@@ -204,8 +208,7 @@ def main(argv: Sequence[str]) -> None:
     tokens = sum(t.output_tokens for t in trajs)
     print(f"{len(trajs)} trajectories, {sum(len(t.turns) for t in trajs)} turns, {tokens} output tokens, on {where}",
           flush=True)
-    results = replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value)
-    print_step(results)
+    results = print_step(replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value))
     if _PLOT.value:
         plot_timelines({name: res for name, (res, _) in results.items()}, _PLOT.value)
         print(f"wrote {_PLOT.value}")

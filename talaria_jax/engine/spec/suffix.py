@@ -123,10 +123,6 @@ class SuffixTree:
         """The length of the node's substring."""
         return self._depth[node]
 
-    def count(self, node: int) -> int:
-        """How often the node's substring occurs."""
-        return self._count[node]
-
     def extend(self, seq_id, tokens: Sequence[int]) -> None:
         """Appends tokens to sequence seq_id (a new one if unknown): each suffix ending at a new token
         is counted once more."""
