@@ -52,7 +52,8 @@ _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _SIMULATE = flags.DEFINE_bool("simulate", True, "Also replay each load's trajectories on the simulator "
                               "(rollout/replay.py, --hardware's profile) and print its prediction of every "
                               "configuration beside the measurement.")
-_HARDWARE = flags.DEFINE_string("hardware", "cpu", "--simulate: the hardware profile (talaria-calibrate's cpu).")
+_HARDWARE = flags.DEFINE_string("hardware", "cpu_rollout", "--simulate: the hardware profile (talaria-calibrate "
+                                 "--engine=rollout's: this machine's replica engine, and its replicas sharing its cores).")
 _RECORD = flags.DEFINE_string("record_dir", None, "Write each load's trajectories here as JSONL "
                               "(<load>.jsonl, talaria-rollout-replay --trajectories).")
 _RESIMULATE = flags.DEFINE_string("resimulate", None, "Measure nothing: replay the trajectories of a run's "
@@ -145,7 +146,8 @@ def simulate(load: str, records, measured: dict, shapes: dict) -> list[dict]:
     for name, r in measured.items():
         speculate, placement = CONFIGS[name]
         res = replay_step(records, shapes[name], _REPLICAS.value, placement,
-                          SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None)
+                          SpecConfig(max_spec_tokens=_SPEC.value) if speculate else None,
+                          replicas_per_host=_REPLICAS.value)  # all on this machine's cores
         rows.append(dict(load=load, config=name, measured=r["tok_s"], simulated=res.tokens_per_s,
                          error=res.tokens_per_s / r["tok_s"] - 1, measured_s=r["seconds"], simulated_s=res.step_s,
                          prefill=f"{res.prefill_tokens} / {r['prefill_tokens']}",

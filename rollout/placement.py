@@ -26,6 +26,8 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
+
 __all__ = ["CacheAware", "LeastLoaded", "Placement", "PlacementRequest", "PrefixIndex", "ReplicaLoad", "RoundRobin",
            "StickyLeastLoaded", "make_placement", "PLACEMENTS"]
 
@@ -63,17 +65,19 @@ class PrefixIndex:
         self.block, self.capacity = block, capacity_blocks
         self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
-    def _keys(self, tokens: Sequence[int]) -> list[bytes]:
-        keys, h = [], hashlib.blake2b(digest_size=16)
-        for i in range(len(tokens) // self.block):
-            h.update(repr(tuple(tokens[i * self.block:(i + 1) * self.block])).encode())
+    def keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """The keys of `tokens`' whole blocks (`match` takes them, for one prompt looked up in many indexes)."""
+        keys, h, width = [], hashlib.blake2b(digest_size=16), 8 * self.block
+        data = np.asarray(tokens[:len(tokens) // self.block * self.block], dtype=np.int64).tobytes()
+        for i in range(0, len(data), width):
+            h.update(data[i:i + width])
             keys.append(h.copy().digest())
         return keys
 
-    def match(self, tokens: Sequence[int]) -> int:
-        """Leading tokens of `tokens` held, in whole blocks."""
+    def match(self, tokens: Sequence[int], keys: list[bytes] | None = None) -> int:
+        """Leading tokens of `tokens` held, in whole blocks (`keys`: their `keys`, when known)."""
         n = 0
-        for key in self._keys(tokens):
+        for key in self.keys(tokens) if keys is None else keys:
             if key not in self._blocks:
                 break
             self._blocks.move_to_end(key)
@@ -81,7 +85,7 @@ class PrefixIndex:
         return n
 
     def insert(self, tokens: Sequence[int]) -> None:
-        for key in self._keys(tokens):
+        for key in self.keys(tokens):
             self._blocks[key] = None
             self._blocks.move_to_end(key)
         while len(self._blocks) > self.capacity:
@@ -186,12 +190,13 @@ class CacheAware(Placement):
         self.locality, self.load = locality, load
         self.index = [PrefixIndex(block, capacity_blocks) for _ in range(num_replicas)]
 
-    def score(self, req: PlacementRequest, replica: int, load: ReplicaLoad) -> float:
-        hit = self.index[replica].match(req.prompt) / max(1, len(req.prompt))
+    def score(self, req: PlacementRequest, replica: int, load: ReplicaLoad, keys: list[bytes] | None = None) -> float:
+        hit = self.index[replica].match(req.prompt, keys) / max(1, len(req.prompt))
         return self.locality * hit - self.load * load.share
 
     def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad | None]) -> int:
-        scores = {r: self.score(req, r, load) for r, load in enumerate(loads) if load is not None}
+        keys = self.index[0].keys(req.prompt)  # every index has the same block size
+        scores = {r: self.score(req, r, load, keys) for r, load in enumerate(loads) if load is not None}
         best = max(scores.values())
         return _least_loaded(loads, [r for r, s in scores.items() if s >= best - 1e-9])
 

@@ -2,11 +2,13 @@
 
 The replicas are simulated: each step's time is the hardware profile's cost model
 (`sim.cost.CostModel.prefill_batch_s` over the step's chunks: prefill chunks, one token per decoding
-sequence, and its draft tokens when the step verifies). What decides is the real code:
+sequence, and its draft tokens when the step verifies, `verify_batch_s` then), stretched while
+replicas that share a host's compute step at once (`replicas_per_host`). What decides is the real code:
 
 - **placement**: the `rollout.placement` objects the service uses (`make_placement`), told what each
-  replica computed, choosing on each replica's outstanding requests, with the service's stealing of
-  waiting requests by an idle replica when the placement allows it;
+  replica computed and, as the service does, each prompt where it is placed, choosing on each
+  replica's outstanding requests, with the service's stealing of waiting requests by an idle
+  replica when the placement allows it;
 - **speculation**: one `SuffixDrafter` per replica, as each engine has, fed every prompt and output
   token, and the engine's `SpecPolicy`, whose step-cost curve here is the cost model's and whose
   acceptance estimate learns from the drafts verified; as in the service, no replica drafts while
@@ -157,12 +159,12 @@ class _Replica:
         self.queue: list[tuple[tuple, int, _Running]] = []  # (priority, order, request)
         self.running: list[_Running] = []
         self.kv = PrefixIndex(shape.page_size, max(1, shape.kv_capacity() // shape.page_size))
-        self.busy_until = 0.0
         self.drafter = SuffixDrafter(spec) if spec is not None else None
         self.policy = None
         if spec is not None:
             cost = CostModel(shape.hardware)
             buckets = token_buckets(shape.max_tokens_per_step)
+            # as the engine's: its runner's step times (`Runner.step_seconds`), no host time of drafting
             curve = {b: cost.prefill_batch_s(shape.model, [(b, 0)]) for b in buckets}
             self.policy = SpecPolicy(spec.max_spec_tokens, buckets, curve, curve, always=spec.policy == "always")
 
@@ -182,16 +184,25 @@ def _accepted(draft: Draft, truth: Sequence[int]) -> int:
 
 
 def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, replicas: int,
-                placement: str = "cache_aware", spec: SpecConfig | None = None) -> StepResult:
+                placement: str = "cache_aware", spec: SpecConfig | None = None,
+                replicas_per_host: int = 1) -> StepResult:
     """Replays one synchronous step of `trajectories` on `replicas` replicas of `shape`, placed by
     `placement` (`rollout.placement.PLACEMENTS`), with suffix speculation when `spec` is given.
 
+    `replicas_per_host`: replicas that share one host's compute (replicas r // replicas_per_host
+    alike). A step the cost model prices at w seconds takes w while its replica computes alone; while
+    m replicas of its host compute, each progresses at 1 / (1 + (m - 1) (f - 1)) of its rate alone,
+    f the profile's ``colocated_step_slowdown`` (the time of a step while another replica steps at
+    once over its time alone). GPU replicas own their devices (1, the default); replicas of one CPU
+    machine share its cores.
+
     Raises:
         ValueError: no trajectories, a trajectory with no turns or a turn with no output, a trajectory
-            longer than a replica's KV, or `replicas` < 1.
+            longer than a replica's KV, or `replicas` or `replicas_per_host` < 1.
     """
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    for name, v in (("replicas", replicas), ("replicas_per_host", replicas_per_host)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
     if not trajectories:
         raise ValueError("no trajectories to replay")
     kv_cap = shape.kv_capacity()
@@ -209,17 +220,44 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
     events: list[tuple[float, int, str, object]] = []  # (time, order, kind, payload)
     for t in trajectories:
         heapq.heappush(events, (0.0, next(order), "arrive", (t, 0, ())))
+    # the steps in flight, per replica: [work left (seconds computing alone), version of its end event,
+    # start, kind, the turns it ends]; per host: its replicas in flight and when their work was last counted
+    flight: dict[int, list] = {}
+    hosts: list[tuple[set[int], list[float]]] = [(set(), [0.0]) for _ in range(-(-replicas // replicas_per_host))]
+
+    def slow(m: int) -> float:  # a step's time while m replicas of its host compute, over its time alone
+        return 1.0 + (m - 1) * (shape.hardware.colocated_step_slowdown - 1.0)
+
+    def share(r: int, now: float, change) -> None:
+        """Counts the work done on r's host until `now`, applies `change`, and (re)schedules the end
+        of every step in flight there at the new rate."""
+        members, last = hosts[r // replicas_per_host]
+        for q in members:
+            flight[q][0] -= (now - last[0]) / slow(len(members))
+        last[0] = now
+        change(members)
+        for q in members:
+            f = flight[q]
+            f[1] += 1
+            heapq.heappush(events, (now + max(0.0, f[0]) * slow(len(members)), next(order), "free", (q, f[1])))
+
+    def steal(r: int) -> bool:
+        """The service's stealing: an idle slot of r takes the most urgent waiting request of the most
+        loaded replica among those whose requests wait because they are full."""
+        full = [i for i, d in enumerate(reps) if i != r and d.queue and len(d.running) >= shape.max_seqs]
+        if not full:
+            return False
+        victim = max(full, key=lambda i: (reps[i].outstanding / shape.max_seqs, -i))
+        item = heapq.heappop(reps[victim].queue)
+        heapq.heappush(reps[r].queue, item)
+        place.computed(r, item[2].prompt)
+        return True
 
     def start(r: int, now: float) -> None:
         rep = reps[r]
-        if rep.busy_until > now:
+        if r in flight:
             return
-        if not rep.queue and place.steal and len(rep.running) < shape.max_seqs:  # the service's stealing
-            donors = [d for d in reps if d is not rep and d.queue and len(d.running) >= shape.max_seqs]
-            if donors:
-                donor = min(donors, key=lambda d: d.queue[0][:2])
-                heapq.heappush(rep.queue, heapq.heappop(donor.queue))
-        while rep.queue and len(rep.running) < shape.max_seqs:
+        while len(rep.running) < shape.max_seqs and (rep.queue or (place.steal and steal(r))):
             used = sum(len(x.prompt) + len(x.output) for x in rep.running)  # KV each running turn ends with
             nxt = rep.queue[0][2]
             if rep.running and used + len(nxt.prompt) + len(nxt.output) > kv_cap:
@@ -258,14 +296,13 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
                 fed[x.rid] = n
                 chunks.append((n, x.ctx))
                 budget -= n
-        seconds = cost.prefill_batch_s(shape.model, chunks)
+        seconds = (cost.verify_batch_s if drafts else cost.prefill_batch_s)(shape.model, chunks)
         kind = "verify" if drafts else ("decode" if decoding else "prefill")
-        if rep.policy is not None:
-            rep.policy.observe_step(bool(drafts), sum(n for n, _ in chunks), seconds)
-        end = now + seconds
-        rep.busy_until = end
-        res.busy_s[r] += seconds
-        res.timeline[r].append((now, end, kind))
+        if rep.policy is not None:  # the runner's time, as the engine tells its policy (no drafting)
+            rep.policy.observe_step(bool(drafts), sum(n for n, _ in chunks), cost.prefill_batch_s(shape.model, chunks))
+        ended: list[tuple[TrajectoryRecord, int, tuple[int, ...]]] = []
+        flight[r] = [seconds, 0, now, kind, ended]
+        share(r, now, lambda members: members.add(r))
         res.steps += 1
         res.verify_steps += bool(drafts)
         for x in list(rep.running):
@@ -302,12 +339,20 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
                 rep.kv.insert(done)
                 place.computed(r, done)
                 res.output_tokens += len(x.output)
-                turn = x.traj.turns[x.turn]
-                if x.turn + 1 < len(x.traj.turns):
-                    heapq.heappush(events, (end + turn.tool_s, next(order), "arrive", (x.traj, x.turn + 1, done)))
-                else:
-                    res.step_s = max(res.step_s, end)
-        heapq.heappush(events, (end, next(order), "free", r))
+                ended.append((x.traj, x.turn, done))
+
+    def finish(r: int, now: float) -> None:
+        _, _, began, kind, ended = flight[r]
+        share(r, now, lambda members: members.discard(r))
+        del flight[r]
+        res.busy_s[r] += now - began
+        res.timeline[r].append((began, now, kind))
+        for traj, turn, done in ended:
+            if turn + 1 < len(traj.turns):
+                heapq.heappush(events, (now + traj.turns[turn].tool_s, next(order), "arrive", (traj, turn + 1, done)))
+            else:
+                res.step_s = max(res.step_s, now)
+        heapq.heappush(events, (now, next(order), "start", r))  # after the turns arriving now
 
     arrivals = itertools.count()
     while events:
@@ -320,10 +365,15 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
             loads = [ReplicaLoad(rep.outstanding, shape.max_seqs) for rep in reps]
             r = place.choose(preq, loads)
             heapq.heappush(reps[r].queue, (place.priority(preq), preq.arrival, req))
+            place.computed(r, prompt)  # as the service: its prompt's KV will be there
             start(r, now)
             if place.steal:
                 for i in range(replicas):
                     start(i, now)
+        elif kind == "free":
+            r, version = payload
+            if r in flight and flight[r][1] == version:
+                finish(r, now)
         else:
             start(payload, now)
     return res

@@ -1,8 +1,11 @@
 """talaria_jax.calibrate's staging measurement on a real engine and weight slot (what it leaves behind;
-its times are measured, not asserted), the slowdown fit, and the profile round trip through to_yaml."""
+its times are measured, not asserted), the slowdown fit, the decode fit (a profile recovered from
+its own points), and the profile round trip through to_yaml."""
 import dataclasses
+import types
 
 import jax
+import numpy as np
 import pytest
 
 from talaria_jax import calibrate
@@ -59,3 +62,39 @@ def test_profile_round_trips_through_to_yaml(tmp_path):
     p.write_text(calibrate.to_yaml(hw, "a header\nof two lines"))
     assert "staging_step_slowdown: 1.8" in p.read_text()
     assert load_hardware(p) == dataclasses.replace(hw, name="cpu")
+
+
+def test_nonneg_lstsq_keeps_every_coefficient_at_least_zero():
+    a = np.c_[np.ones(4), [1.0, 2.0, 3.0, 4.0]]
+    assert calibrate._nonneg_lstsq(a, a @ [0.5, 2.0]) == pytest.approx([0.5, 2.0])
+    # the unconstrained fit's intercept would be negative: it is 0 and the slope refitted alone
+    y = np.array([1.0, 3.0, 5.0, 7.0])  # y = 2x - 1
+    assert calibrate._nonneg_lstsq(a, y) == pytest.approx([0.0, float(a[:, 1] @ y / (a[:, 1] @ a[:, 1]))])
+
+
+def test_fit_recovers_a_profile_from_its_own_points():
+    """Points priced by a known profile (one dense model, KV read at 40% of the weights' rate, two
+    replicas slowing each other 1.4x, a verified token 2 ms dearer than a prefill token) fit back to
+    it: with one size of weights the overhead is 0."""
+    from talaria_jax.sim.cost import CostModel
+    from talaria_jax.sim.hardware import ModelShape
+
+    cfg = load_model_config("tiny-dense")
+    shape = ModelShape.from_config(cfg, "float32", 1, name="tiny-dense")
+    truth = dataclasses.replace(load_hardware("cpu"), name="t", hbm_bw_gbps=11.0, kv_bw_efficiency=0.4,
+                                step_overhead_us=0.0, colocated_step_slowdown=1.4, verify_token_overhead_us=2000.0)
+    cost = CostModel(truth)
+    points = [calibrate.Point("tiny-dense", "decode", b, c, cost.decode_step_s(shape, b, b * c))
+              for b in (1, 4, 8) for c in (256, 2048)]
+    points += [calibrate.Point("tiny-dense", "prefill", 1, n, cost.prefill_s(shape, n)) for n in (64, 256)]
+    points += [calibrate.Point("tiny-dense", "verify", b, 512, cost.verify_batch_s(shape, [(1 + d, 512)] * b), d)
+               for b, d in ((1, 6), (4, 3), (8, 5))]
+    inst = types.SimpleNamespace(slot=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.zeros(1))),
+                                 shapes=lambda: {"tiny-dense": shape}, capacity=2**30)
+    copies = dict(kv_bytes=1e6, kv_restore_s=1e-3, kv_offload_s=1e-3, weight_bytes=1e8, weight_load_s=0.05, d2d_s=0.01)
+    hw = calibrate.fit(points, copies, inst, name="t", colocated=1.4)
+    assert hw.hbm_bw_gbps == pytest.approx(11.0, rel=1e-3) and hw.kv_bw_efficiency == pytest.approx(0.4, rel=1e-3)
+    assert hw.step_overhead_us == 0.0 and hw.colocated_step_slowdown == 1.4
+    assert hw.verify_token_overhead_us == pytest.approx(2000.0, rel=0.05)  # verified tokens cost 2 ms more
+    for p, pred in calibrate.predicted(hw, inst, points):
+        assert p.kind == "prefill" or pred == pytest.approx(p.seconds, rel=1e-3)

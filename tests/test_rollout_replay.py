@@ -133,3 +133,40 @@ def test_a_rollout_services_trajectories_become_records():
     for r, t in zip(recs, (a, b)):  # nothing lost or reordered
         assert sum((x.prompt + x.output for x in r.turns), ()) == tuple(t.prompt + t.token_ids)
     assert replay_step(recs, SHAPE, 2).output_tokens == 7
+
+
+def test_replicas_of_one_host_share_its_compute():
+    """Replicas on one host (a CPU's cores) slow each other by the profile's colocated_step_slowdown
+    while they step at once, and not while one steps alone; GPU replicas (1 per host) never do."""
+    import dataclasses
+
+    shared = ReplicaShape(dataclasses.replace(HW, colocated_step_slowdown=1.5), MODEL, max_seqs=16,
+                          max_tokens_per_step=1024)
+    turn = lambda n, seed: TrajectoryRecord(f"t{seed}", f"t{seed}", (TurnRecord(tuple(range(seed, seed + 64)),
+                                                                                 tuple(range(n))),))
+    twins = [turn(40, 0), turn(40, 1)]
+    alone = replay_step(twins, shared, 2, "round_robin")  # one replica per host: no sharing
+    assert alone.step_s == replay_step(twins, SHAPE, 2, "round_robin").step_s
+    together = replay_step(twins, shared, 2, "round_robin", replicas_per_host=2)
+    assert together.step_s == pytest.approx(1.5 * alone.step_s)  # in lockstep: every step shared
+    assert together.steps == alone.steps and together.busy_s == pytest.approx([1.5 * b for b in alone.busy_s])
+    assert replay_step(twins[:1], shared, 2, "round_robin", replicas_per_host=2).step_s == pytest.approx(
+        replay_step(twins[:1], SHAPE, 2, "round_robin").step_s)  # the other replica idle: full speed
+    # a short and a long one: shared while both run, the long one's rest at full speed
+    mixed = [turn(20, 0), turn(40, 1)]
+    one = replay_step(mixed, shared, 2, "round_robin")
+    two = replay_step(mixed, shared, 2, "round_robin", replicas_per_host=2)
+    assert one.step_s * 1.2 < two.step_s < one.step_s * 1.3  # about (20 x 1.5 + 20) / 40 = 1.25
+    with pytest.raises(ValueError, match="replicas_per_host must be >= 1"):
+        replay_step(twins, SHAPE, 2, replicas_per_host=0)
+
+
+def test_cache_aware_places_a_group_where_its_prompt_is_placed_as_the_service_does():
+    """The service tells the placement each prompt where it places it (its KV will be there), so a
+    group's siblings arriving together follow the first one, before any of them has run."""
+    prompt = tuple(range(100, 356))
+    group = [TrajectoryRecord(f"s{i}", "g", (TurnRecord(prompt, tuple(range(i, i + 24))),)) for i in range(4)]
+    res = replay_step(group, SHAPE, 2, "cache_aware")
+    assert res.timeline[0] and not res.timeline[1]  # all four on replica 0
+    rr = replay_step(group, SHAPE, 2, "round_robin")
+    assert rr.timeline[0] and rr.timeline[1]

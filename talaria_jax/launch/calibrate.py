@@ -8,6 +8,16 @@ KV offload and restore, and decode steps while another model's staging copy is i
 (``talaria_jax.calibrate``), fits the cost model's rates, prints every measured
 point next to the fitted cost model's prediction, and writes the profile. `talaria-replay
 --backend=local --hardware=<the profile>` then predicts a local replay with it.
+
+`--engine=rollout` times the steps of rollout replicas' engines instead (the engine
+`benchmarks/rollout_throughput.py` runs: 8 slots, 256 tokens a step, a 3,072-token context, the
+prefix cache): decode and prefill steps, steps verifying suffix drafts
+(``verify_token_overhead_us``), and how much slower a step is while two replicas on this host step
+at once (``colocated_step_slowdown``). `benchmarks/rollout_throughput.py` checks the rollout
+simulator with the profile it writes:
+
+    python -m talaria_jax.launch.calibrate --engine=rollout --models=smollm2-135m-instruct \
+        --out=configs/hardware/cpu_rollout.yaml
 """
 from __future__ import annotations
 
@@ -26,6 +36,42 @@ flags.DEFINE_list("models", ["smollm2-135m-instruct", "tiny-dense", "tiny-moe"],
 flags.DEFINE_integer("devices_per_instance", 1, "Devices (TP) of the instance measured.")
 flags.DEFINE_string("out", "configs/hardware/cpu.yaml", "Where to write the profile.")
 flags.DEFINE_integer("steps", 6, "Decode steps timed per point (the median is kept).")
+flags.DEFINE_enum("engine", "instance", ["instance", "rollout"], "Whose steps to time: a Talaria instance's, or "
+                  "two rollout replicas' engines on this host (with the slowdown when both step at once).")
+# benchmarks/rollout_throughput.py's replica engine (its default flags)
+ROLLOUT_ENGINE = dict(max_seqs=8, max_tokens_per_step=256, max_model_len=3072, kv_memory_bytes_per_device=1 << 30,
+                      prefix_cache=True, warmup=False)
+
+
+def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
+    """Step points of a rollout replica's engine for each of `models`, and the colocated slowdown of
+    two replicas of the first (`devices` each) on this host."""
+    import jax
+
+    from talaria_jax import calibrate
+    from talaria_jax.engine.engine import Engine, EngineConfig
+    from talaria_jax.engine.spec import SpecConfig
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import load_model
+
+    points, colocated = [], 1.0
+    for i, m in enumerate(models):
+        engines = [Engine(load_model(m, make_mesh(jax.devices()[r * devices:(r + 1) * devices]), dtype="float32").model,
+                          EngineConfig(**ROLLOUT_ENGINE)) for r in range(2)]
+        print(f"timing {m}'s rollout engine ...", file=sys.stderr)
+        points += calibrate.measure_engine(engines[0], m, batches=(1, 4, 8), contexts=(256, 1024, 2048),
+                                           prompts=(16, 64, 256), steps=FLAGS.steps)
+        spec = Engine(engines[0].model, EngineConfig(**ROLLOUT_ENGINE, speculation=SpecConfig(max_spec_tokens=8,
+                                                                                             policy="always")))
+        for context in (512, 1024):
+            points += calibrate.measure_verify(spec, m, batches=(1, 2, 4, 8), context=context, steps=FLAGS.steps)
+        del spec
+        if i == 0:
+            r = calibrate.measure_colocated(engines, steps=FLAGS.steps)
+            colocated = r["slowdown"]
+            print(f"decode step of {m} (batch 4, context 1,024): {r['step_alone_s'] * 1e3:.1f} ms alone, "
+                  f"{r['step_together_s'] * 1e3:.1f} ms while another replica steps ({colocated:.2f}x)")
+    return points, colocated
 
 
 def main(argv: Sequence[str]) -> None:
@@ -33,7 +79,8 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from talaria_jax import calibrate, local
 
-    local.simulate_cpu_devices(FLAGS.devices_per_instance)
+    rollout = FLAGS.engine == "rollout"
+    local.simulate_cpu_devices(FLAGS.devices_per_instance * (2 if rollout else 1))
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax.instance import SessionTokens
     from talaria_jax.sim.hardware import load_hardware
@@ -42,23 +89,27 @@ def main(argv: Sequence[str]) -> None:
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=1040, warmup=False)
     inst = local.build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
                                  engine_config=ec, tokens=SessionTokens())[0]
-    points = []
-    for m in FLAGS.models:
+    points, colocated = [], 1.0
+    if rollout:
+        points, colocated = rollout_points(FLAGS.models, FLAGS.devices_per_instance)
+    for m in [] if rollout else FLAGS.models:
         print(f"timing {m} ...", file=sys.stderr)
         points += calibrate.measure_model(inst, m, steps=FLAGS.steps)
     biggest = max(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device)
     copies = calibrate.measure_copies(inst, biggest)
     staging = []
-    if len(FLAGS.models) > 1:  # each model decoding while the biggest other one stages
+    if len(FLAGS.models) > 1 and not rollout:  # each model decoding while the biggest other one stages
         by_size = sorted(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device, reverse=True)
         for m in FLAGS.models:
             other = next(o for o in by_size if o != m)
             print(f"timing {m} while {other} stages ...", file=sys.stderr)
             staging.append((m, other, calibrate.measure_staging(inst, m, other, steps=FLAGS.steps)))
-    hw = calibrate.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem, staging=[r for _, _, r in staging])
+    hw = calibrate.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem, staging=[r for _, _, r in staging],
+                       colocated=colocated)
     print("| model | kind | batch | tokens | measured (ms) | cost model (ms) | error |\n|---|---|---:|---:|---:|---:|---:|")
     for p, pred in calibrate.predicted(hw, inst, points):
-        print(f"| {p.model} | {p.kind} | {p.batch} | {p.tokens} | {p.seconds * 1e3:.1f} | {pred * 1e3:.1f} "
+        kind = f"{p.kind} ({p.drafted:.1f} drafts)" if p.kind == "verify" else p.kind
+        print(f"| {p.model} | {kind} | {p.batch} | {p.tokens} | {p.seconds * 1e3:.1f} | {pred * 1e3:.1f} "
               f"| {pred / p.seconds - 1:+.0%} |")
     print(f"\nweights ({copies['weight_bytes'] / 1e6:.0f} MB of {biggest}): load from pinned host "
           f"{copies['weight_load_s'] * 1e3:.1f} ms, staged switch (D2D) {copies['d2d_s'] * 1e3:.1f} ms; KV "
@@ -68,11 +119,17 @@ def main(argv: Sequence[str]) -> None:
         print(f"decode step of {m}: {r['step_idle_s'] * 1e3:.1f} ms idle, {r['step_staging_s'] * 1e3:.1f} ms while "
               f"{other} stages ({r['slowdown']:.2f}x, {r['staging_copies']:.0f} copies)")
     print(f"staging_step_slowdown: {hw.staging_step_slowdown:.3g} (mean ratio, at least 1)")
+    whose = "rollout replica" if rollout else "instance"
     header = (f"Measured by talaria-calibrate on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs,\n"
-              f"{FLAGS.devices_per_instance} simulated device(s) per instance; models {', '.join(FLAGS.models)}).\n"
-              f"Rates are effective ones (efficiencies 1); step_overhead_us is the fitted fixed cost of a step;\n"
+              f"{FLAGS.devices_per_instance} simulated device(s) per {whose}; models {', '.join(FLAGS.models)}).\n"
+              f"Rates are effective ones (efficiencies 1, but kv_bw_efficiency: the KV reads' share of the weights'\n"
+              f"rate); step_overhead_us is the fitted fixed cost of a step; compute_memory_overlap 1 or 0: a step\n"
+              f"takes the longer of its compute and memory times, or their sum (whichever fitted better);\n"
+              f"verify_token_overhead_us is what each token of a step verifying drafts takes beyond a prefill token;\n"
               f"staging_step_slowdown is a decode step's time with another model staging over its idle time.\n"
-              f"Regenerate: python -m talaria_jax.launch.calibrate --out={FLAGS.out}")
+              f"colocated_step_slowdown is a decode step's time while another replica steps over its time alone.\n"
+              f"Regenerate: python -m talaria_jax.launch.calibrate"
+              f"{' --engine=rollout --models=' + ','.join(FLAGS.models) if rollout else ''} --out={FLAGS.out}")
     path = pathlib.Path(FLAGS.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(calibrate.to_yaml(hw, header))

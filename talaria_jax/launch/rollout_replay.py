@@ -31,6 +31,9 @@ CONFIGS = {  # name: (placement, speculation)
 _HARDWARE = flags.DEFINE_string("hardware", "h200x8", "Hardware profile of one replica (configs/hardware).")
 _MODEL = flags.DEFINE_string("model", "qwen3-235b-a22b-fp8", "Model variant (configs/hardware/models.yaml).")
 _REPLICAS = flags.DEFINE_integer("replicas", 8, "Rollout replicas.", lower_bound=1)
+_PER_HOST = flags.DEFINE_integer("replicas_per_host", 1, "Replicas sharing one host's compute (a CPU's cores; the "
+                                 "profile's colocated_step_slowdown prices it). GPU replicas own theirs: 1.",
+                                 lower_bound=1)
 _MAX_SEQS = flags.DEFINE_integer("max_seqs", 64, "Batch slots per replica.", lower_bound=1)
 _STEP_TOKENS = flags.DEFINE_integer("max_tokens_per_step", 2048, "Token budget of an engine step.", lower_bound=1)
 _PROMPTS = flags.DEFINE_integer("prompts", 8, "Prompts of the step (GRPO groups).", lower_bound=1)
@@ -87,7 +90,8 @@ def plot_timelines(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec_tokens: int):
+def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec_tokens: int,
+                   replicas_per_host: int = 1):
     """Each configuration's replay of the same step, as it ends: (name, StepResult, seconds it took here)."""
     from talaria_jax.engine.spec import SpecConfig
     from talaria_jax.rollout.replay import replay_step
@@ -95,7 +99,8 @@ def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec
     for name in configs:
         placement, speculate = CONFIGS[name]
         t = time.perf_counter()
-        res = replay_step(trajs, shape, replicas, placement, SpecConfig(max_spec_tokens=max_spec_tokens) if speculate else None)
+        res = replay_step(trajs, shape, replicas, placement,
+                          SpecConfig(max_spec_tokens=max_spec_tokens) if speculate else None, replicas_per_host)
         yield name, res, time.perf_counter() - t
 
 
@@ -194,9 +199,9 @@ def main(argv: Sequence[str]) -> None:
         rows = []
         for v in sweep:
             trajs = generate(max(1, round(v * _REPLICAS.value / _SAMPLES.value)))
+            runs = replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value, _PER_HOST.value)
             rows.append(dict(per_replica=v, trajectories=len(trajs), tokens=sum(t.output_tokens for t in trajs),
-                             results={name: (res, wall) for name, res, wall in
-                                      replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value)}))
+                             results={name: (res, wall) for name, res, wall in runs}))
             print(f"  {v} per replica: {len(trajs)} trajectories, replayed in "
                   f"{sum(w for _, w in rows[-1]['results'].values()):.0f} s", flush=True)
         print_sweep(rows, _CONFIGS.value)
@@ -208,7 +213,7 @@ def main(argv: Sequence[str]) -> None:
     tokens = sum(t.output_tokens for t in trajs)
     print(f"{len(trajs)} trajectories, {sum(len(t.turns) for t in trajs)} turns, {tokens} output tokens, on {where}",
           flush=True)
-    results = print_step(replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value))
+    results = print_step(replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value, _PER_HOST.value))
     if _PLOT.value:
         plot_timelines({name: res for name, (res, _) in results.items()}, _PLOT.value)
         print(f"wrote {_PLOT.value}")

@@ -27,6 +27,11 @@ class CostModel:
     def _hbm_rate(self) -> float:
         return self.hw.num_gpus * self.hw.hbm_bw_gbps * GB * self.hw.hbm_bw_efficiency
 
+    def _roofline(self, compute: float, memory: float) -> float:
+        """A step's compute and memory time together: the longer, plus the shorter's part that does not
+        overlap it (`compute_memory_overlap`)."""
+        return max(compute, memory) + (1.0 - self.hw.compute_memory_overlap) * min(compute, memory)
+
     def _overhead_s(self) -> float:
         return self.hw.step_overhead_us * 1e-6
 
@@ -57,8 +62,14 @@ class CostModel:
         if not chunks:
             return 0.0
         compute = sum(self.prefill_flops(m, n, p) for n, p in chunks) / self._matmul_rate()
-        memory = (m.weight_bytes + sum(n + p for n, p in chunks) * m.kv_bytes_per_token) / self._hbm_rate()
-        return max(compute, memory) + self._allreduce_s(m, sum(n for n, _ in chunks)) + self._overhead_s()
+        memory = (m.weight_bytes + sum(n + p for n, p in chunks) * m.kv_bytes_per_token / self.hw.kv_bw_efficiency
+                  ) / self._hbm_rate()
+        return self._roofline(compute, memory) + self._allreduce_s(m, sum(n for n, _ in chunks)) + self._overhead_s()
+
+    def verify_batch_s(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> float:
+        """Seconds of a step that verifies drafts: `prefill_batch_s` of its chunks (each sequence's
+        token and drafts, its cached tokens), and ``verify_token_overhead_us`` for each of their tokens."""
+        return self.prefill_batch_s(m, chunks) + sum(n for n, _ in chunks) * self.hw.verify_token_overhead_us * 1e-6
 
     def expert_touch_fraction(self, m: ModelShape, batch: int) -> float:
         """Expected share of routed experts read by a decode step of `batch` tokens."""
@@ -73,11 +84,11 @@ class CostModel:
         weights = m.weight_bytes * ((1.0 - m.expert_fraction) + m.expert_fraction * self.expert_touch_fraction(m, batch))
         # kv_bytes_per_token already counts only full-attention layers; sliding-window layers read at
         # most their window per sequence (gpt-oss: 128 tokens x 18 layers x 2 KiB = 4.7 MB), left out
-        kv = context_tokens * m.kv_bytes_per_token
+        kv = context_tokens * m.kv_bytes_per_token / self.hw.kv_bw_efficiency
         memory = (weights + kv) / self._hbm_rate()
         flops = 2.0 * m.active_params_b * 1e9 * batch + 4.0 * m.full_attn_layers * m.attn_dim * context_tokens
         compute = flops / self._matmul_rate()
-        return max(memory, compute) + self._allreduce_s(m, batch) + self._overhead_s()
+        return self._roofline(compute, memory) + self._allreduce_s(m, batch) + self._overhead_s()
 
     def service_s(self, m: ModelShape, prompt_tokens: int, output_tokens: int, cached: int, batch: int,
                   context_tokens: int) -> float:

@@ -53,13 +53,33 @@ class HardwareConfig:
     # GPU's copy engine over PCIe does while compute reads HBM; above 1 on a CPU, where the copy takes
     # the step's cores and memory bandwidth (talaria-calibrate measures it)
     staging_step_slowdown: float = 1.0
+    # factor by which an engine step's time grows while another replica's engine on the same host
+    # steps at once: 1.0 where each replica owns its devices (GPUs); near 2 on a CPU whose cores the
+    # replicas share (talaria-calibrate --engine=rollout measures it; rollout/replay.py's
+    # replicas_per_host uses it)
+    colocated_step_slowdown: float = 1.0
+    # share of the weights' read rate that attention's reads of the KV cache get (paged gathers): 1.0
+    # where both stream at the HBM rate; below 1 on a CPU (talaria-calibrate fits it when its decode
+    # points span enough context)
+    kv_bw_efficiency: float = 1.0
+    # how far a step's compute and memory traffic overlap: 1.0, a step takes the longer of the two (the
+    # roofline: a GPU's tensor cores compute while HBM streams); 0.0, their sum (a CPU's cores do both);
+    # talaria-calibrate keeps whichever fits its points better
+    compute_memory_overlap: float = 1.0
+    # what each token of a step that verifies drafts takes beyond a prefill token's FLOPs and bytes (its
+    # logits, the draft tree's mask, acceptance): talaria-calibrate --engine=rollout measures it; not
+    # measured on GPUs (0)
+    verify_token_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
-        v = self.staging_step_slowdown
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v <= 100.0:
-            raise ConfigError(f"hardware {self.name!r}: field 'staging_step_slowdown'={v!r} must be a number in "
-                              f"[1.0, 100.0] (a step's time while a staging copy is in flight over its time without; "
-                              f"1.0: the copy overlaps for free)")
+        for field, what in (("staging_step_slowdown", "a step's time while a staging copy is in flight over its "
+                             "time without; 1.0: the copy overlaps for free"),
+                            ("colocated_step_slowdown", "a step's time while another replica of the host steps "
+                             "over its time alone; 1.0: replicas share nothing")):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v <= 100.0:
+                raise ConfigError(f"hardware {self.name!r}: field '{field}'={v!r} must be a number in "
+                                  f"[1.0, 100.0] ({what})")
 
     @property
     def usable_hbm_bytes(self) -> float:
@@ -136,7 +156,9 @@ _HW_LIMITS: dict[str, tuple[float, float]] = {
     "step_overhead_us": (0, 1e7),
     "pcie_h2d_gbps": (0.1, 1e4), "pcie_d2h_gbps": (0.1, 1e4), "weight_load_efficiency": (0.01, 1.0),
     "d2d_gbps": (1, 1e5), "host_memory_gb": (1, 1e6), "host_reserve_gb": (0, 1e6),
-    "staging_step_slowdown": (1.0, 100.0),
+    "staging_step_slowdown": (1.0, 100.0), "colocated_step_slowdown": (1.0, 100.0),
+    "kv_bw_efficiency": (0.01, 1.0), "compute_memory_overlap": (0.0, 1.0),
+    "verify_token_overhead_us": (0, 1e6),
 }
 
 
