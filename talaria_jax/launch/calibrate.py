@@ -16,7 +16,7 @@ prefix cache): decode and prefill steps, steps verifying suffix drafts
 at once (``colocated_step_slowdown``). `benchmarks/rollout_throughput.py` checks the rollout
 simulator with the profile it writes:
 
-    python -m talaria_jax.launch.calibrate --engine=rollout --models=smollm2-135m-instruct \
+    python -m talaria_jax.launch.calibrate --engine=rollout --models=smollm2-135m-instruct --steps=12 \
         --out=configs/hardware/cpu_rollout.yaml
 """
 from __future__ import annotations
@@ -129,7 +129,8 @@ def main(argv: Sequence[str]) -> None:
               f"staging_step_slowdown is a decode step's time with another model staging over its idle time.\n"
               f"colocated_step_slowdown is a decode step's time while another replica steps over its time alone.\n"
               f"Regenerate: python -m talaria_jax.launch.calibrate"
-              f"{' --engine=rollout --models=' + ','.join(FLAGS.models) if rollout else ''} --out={FLAGS.out}")
+              f"{' --engine=rollout --models=' + ','.join(FLAGS.models) if rollout else ''}"
+              f"{f' --steps={FLAGS.steps}' if FLAGS['steps'].present else ''} --out={FLAGS.out}")
     path = pathlib.Path(FLAGS.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(calibrate.to_yaml(hw, header))
