@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -40,15 +41,6 @@ class Point:
     tokens: int  # decode, verify: context per sequence; prefill: prompt tokens
     seconds: float
     drafted: float = 0.0  # verify: draft tokens per sequence and step (mean)
-
-
-def _median_step(eng, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def _drain(eng) -> None:
@@ -129,8 +121,6 @@ def measure_colocated(engines: Sequence, *, batch: int = 4, context: int = 1024,
     """Median decode step seconds of `engines[0]` stepping alone (`step_alone_s`) and while every
     engine of `engines` (replicas on this host, each on its own devices) steps at once, each in its
     own thread (`step_together_s`, the median over all of them); `slowdown` is their ratio."""
-    import threading
-
     for eng in engines[1:]:  # compiled before anything is timed
         decode_step_times(eng, batch, context, 1)
     alone, together = [], []
