@@ -135,7 +135,7 @@ class StepResult:
         return self.output_tokens / self.step_s if self.step_s > 0 else 0.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself: compared by identity
 class _Running:
     rid: str
     traj: TrajectoryRecord
@@ -144,9 +144,8 @@ class _Running:
     ctx: int  # tokens whose KV exists
     produced: int = 0  # output tokens of this turn so far
 
-    @property
-    def output(self) -> tuple[int, ...]:
-        return self.traj.turns[self.turn].output
+    def __post_init__(self):
+        self.output: tuple[int, ...] = self.traj.turns[self.turn].output
 
     @property
     def prefill_left(self) -> int:
@@ -224,6 +223,7 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
     # start, kind, the turns it ends]; per host: its replicas in flight and when their work was last counted
     flight: dict[int, list] = {}
     hosts: list[tuple[set[int], list[float]]] = [(set(), [0.0]) for _ in range(-(-replicas // replicas_per_host))]
+    waiting = [0]  # requests in the replicas' queues
 
     def slow(m: int) -> float:  # a step's time while m replicas of its host compute, over its time alone
         return 1.0 + (m - 1) * (shape.hardware.colocated_step_slowdown - 1.0)
@@ -244,6 +244,8 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
     def steal(r: int) -> bool:
         """The service's stealing: an idle slot of r takes the most urgent waiting request of the most
         loaded replica among those whose requests wait because they are full."""
+        if not waiting[0]:
+            return False
         full = [i for i, d in enumerate(reps) if i != r and d.queue and len(d.running) >= shape.max_seqs]
         if not full:
             return False
@@ -263,6 +265,7 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
             if rep.running and used + len(nxt.prompt) + len(nxt.output) > kv_cap:
                 break
             heapq.heappop(rep.queue)
+            waiting[0] -= 1
             nxt.ctx = min(rep.kv.match(nxt.prompt), len(nxt.prompt) - 1)
             if rep.drafter is not None:
                 rep.drafter.start(nxt.rid, nxt.prompt)
@@ -276,7 +279,7 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
         decoding = [x for x in rep.running if x.prefill_left == 0]
         drafts: dict[str, Draft] = {}
         # the service's switch: requests waiting for a slot anywhere mean the replicas are saturated
-        if rep.drafter is not None and decoding and not any(x.queue for x in reps):
+        if rep.drafter is not None and decoding and not waiting[0]:
             k = rep.policy.draft_len(len(rep.running))
             if k:
                 caps = [min(k, len(x.output) - x.produced - 1) for x in decoding]
@@ -316,17 +319,17 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
                 continue
             else:
                 x.ctx += 1
-            left = x.output[x.produced:]
+            out, at = x.output, x.produced
             d = drafts.get(x.rid)
             n = 1
-            if d is not None:
-                a = _accepted(d, left[:-1])  # the drafts stand for left's tokens; a bonus token follows them
+            if d is not None:  # the drafts stand for the tokens left; a bonus token follows them
+                a = _accepted(d, out[at:min(at + len(d), len(out) - 1)])
                 rep.policy.observe(len(d), a, d.score)
                 res.drafted += len(d)
                 res.accepted += a
                 n += a
-            n = min(n, len(left))
-            new = left[:n]
+            n = min(n, len(out) - at)
+            new = out[at:at + n]
             x.produced += n
             x.ctx += n - 1
             if rep.drafter is not None:
@@ -365,6 +368,7 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
             loads = [ReplicaLoad(rep.outstanding, shape.max_seqs) for rep in reps]
             r = place.choose(preq, loads)
             heapq.heappush(reps[r].queue, (place.priority(preq), preq.arrival, req))
+            waiting[0] += 1
             place.computed(r, prompt)  # as the service: its prompt's KV will be there
             start(r, now)
             if place.steal:

@@ -13,7 +13,7 @@ from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.models import init_model, load_model_config
 from talaria_jax.engine.spec.policy import SpecPolicy
-from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter, SuffixTree, TokenScan
+from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter, SuffixTree, TokenScan, _best_draft
 from talaria_jax.engine.spec.verify import verify
 from talaria_jax.sharding import make_mesh
 
@@ -39,6 +39,86 @@ def test_scan_drafts_like_a_trie(tree):
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
 
 
+class _SubstringOps:
+    """The drafting functions' view of brute-force substring counts (a node is its substring): the
+    reference a trie must draft exactly like."""
+
+    def __init__(self, seqs, depth):
+        self.depth = depth
+        self.counts = collections.Counter(tuple(s[i:j]) for s in seqs for i in range(len(s))
+                                          for j in range(i + 1, min(i + depth, len(s)) + 1))
+        self.counts[()] = sum(len(s) for s in seqs)
+        self.kids = collections.defaultdict(list)
+        for w in self.counts:
+            if w:
+                self.kids[w[:-1]].append(w)
+
+    def count(self, w):
+        return self.counts[w]
+
+    def children(self, w, min_count=0):
+        return [(k[-1], self.counts[k], k) for k in self.kids[w] if self.counts[k] >= min_count]
+
+    def going_on(self, w):
+        return sum(self.counts[k] for k in self.kids[w])
+
+    def best_child(self, w):
+        kids = self.children(w)
+        return max(kids, key=lambda k: (k[1], -k[0])) if kids else None
+
+    def run(self, w, n, p, min_prob, above=-1.0):  # no steps at once: the drafts take them one by one
+        return [], [], w
+
+    def draft(self, pattern, max_tokens, cfg):
+        pattern = tuple(pattern[-self.depth:])
+        matches = [(k, self.counts[pattern[-k:]], pattern[-k:]) for k in range(len(pattern), 0, -1)
+                   if pattern[-k:] in self.counts]
+        return _best_draft(matches, self, max_tokens, cfg, self.depth)
+
+
+def _random_edit(t, seqs, rng, remove_p):
+    """One random change to trie t and to seqs, its sequences in full: a sequence removed, or tokens
+    appended to one (in-flight requests grow interleaved), new ones or, as a sibling repeats
+    another's text, a stretch of another sequence."""
+    sid = int(rng.integers(0, 6))
+    if rng.random() < remove_p:
+        t.remove(sid)
+        seqs.pop(sid, None)
+        return
+    toks = rng.integers(0, 3, rng.integers(0, 12)).tolist()
+    if seqs and rng.random() < 0.5:
+        other = seqs[list(seqs)[int(rng.integers(0, len(seqs)))]]
+        start = int(rng.integers(0, max(1, len(other))))
+        toks = other[start:start + int(rng.integers(1, 40))]
+    t.extend(sid, toks)
+    seqs.setdefault(sid, []).extend(toks)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_trie_drafts_like_substring_counts(tree):
+    """Against brute force: after any mix of extends and removals, the trie drafts exactly what the
+    substring counts give, for any pattern and for a sequence's own tail (the drafter's case)."""
+    rng = np.random.default_rng(1)
+    for depth in (1, 3, 8, 64):
+        cfg = SpecConfig(tree=tree, max_spec_factor=float(rng.choice([1.0, 4.0])), min_token_prob=0.07)
+        t, seqs = SuffixTree(depth), {}
+        for _ in range(250):
+            _random_edit(t, seqs, rng, remove_p=0.1)
+            ref = _SubstringOps(list(seqs.values()), depth)
+            for _ in range(3):
+                own = seqs and rng.random() < 0.6
+                if own:
+                    sid = list(seqs)[int(rng.integers(0, len(seqs)))]
+                    pattern = rng.integers(0, 3, rng.integers(0, 4)).tolist() + seqs[sid][-depth:]
+                else:
+                    pattern = rng.integers(0, 3, rng.integers(1, 2 * depth)).tolist()
+                limit = int(rng.integers(1, 12))
+                got = t.draft(pattern, limit, cfg, sid if own else None)
+                want = ref.draft(pattern, limit, cfg)
+                assert _draft_key(got) == _draft_key(want), (depth, pattern)
+                assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+
+
 def test_trie_counts_matches_and_removal():
     t = SuffixTree(max_depth=4)
     t.extend("x", [1, 2, 3, 1, 2, 4])
@@ -58,38 +138,46 @@ def test_trie_counts_matches_and_removal():
 
 def test_trie_counts_every_substring_through_extends_and_removals():
     """Against brute force: after any mix of extends and removals, the trie holds exactly the
-    substrings (up to max_depth) of the sequences it holds, each with its number of occurrences."""
+    substrings (up to max_depth) of the sequences it holds, each with its number of occurrences,
+    and stores at most a node each."""
     rng = np.random.default_rng(0)
     for depth in (1, 3, 6):
         t, seqs = SuffixTree(depth), {}
         for _ in range(300):
-            sid = int(rng.integers(0, 5))
-            if rng.random() < 0.2:
-                t.remove(sid)
-                seqs.pop(sid, None)
-            else:
-                toks = rng.integers(0, 3, rng.integers(0, 6)).tolist()
-                t.extend(sid, toks)
-                seqs.setdefault(sid, []).extend(toks)
+            _random_edit(t, seqs, rng, remove_p=0.2)
             want = collections.Counter(tuple(s[i:j]) for s in seqs.values() for i in range(len(s))
                                        for j in range(i + 1, min(i + depth, len(s)) + 1))
-            got, stack = {}, [((), t.root)]
+            got, stack, stored = {}, [((), t.root)], 1
             while stack:
                 path, node = stack.pop()
                 for tok, count, child in t.ops.children(node):
                     got[path + (tok,)] = count
                     stack.append((path + (tok,), child))
-            assert got == want and t.num_nodes == len(want) + 1
+                    stored += isinstance(child, int)  # a stored node (else a leaf's occurrence read on)
+            assert got == want and t.num_nodes == stored <= len(want) + 1
 
 
 def test_a_large_trie_holds_no_objects_for_the_garbage_collector():
     """Nodes are ints in flat lists, so a trie of ~100K nodes adds a handful of tracked objects
     (a node object each made the collector's passes cost as much as the insertions)."""
+    text = np.random.default_rng(0).integers(0, 50_000, 1_600).tolist()
     gc.collect()
     before = len(gc.get_objects())
     t = SuffixTree(64)
-    t.extend("a", np.random.default_rng(0).integers(0, 50_000, 2_000).tolist())
+    t.extend("a", text)
+    t.extend("b", text)  # every substring of up to 64 tokens occurs twice: a node each
     assert t.num_nodes > 100_000 and len(gc.get_objects()) - before < 100
+
+
+def test_text_seen_once_stores_about_a_node_per_token():
+    """A path that one occurrence alone reaches is stored as its first node (a leaf pointing into the
+    sequence), not max_depth nodes per token."""
+    rng = np.random.default_rng(0)
+    t = SuffixTree(64)
+    t.extend("a", rng.integers(0, 50_000, 2_000).tolist())
+    assert t.num_nodes < 2 * 2_000
+    t.extend("b", rng.integers(0, 50_000, 2_000).tolist())
+    assert t.num_nodes < 2 * 4_000
 
 
 def test_a_shorter_match_drafts_past_the_depth_limit():

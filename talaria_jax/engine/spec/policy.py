@@ -12,8 +12,6 @@ hardware, the model and the workload's acceptance.
 """
 from __future__ import annotations
 
-import numpy as np
-
 
 class SpecPolicy:
     """Draft tokens per sequence for a step of `batch` sequences (0: a plain step)."""
@@ -88,22 +86,24 @@ class SpecPolicy:
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if n <= b), None)
 
-    def gain(self, batch: int, k: int) -> float:
-        """Expected tokens per second with k drafts per sequence over that of plain steps."""
-        t = self._bucket(batch * (1 + k))
-        if t is None:
-            return 0.0
-        a = self.acceptance
-        expected = sum(a ** i for i in range(k + 1))
-        b = self._bucket(batch)
+    def gains(self, batch: int) -> list[float]:
+        """Expected tokens per second with k = 0, 1, ... max_spec_tokens drafts per sequence over that
+        of plain steps (0 past the largest bucket)."""
+        a, b, expected, out = self.acceptance, self._bucket(batch), 1.0, [1.0]
+        if b is None:
+            return out + [0.0] * self.max_spec_tokens
         plain = self.plain_s[b] * self.scale.get((False, b), 1.0)
-        return expected * plain / (self.verify_s[t] * self.scale.get((True, t), 1.0))
+        for k in range(1, self.max_spec_tokens + 1):
+            expected += a ** k
+            t = self._bucket(batch * (1 + k))
+            out.append(0.0 if t is None else expected * plain / (self.verify_s[t] * self.scale.get((True, t), 1.0)))
+        return out
 
     def draft_len(self, batch: int) -> int:
         if batch < 1:
             return 0
         if self.always:
             return self.max_spec_tokens
-        gains = [1.0] + [self.gain(batch, k) for k in range(1, self.max_spec_tokens + 1)]
-        return int(np.argmax(gains))
+        gains = self.gains(batch)
+        return gains.index(max(gains))
 
