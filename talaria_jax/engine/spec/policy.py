@@ -34,7 +34,7 @@ class SpecPolicy:
     def observe_step(self, verifying: bool, tokens: int, seconds: float) -> None:
         """A real step's time: the curve (all-padding steps) leaves out the attention over the real
         contexts and the query tiles of the drafts, so each kind of step at each bucket keeps a running
-        ratio of its real time to the curve's, and gain() scales the curve by it (1 until seen)."""
+        ratio of its real time to the curve's, and gains() scales the curve by it (1 until seen)."""
         curve = (self.verify_s if verifying else self.plain_s)
         t = self._bucket(tokens)
         if curve is None or t is None:
