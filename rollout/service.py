@@ -583,6 +583,10 @@ class RolloutService:
                     req.version = self.weight_version
                     w.running[req.id] = req
                     adds.append(req)
+                if self.placement.steal and self._paused is None and w.queue:
+                    for x in self.workers:  # requests wait for a slot here: an idle replica takes them now
+                        if x is not w:
+                            x.wake.set()
                 # pause("keep"): off the replica, back in the queue with what they generated
                 keep = [rid for rid in w.running if rid not in aborts] if self._paused == "keep" else []
                 busy = bool(w.running) and not keep
