@@ -299,10 +299,11 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
                 fed[x.rid] = n
                 chunks.append((n, x.ctx))
                 budget -= n
-        seconds = (cost.verify_batch_s if drafts else cost.prefill_batch_s)(shape.model, chunks)
+        plain = cost.prefill_batch_s(shape.model, chunks)
+        seconds = plain + cost.verify_overhead_s(chunks) if drafts else plain  # verify_batch_s when verifying
         kind = "verify" if drafts else ("decode" if decoding else "prefill")
         if rep.policy is not None:  # the runner's time, as the engine tells its policy (no drafting)
-            rep.policy.observe_step(bool(drafts), sum(n for n, _ in chunks), cost.prefill_batch_s(shape.model, chunks))
+            rep.policy.observe_step(bool(drafts), sum(n for n, _ in chunks), plain)
         ended: list[tuple[TrajectoryRecord, int, tuple[int, ...]]] = []
         flight[r] = [seconds, 0, now, kind, ended]
         share(r, now, lambda members: members.add(r))

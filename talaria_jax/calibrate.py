@@ -308,9 +308,8 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
     w = np.array([cost.decode_step_s(shapes[p.model], p.batch if p.kind == "decode" else 1, 0) * n * GB
                   for p in points])
     kv = np.array([p.batch * p.tokens * shapes[p.model].kv_bytes_per_token for p in points])
-    flops = np.array([2.0 * shapes[p.model].active_params_b * 1e9 * p.batch
-                      + 4.0 * shapes[p.model].full_attn_layers * shapes[p.model].attn_dim * p.batch * p.tokens
-                      if p.kind == "decode" else cost.prefill_flops(shapes[p.model], p.tokens, 0) for p in points])
+    flops = np.array([cost.decode_flops(shapes[p.model], p.batch, p.batch * p.tokens) if p.kind == "decode"
+                      else cost.prefill_flops(shapes[p.model], p.tokens, 0) for p in points])
     t = np.array([p.seconds for p in points])
     decode = np.array([p.kind == "decode" for p in points])
     # with one size of weights (one dense model) a step's fixed cost cannot be told from their read: 0

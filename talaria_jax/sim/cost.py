@@ -51,6 +51,10 @@ class CostModel:
         attn = 4.0 * m.full_attn_layers * m.attn_dim * mean_ctx * new_tokens
         return linear + attn
 
+    def decode_flops(self, m: ModelShape, batch: int, context_tokens: int) -> float:
+        """FLOPs of a decode step of `batch` sequences over `context_tokens` of context in all."""
+        return 2.0 * m.active_params_b * 1e9 * batch + 4.0 * m.full_attn_layers * m.attn_dim * context_tokens
+
     def prefill_s(self, m: ModelShape, new_tokens: int, past_tokens: int = 0) -> float:
         """Seconds to prefill new_tokens on top of past_tokens cached (0 when nothing is new)."""
         return self.prefill_batch_s(m, [(new_tokens, past_tokens)])
@@ -68,8 +72,12 @@ class CostModel:
 
     def verify_batch_s(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds of a step that verifies drafts: `prefill_batch_s` of its chunks (each sequence's
-        token and drafts, its cached tokens), and ``verify_token_overhead_us`` for each of their tokens."""
-        return self.prefill_batch_s(m, chunks) + sum(n for n, _ in chunks) * self.hw.verify_token_overhead_us * 1e-6
+        token and drafts, its cached tokens), and `verify_overhead_s`."""
+        return self.prefill_batch_s(m, chunks) + self.verify_overhead_s(chunks)
+
+    def verify_overhead_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """What verifying drafts adds to a step of `chunks`: ``verify_token_overhead_us`` per token."""
+        return sum(n for n, _ in chunks) * self.hw.verify_token_overhead_us * 1e-6
 
     def expert_touch_fraction(self, m: ModelShape, batch: int) -> float:
         """Expected share of routed experts read by a decode step of `batch` tokens."""
@@ -86,8 +94,7 @@ class CostModel:
         # most their window per sequence (gpt-oss: 128 tokens x 18 layers x 2 KiB = 4.7 MB), left out
         kv = context_tokens * m.kv_bytes_per_token / self.hw.kv_bw_efficiency
         memory = (weights + kv) / self._hbm_rate()
-        flops = 2.0 * m.active_params_b * 1e9 * batch + 4.0 * m.full_attn_layers * m.attn_dim * context_tokens
-        compute = flops / self._matmul_rate()
+        compute = self.decode_flops(m, batch, context_tokens) / self._matmul_rate()
         return self._roofline(compute, memory) + self._allreduce_s(m, batch) + self._overhead_s()
 
     def service_s(self, m: ModelShape, prompt_tokens: int, output_tokens: int, cached: int, batch: int,
