@@ -28,6 +28,7 @@ class InstanceStats:
     """What an instance did, counted the same way by both backends (reports and the replay's tables)."""
     switches: int = 0
     switch_s: float = 0.0
+    compile_s: float = 0.0  # tracing and compiling left out of the chunks' seconds (a real instance's replay clock)
     restored_tokens: int = 0  # prefix tokens restored from host memory
     recomputed_tokens: int = 0  # prefix tokens that an earlier call computed, prefilled again
     device_hit_tokens: int = 0  # prefix tokens found on device

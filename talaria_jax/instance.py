@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from talaria_jax.engine.compile_cache import compile_seconds
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.host_tier import HostBudget, HostKV
@@ -179,13 +180,18 @@ class Instance(DerivedQueries):
     (for serving text; default: bytes). `resident`: every model keeps its own device arrays and no
     weight slot is made, so a switch moves no weights (nothing is staged) and costs nothing: for a
     CPU, whose device memory is host memory, and where a step over the slot copies every parameter
-    (XLA:CPU has no views into a buffer: decode about 4x slower, docs/benchmarks/model_switch.md)."""
+    (XLA:CPU has no views into a buffer: decode about 4x slower, docs/benchmarks/model_switch.md).
+    `exclude_compiles`: a chunk's seconds leave out the tracing and compiling inside it
+    (``compile_seconds``; counted in `stats.compile_s`), as a replay's clock should: a warm server
+    compiles nothing, and a step shape first met inside a measured replay would otherwise count as
+    serving time. Only for one thread stepping the instances: the count is the process's."""
 
     def __init__(self, name: str, models: Mapping[str, ShardedModel], hw: HardwareConfig,
                  shapes: Mapping[str, ModelShape], *, engine_config: EngineConfig, tokens: SessionTokens,
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
                  kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
-                 tokenizers: Mapping[str, Tokenizer] | None = None, resident: bool = False):
+                 tokenizers: Mapping[str, Tokenizer] | None = None, resident: bool = False,
+                 exclude_compiles: bool = False):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
         mesh = next(iter(models.values())).mesh
@@ -207,6 +213,7 @@ class Instance(DerivedQueries):
         cfg = dataclasses.replace(engine_config, prefix_cache=True, warmup=False, num_pages=None,
                                   kv_memory_bytes_per_device=None)
         self.resident = resident
+        self.exclude_compiles = exclude_compiles
         self.slot: WeightSlot | None = None
         self._resident_bytes = sum(a.nbytes for model in models.values() for a in model.param_arrays().values()) \
             if resident else 0
@@ -495,9 +502,7 @@ class Instance(DerivedQueries):
             self._staged, self._stage_to = self._stage_to, None
         if self._switch_to is not None:
             model, self._switch_to = self._switch_to, None
-            t0 = time.perf_counter()
-            self._switch(model)
-            dur = time.perf_counter() - t0
+            _, dur = self._timed(self._switch, model)
             self.stats.switches += 1
             self.stats.switch_s += dur
             self.stats.switch_log.append((now, model, dur))
@@ -507,9 +512,7 @@ class Instance(DerivedQueries):
         eng = self.served[self._active].engine if self._active else None
         if eng is None or not eng.has_unfinished():
             return None
-        t0 = time.perf_counter()
-        report = eng.run_step()
-        dur = time.perf_counter() - t0
+        report, dur = self._timed(eng.run_step)
         outs = report.outputs
         st = self.stats
         st.restored_tokens += report.restored_tokens
@@ -518,6 +521,18 @@ class Instance(DerivedQueries):
         st.peak_kv_pages = max(st.peak_kv_pages, self.kv_pages_used())
         st.peak_device_bytes = max(st.peak_device_bytes, self._device_bytes())
         return self._busy(("step", outs), dur)
+
+    def _timed(self, fn: Callable, *args):
+        """fn(*args) and the seconds it took: on the wall clock, less the compiling inside it when
+        `exclude_compiles` (added to `stats.compile_s`)."""
+        t0, c0 = time.perf_counter(), compile_seconds() if self.exclude_compiles else 0.0
+        out = fn(*args)
+        seconds = time.perf_counter() - t0
+        if self.exclude_compiles:
+            compiled = compile_seconds() - c0
+            self.stats.compile_s += compiled
+            seconds = max(0.0, seconds - compiled)
+        return out, seconds
 
     def _busy(self, chunk: tuple, seconds: float) -> float:
         self._chunk = chunk

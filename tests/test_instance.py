@@ -1,6 +1,7 @@
 """Real instances (talaria_jax.instance): KV across model switches, stable addresses, tenant salts,
 nothing lost when memory runs out, and every policy driving real instances."""
 import dataclasses
+import time
 import warnings
 
 import jax
@@ -116,6 +117,18 @@ def test_resident_models_switch_without_moving_weights(models4):
     out = inst.outputs[s1.key]
     greedy, _ = recompute_logprobs(models4["A"], list(out.prompt_token_ids) + out.token_ids, len(out.token_ids))
     assert out.token_ids == greedy
+
+
+def test_a_replay_clock_leaves_out_compiling(models4):
+    # step shapes no other test meets (40 tokens a step), so the first chunks compile: the instance's
+    # clock advances by the steps' seconds without the compiling, which stats.compile_s counts
+    inst = instance(models4, engine=dataclasses.replace(ENGINE, max_tokens_per_step=40), resident=True,
+                    exclude_compiles=True)
+    t = time.perf_counter()
+    serve(inst, Call("s", 0, "A", 30, 4, 1.0, start_s=0.0))
+    wall = time.perf_counter() - t
+    assert inst.stats.compile_s > 0.05
+    assert inst.now + inst.stats.compile_s <= wall
 
 
 def test_slot_and_pool_addresses_stay_put_over_20_switches(shared4):

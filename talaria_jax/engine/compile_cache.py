@@ -38,3 +38,26 @@ def cache_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
     """The folder `enable_compilation_cache(path)` uses: `path`, else $TALARIA_COMPILATION_CACHE, else
     ~/.cache/talaria_jax/xla (absolute)."""
     return pathlib.Path(path or os.environ.get(ENV_VAR) or DEFAULT_DIR).expanduser().resolve()
+
+
+# JAX's duration events for the three stages of making a program: tracing, lowering to MLIR and the
+# backend compile (a persistent-cache load included). They run one after another, never nested.
+_COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
+                             "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration"})
+_compile = {"s": 0.0, "listening": False}  # seconds spent making programs since `compile_seconds` first ran
+
+
+def _on_duration(event: str, seconds: float, **_kw) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile["s"] += seconds
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling programs (persistent-cache
+    loads included) since this function first ran: its difference over a stretch of work is the part
+    of that work a warm server would not do."""
+    if not _compile["listening"]:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _compile["listening"] = True
+    return _compile["s"]
