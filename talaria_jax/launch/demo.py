@@ -85,14 +85,15 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
         cluster.compare(policies, script, start_gap_s=_START_GAP.value, progress=True)
 
         compiled = {p: 0.0 for p in pols}  # seconds of compiling inside each policy's measured passes
-        mark = [compile_seconds()]
+        mark = compile_seconds()
 
         def report(policy: str, run: int, res) -> None:
+            nonlocal mark
             s, c = summarize(res), compile_seconds()
-            compiled[policy] += c - mark[0]
+            compiled[policy] += c - mark
             say(f"{policy}, pass {run + 1} of {_RUNS.value}: SCT p50 {_fmt(s['sct_p50_s'])} s, "
-                f"p90 {_fmt(s['sct_p90_s'])} s, errors {s['errors']}, compiling {c - mark[0]:.1f} s")
-            mark[0] = c
+                f"p90 {_fmt(s['sct_p90_s'])} s, errors {s['errors']}, compiling {c - mark:.1f} s")
+            mark = c
 
         say(f"measured: {_RUNS.value} passes per policy, interleaved ({', '.join(pols)}, ...)")
         runs = cluster.compare(policies, script, runs=_RUNS.value, on_run=report, start_gap_s=_START_GAP.value,
