@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -133,9 +134,11 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
               model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0,
               seeds: Sequence[int] = (0,), hints: str = "trace", local_trace: str = "12x4") -> dict:
     """Replays every policy on real instances (after a warm-up replay of each; the compiling a measured
-    replay still meets is left out of its chunks' seconds), then the simulator on the same calls, models, hardware and tool-time
-    jitter (seeded per call as in the simulator; kernel time is the real engine's own). `trace` None:
-    `local.LOCAL_TRACES[local_trace]`."""
+    replay still meets is left out of its chunks' seconds), the policies interleaved seed by seed, then
+    the simulator on the same calls, models, hardware and tool-time jitter (seeded per call as in the
+    simulator; kernel time is the real engine's own). `trace` None: `local.LOCAL_TRACES[local_trace]`.
+    The results carry the load average before the first replay."""
+    load_average = os.getloadavg()[0]
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax.instance import SessionTokens
     from talaria_jax import local
@@ -160,19 +163,20 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
         print(f"{name}: warm-up replay in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     out: dict = {"backend": "local", "trace": trace or f"local-{local_trace}", "hardware": hw.name, "servers": servers,
                  "models": list(local_models), "devices_per_instance": devices_per_instance, "seeds": list(seeds),
-                 "hints": hints, "policies": {}}
+                 "hints": hints, "load_average": load_average, "policies": {}}
     keys = ("sct_p50_s", "sct_p95_s")
-    for name in policies:
-        pol = get_policy(name)
-        runs = []
-        for seed in seeds:
+    per_policy: dict[str, list] = {name: [] for name in policies}
+    for seed in seeds:  # the policies interleaved, seed by seed, so a drift of the machine reaches them alike
+        for name in policies:
+            pol = get_policy(name)
             t = time.perf_counter()
             real = local.replay_local(calls, pol, insts, seed=seed, gap_jitter_sigma=_GAP_SIGMA)
             print(f"{name}, seed {seed}: replayed in {time.perf_counter() - t:.0f} s", file=sys.stderr)
             sim = replay(calls, pol, hw, shapes, servers=servers, seed=seed, jitter_sigma=0.0,
                          gap_jitter_sigma=_GAP_SIGMA, page_bytes=insts[0].page_bytes)
-            runs.append({"measured": {**real.summary(), "sct_s": real.sct_s},
-                         "simulated": {**sim.summary(), "sct_s": sim.sct_s}})
+            per_policy[name].append({"measured": {**real.summary(), "sct_s": real.sct_s},
+                                     "simulated": {**sim.summary(), "sct_s": sim.sct_s}})
+    for name, runs in per_policy.items():
         mean = lambda side: {k: float(np.mean([r[side][k] for r in runs])) for k in runs[0][side] if k != "sct_s"}
         m, sim = mean("measured"), mean("simulated")
         m["sct_p90_s"] = float(np.mean([np.quantile(list(r["measured"]["sct_s"].values()), 0.9) for r in runs]))
@@ -198,8 +202,9 @@ _GAP_SIGMA = 0.1  # tool-time jitter per call (the simulator's default), the sam
 
 
 def format_local_table(res: dict) -> str:
+    load = f"; load average {res['load_average']:.2f} at the start" if "load_average" in res else ""
     lines = [f"local replay of `{res['trace']}` on {res['servers']} instances x {res['devices_per_instance']} device(s), "
-             f"models {', '.join(res['models'])}; simulator with hardware `{res['hardware']}`", "",
+             f"models {', '.join(res['models'])}; simulator with hardware `{res['hardware']}`{load}", "",
              "| policy | measured SCT p50 (s) | p90 (s) | p95 (s) | simulated p50 (s) | p95 (s) | error p50 | error p95 "
              "| switches | KV restored (tok) | prefix recomputed (tok) | worst session / round |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
