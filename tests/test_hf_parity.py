@@ -1,4 +1,4 @@
-"""Logits and greedy parity with HF transformers on tiny random Llama, Qwen3, Qwen3-MoE and GLM-4.5-MoE.
+"""Logits and greedy parity with HF transformers on tiny random Llama, Qwen3, Qwen3-MoE, GLM-4.5-MoE and gpt-oss.
 
 Goldens come from tests/assets/make_golden.py; when torch + transformers are importable the HF
 model is also rebuilt and run live.
@@ -13,7 +13,7 @@ from talaria_jax.models.model import forward, greedy_generate, pad_batch
 from talaria_jax.weights import load_hf_checkpoint
 
 ASSETS = pathlib.Path(__file__).parent / "assets"
-MODELS = ["hf-tiny-llama", "hf-tiny-qwen3", "hf-tiny-qwen3-moe", "hf-tiny-glm4-moe"]
+MODELS = ["hf-tiny-llama", "hf-tiny-qwen3", "hf-tiny-qwen3-moe", "hf-tiny-glm4-moe", "hf-tiny-gpt-oss"]
 RTOL = 1e-4
 
 

@@ -21,7 +21,8 @@ _NEG = -1e30  # finite "minus infinity": a fully masked block then contributes e
 def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_size: int, page_tables: jax.Array,
                            pos: jax.Array, tile_tok: jax.Array, tile_seq: jax.Array, tok_slot: jax.Array,
                            num_blocks: jax.Array, pages_per_block: int, window: int = 0,
-                           tree: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                           tree: tuple[jax.Array, jax.Array] | None = None,
+                           sinks: jax.Array | None = None) -> jax.Array:
     """q: [T, H, D]; read(pages [NT, n]) -> K, V [NT, n, page_size, kv_heads, D] of those pages (one layer's,
     e.g. `talaria_jax.kvcache.pool.read_kv`); page_tables: [B, MP] (MP a multiple of pages_per_block);
     pos: [T]; tile_tok: [NT, Q], the token in each tile slot (T for an empty slot); tile_seq: [NT];
@@ -31,7 +32,8 @@ def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_siz
     only those whose bit (key - base) is set in anc[t] (its ancestors and itself in its draft tree;
     a tree's nodes sit at positions base, base + 1, ... in depth-first order); base past every
     position for tokens outside a tree. Not with a sliding window (pos is then the slot order, not
-    the depth). Returns [T, H, D]."""
+    the depth). sinks: [H] logits in every query's softmax with no value (gpt-oss), or None: the online
+    softmax starts from them (running max = sink, sum = 1) instead of from nothing. Returns [T, H, D]."""
     t, h, d = q.shape
     nt, qt = tile_tok.shape
     ps, kvh = page_size, kv_heads
@@ -70,8 +72,12 @@ def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_siz
         acc = acc * corr[..., None] + jnp.einsum("nkms,nskd->nkmd", p, vb)
         return m_new, l, acc
 
-    init = (jnp.full((nt, kvh, qt * g), _NEG, jnp.float32), jnp.zeros((nt, kvh, qt * g), jnp.float32),
-            jnp.zeros((nt, kvh, qt * g, d), jnp.float32))
+    if sinks is None:
+        m0, l0 = jnp.full((nt, kvh, qt * g), _NEG, jnp.float32), jnp.zeros((nt, kvh, qt * g), jnp.float32)
+    else:  # row (k, q * g + j) of a tile is query q's head k * g + j
+        m0 = jnp.broadcast_to(jnp.tile(sinks.astype(jnp.float32).reshape(kvh, g), (1, qt)), (nt, kvh, qt * g))
+        l0 = jnp.ones((nt, kvh, qt * g), jnp.float32)
+    init = (m0, l0, jnp.zeros((nt, kvh, qt * g, d), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # [NT, KV, Q*G, D]
     out = out.reshape(nt, kvh, qt, g, d).transpose(0, 2, 1, 3, 4).reshape(nt * qt, h, d)

@@ -174,14 +174,17 @@ def single_token_tiles(seq: np.ndarray, num_tokens: int):
 ATTENTION = ("reference", "pallas", "auto")  # EngineConfig.attention's values
 
 
-def attention_kind(attention: str, mesh, spec: PoolSpec) -> str:
+def attention_kind(attention: str, mesh, spec: PoolSpec, sinks: bool = False) -> str:
     """The attention a runner runs for EngineConfig.attention: "pallas" or "reference" as asked, "auto"
     the Pallas kernel where `mesh`'s devices are GPUs and Triton can tile the pool's pages (else the
-    reference). ValueError naming the field where "pallas" cannot run on this pool."""
+    reference). ValueError naming the field where "pallas" cannot run on this pool, or for a model with
+    attention sinks (`sinks`, gpt-oss), which only the reference runs."""
     if attention == "reference":
         return attention
     gpu = kernels.on_gpu(mesh)
     try:
+        if sinks:
+            raise ValueError("the model has attention sinks (gpt-oss), which the Pallas kernel does not run")
         kernels.check_shapes(spec.page_size, spec.head_dim, gpu)
     except ValueError as e:
         if attention == "pallas":
@@ -355,16 +358,16 @@ class Runner:
 
         spec, mesh = self.spec, self.model.mesh
 
-        def attn(layer, q, k, v, arena):
+        def attn(layer, q, k, v, arena, sinks=None):
             arena = write_kv(arena, spec, mesh, layer, k, v, slots)
-            if self.attention == "pallas":  # reads the pages straight from the arena
+            if self.attention == "pallas":  # reads the pages straight from the arena (no sinks: attention_kind)
                 out = kernels.ragged_paged_attention(q, arena, spec, mesh, layer, page_tables, mask_pos, tile_tok,
                                                      tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer), tree)
                 return out, arena
             read = functools.partial(read_kv, arena, spec, mesh, layer)
             out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, mask_pos, tile_tok,
                                          tile_seq, tok_slot, *reference_blocks(tile_tok.shape[1], num_blocks, ppb),
-                                         cfg.window(layer), tree)
+                                         cfg.window(layer), tree, sinks)
             return out, arena
 
         h, kv = model.hidden(tokens, positions, attn, kv)

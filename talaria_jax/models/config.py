@@ -7,9 +7,11 @@ simulator's cost model is built from (talaria_jax/sim/hardware.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 
 from talaria_jax import config_io
+from talaria_jax.models.quant import QuantConfig
 
 MODEL_CONFIG_DIR = config_io.CONFIG_DIR / "models"
 
@@ -46,13 +48,17 @@ def with_default_compute_dtype(cfg: "ModelConfig", platform: str) -> "ModelConfi
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`). Other types (gpt-oss's `yarn`) are
-    recorded for byte accounting only: `rope_inv_freq` refuses them."""
+    """RoPE frequency scaling: Llama-3's (`rope_type: llama3`: factor, low/high_freq_factor) or YaRN
+    (`yarn`, gpt-oss: factor, beta_fast/beta_slow, truncate; cos and sin scaled by 0.1 ln(factor) + 1),
+    both as HF's modeling_rope_utils computes them."""
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,12 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     # Leading layers that keep a dense FFN (GLM-4.5's first_k_dense_replace).
     first_dense_layers: int = 0
+    # gpt-oss: a bias on the router's logits and on each expert's projections, and SwiGLU clamped at
+    # `swiglu_limit` (0: plain SwiGLU): min(g, L) * sigmoid(alpha * min(g, L)) * (clip(u, -L, L) + 1).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +101,21 @@ class ModelConfig:
     norm_eps: float = 1e-6
     qk_norm: bool = False
     attention_bias: bool = False
+    # A bias on the output projection too (gpt-oss), and a learned per-head logit that joins each
+    # query's softmax and takes its share of the probability without a value (gpt-oss's sinks).
+    attention_out_bias: bool = False
+    attention_sinks: bool = False
     tie_embeddings: bool = False
     moe: MoEConfig | None = None
+    # Linear weights stored quantized (FP8 with block or channel scales, MXFP4 experts) as the
+    # checkpoint ships them, dequantized inside the step (talaria_jax/models/quant.py); None = every
+    # weight in `dtype`.
+    quant: QuantConfig | None = None
     # Per-layer sliding window in tokens, 0 = full attention; empty = all layers full.
     sliding_windows: tuple[int, ...] = ()
     max_position: int = 32768
-    # Storage precision of the served weights and KV (for byte accounting, not the compute dtype).
+    # Storage precision of the served weights (those `quant` leaves unquantized) and KV, for byte
+    # accounting; not the compute dtype.
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     # Compute dtype of the JAX model (fp32 on CPU, bf16 on GPU).
@@ -162,6 +183,10 @@ class ModelConfig:
         p = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         if self.attention_bias:
             p += self.q_size + 2 * self.kv_size
+        if self.attention_out_bias:
+            p += self.hidden_size
+        if self.attention_sinks:
+            p += self.num_heads
         if self.qk_norm:
             p += 2 * self.head_dim
         return p + 2 * self.hidden_size  # two RMSNorms per layer
@@ -173,8 +198,11 @@ class ModelConfig:
             return p, p
         m = self.moe
         expert = _FFN_MATRICES * self.hidden_size * m.expert_ffn_size
-        router = self.hidden_size * m.num_experts
-        shared = m.num_shared_experts * expert
+        # the router, its bias (gpt-oss) or score-correction bias (GLM-4.5's sigmoid scoring)
+        router = self.hidden_size * m.num_experts + m.num_experts * (m.router_bias + (m.router_scoring == "sigmoid"))
+        if m.expert_bias:
+            expert += 2 * m.expert_ffn_size + self.hidden_size
+        shared = m.num_shared_experts * _FFN_MATRICES * self.hidden_size * m.expert_ffn_size
         return m.num_experts * expert + shared + router, m.top_k * expert + shared + router
 
     def param_count(self) -> int:
@@ -193,12 +221,15 @@ class ModelConfig:
         return total
 
     def routed_expert_params(self) -> int:
-        """Parameters of all routed experts (not shared experts or routers): the weights a decode step
-        reads only for the experts its tokens touch."""
+        """Parameters of all routed experts (their matrices and biases; not shared experts or routers):
+        the weights a decode step reads only for the experts its tokens touch."""
         if self.moe is None:
             return 0
-        per_layer = self.moe.num_experts * _FFN_MATRICES * self.hidden_size * self.moe.expert_ffn_size
-        return per_layer * sum(1 for layer in range(self.num_layers) if self.is_moe_layer(layer))
+        m = self.moe
+        per_expert = _FFN_MATRICES * self.hidden_size * m.expert_ffn_size
+        if m.expert_bias:
+            per_expert += 2 * m.expert_ffn_size + self.hidden_size
+        return m.num_experts * per_expert * sum(1 for layer in range(self.num_layers) if self.is_moe_layer(layer))
 
     def kv_bytes_per_token(self, full_attention: bool = False) -> int:
         """2 x layers x kv_heads x head_dim x bytes (docs/references.md). Sliding-window layers hold a
@@ -206,8 +237,57 @@ class ModelConfig:
         layers = self.num_layers if full_attention else sum(1 for l in range(self.num_layers) if self.window(l) == 0)
         return int(2 * layers * self.kv_size * _DTYPE_BYTES[self.kv_dtype])
 
+    def linear_weights(self) -> list[tuple[str, int, int, int]]:
+        """(our parameter path, out, in, matrices) of every weight a quantized checkpoint may store
+        quantized: the attention and FFN projections (experts: one matrix each), not the embeddings,
+        LM head, norms, biases or router."""
+        out = []
+        for i in range(self.num_layers):
+            b = f"blocks.{i}"
+            e = self.hidden_size
+            out += [(f"{b}.attn.q_proj", self.q_size, e, 1), (f"{b}.attn.k_proj", self.kv_size, e, 1),
+                    (f"{b}.attn.v_proj", self.kv_size, e, 1), (f"{b}.attn.o_proj", e, self.q_size, 1)]
+            if self.is_moe_layer(i):
+                m = self.moe
+                f, x = m.expert_ffn_size, m.num_experts
+                out += [(f"{b}.ffn.gate_proj", f, e, x), (f"{b}.ffn.up_proj", f, e, x), (f"{b}.ffn.down_proj", e, f, x)]
+                if m.num_shared_experts:
+                    fs = m.num_shared_experts * f
+                    out += [(f"{b}.ffn.shared.gate_proj", fs, e, 1), (f"{b}.ffn.shared.up_proj", fs, e, 1),
+                            (f"{b}.ffn.shared.down_proj", e, fs, 1)]
+            else:
+                f = self.ffn_size
+                out += [(f"{b}.ffn.gate_proj", f, e, 1), (f"{b}.ffn.up_proj", f, e, 1), (f"{b}.ffn.down_proj", e, f, 1)]
+        return out
+
+    def _quantized_delta(self, select=lambda path: True) -> tuple[float, float]:
+        """(bytes of the selected linear weights as stored, the same at `weight_dtype`)."""
+        q, dense = self.quant, _DTYPE_BYTES[self.weight_dtype]
+        stored = plain = 0.0
+        for path, o, i, n in self.linear_weights():
+            if not select(path):
+                continue
+            plain += o * i * n * dense
+            if q is None or not q.quantizes(path):
+                stored += o * i * n * dense
+                continue
+            bo, bi = q.block[0] or o, q.block[1] or i
+            stored += n * (o * i * (1 if q.method == "fp8" else 0.5)
+                           + math.ceil(o / bo) * math.ceil(i / bi) * q.scale_dtype.itemsize)
+        return stored, plain
+
     def weight_bytes(self) -> int:
-        return int(self.param_count() * _DTYPE_BYTES[self.weight_dtype])
+        """Bytes of the weights as served: every parameter at `weight_dtype`, except the linear weights
+        `quant` stores quantized, which count their values and their scales."""
+        stored, plain = self._quantized_delta()
+        return int(self.param_count() * _DTYPE_BYTES[self.weight_dtype] - plain + stored)
+
+    def routed_expert_bytes(self) -> int:
+        """Bytes of the routed experts' matrices as served (their biases aside)."""
+        if self.moe is None:
+            return 0
+        return int(self._quantized_delta(lambda p: p.split(".")[2:3] == ["ffn"] and ".shared." not in p
+                                         and self.is_moe_layer(int(p.split(".")[1])))[0])
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

@@ -17,8 +17,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from talaria_jax.models import layers
 from talaria_jax.models.config import ModelConfig
-from talaria_jax.models.decoder import Decoder
+from talaria_jax.models.decoder import Decoder, linear_axes
 from talaria_jax.sharding import make_mesh, state_shardings
 
 
@@ -90,6 +91,30 @@ def with_params(model: ShardedModel, params: Any, tag: str = "") -> ShardedModel
 
     state = jax.tree_util.tree_map_with_path(put, model.state)
     return dataclasses.replace(model, state=state, fingerprint=weights_fingerprint(model.fingerprint, "update", tag))
+
+
+def dequantized(model: ShardedModel) -> ShardedModel:
+    """`model` with every quantized weight (values and scales, `cfg.quant`) turned into one array in the
+    compute dtype, on the same mesh and shardings as an unquantized model of that config: the
+    dequantize-then-compute reference a quantized model is checked against. Unquantized: `model`."""
+    if model.cfg.quant is None:
+        return model
+    cfg = model.cfg.replace(quant=None)
+    graphdef, abstract, shardings = abstract_model(cfg, model.mesh)
+    have = model.param_arrays()
+    flat_abs = dict(nnx.to_flat_state(abstract))
+    flat_sh = dict(nnx.to_flat_state(shardings))
+    arrays = {}
+    for key in flat_abs:
+        name = ".".join(map(str, key))
+        if f"{name}_scale" not in have:
+            arrays[key] = have[name]
+            continue
+        fn = functools.partial(layers.dequantize, q=model.cfg.quant, axes=linear_axes(cfg, name),
+                               dtype=jnp.dtype(cfg.dtype))
+        arrays[key] = jax.jit(fn, out_shardings=flat_sh[key].get_value())(have[name], have[f"{name}_scale"])
+    state = nnx.from_flat_state([(k, flat_abs[k].replace(arrays[k])) for k in flat_abs])
+    return ShardedModel(cfg, model.mesh, graphdef, state, weights_fingerprint(model.fingerprint, "dequantized"))
 
 
 def weights_fingerprint(*parts: Any) -> str:

@@ -17,6 +17,7 @@ import yaml
 
 from talaria_jax import config_io
 from talaria_jax.models.config import ModelConfig, available_models, bytes_per_weight, load_model_config
+from talaria_jax.models.quant import QuantConfig
 
 CONFIG_ROOT = pathlib.Path(__file__).resolve().parents[2] / "configs"
 GB = 1e9
@@ -114,30 +115,27 @@ class ModelShape:
         return self.weight_bytes / GB
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, weight_dtype: str, tp: int, *, expert_dtype: str | None = None,
+    def from_config(cls, cfg: ModelConfig, weight_dtype: str, tp: int, *, quant: QuantConfig | None = None,
                     name: str | None = None) -> "ModelShape":
-        """The shape of `cfg` served with weights in `weight_dtype` (routed experts in `expert_dtype`,
-        default the same) by one instance of tensor-parallel degree `tp`.
+        """The shape of `cfg` served with weights in `weight_dtype`, its linear weights stored as `quant`
+        says (default: the config's own `quant`, as the checkpoint ships), by one instance of
+        tensor-parallel degree `tp`.
 
-        Every figure is ModelConfig arithmetic: weight bytes = parameters x bytes per weight of the
-        precision, active parameters = ``active_param_count()``, full-attention layers = layers with no
-        sliding window, KV bytes = ``kv_bytes_per_token()`` with kv heads replicated up to `tp` when
-        there are fewer kv heads than ranks (each rank holds at least one, docs/references.md: Qwen3-235B's
-        188 KiB is 376 KiB physical at TP=8). Raises config_io.ConfigError for an unknown precision."""
+        Every figure is ModelConfig arithmetic: weight bytes = ``weight_bytes()`` (every parameter at
+        the precision, quantized matrices at their values' and scales' bytes: what the loaded arrays
+        hold, tests/test_quant_checkpoints.py), active parameters = ``active_param_count()``,
+        full-attention layers = layers with no sliding window, KV bytes = ``kv_bytes_per_token()`` with
+        kv heads replicated up to `tp` when there are fewer kv heads than ranks (each rank holds at
+        least one, docs/references.md: Qwen3-235B's 188 KiB is 376 KiB physical at TP=8). Raises
+        config_io.ConfigError for an unknown precision."""
         if tp < 1:
             raise ConfigError(f"{cfg.name}: tp={tp} must be >= 1")
-        expert_dtype = expert_dtype or weight_dtype
-        for field, dtype in (("weight_dtype", weight_dtype), ("expert_dtype", expert_dtype)):
-            try:
-                bytes_per_weight(dtype)
-            except config_io.ConfigError as e:
-                raise ConfigError(f"{cfg.name}: field '{field}'={dtype!r}: {e}") from None
-        routed = cfg.routed_expert_params()
-        if expert_dtype == weight_dtype:
-            weight_bytes = cfg.replace(weight_dtype=weight_dtype).weight_bytes()
-        else:
-            weight_bytes = int((cfg.param_count() - routed) * bytes_per_weight(weight_dtype)
-                               + routed * bytes_per_weight(expert_dtype))
+        try:
+            bytes_per_weight(weight_dtype)
+        except config_io.ConfigError as e:
+            raise ConfigError(f"{cfg.name}: field 'weight_dtype'={weight_dtype!r}: {e}") from None
+        cfg = cfg.replace(weight_dtype=weight_dtype, quant=quant or cfg.quant)
+        weight_bytes = cfg.weight_bytes()
         kv_per_rank = math.ceil(cfg.num_kv_heads / tp)
         return cls(
             name=name or cfg.name, weight_bytes=float(weight_bytes), active_params_b=cfg.active_param_count() / 1e9,
@@ -145,7 +143,7 @@ class ModelShape:
             kv_bytes_per_token=cfg.kv_bytes_per_token() * tp * kv_per_rank // cfg.num_kv_heads,
             attn_dim=cfg.q_size, hidden=cfg.hidden_size, num_experts=cfg.moe.num_experts if cfg.moe else 0,
             top_k=cfg.moe.top_k if cfg.moe else 0,
-            expert_fraction=routed * bytes_per_weight(expert_dtype) / weight_bytes, tp=tp)
+            expert_fraction=cfg.routed_expert_bytes() / weight_bytes, tp=tp)
 
 
 # (field, lower bound, upper bound); bounds are sanity limits, not physics.
@@ -200,7 +198,7 @@ def load_hardware(path: str | pathlib.Path) -> HardwareConfig:
 
 
 DEFAULT_MODELS_TABLE = CONFIG_ROOT / "hardware" / "models.yaml"
-_VARIANT_FIELDS = {"config": True, "weight_dtype": True, "expert_dtype": False}  # field: required
+_VARIANT_FIELDS = {"config": True, "weight_dtype": True, "quant": False}  # field: required
 # The precision of a model named in a trace by its config name (configs/models/<name>.yaml) when the
 # table has no variant of that name: every weight in bf16, as the configs' checkpoints ship.
 DEFAULT_WEIGHT_DTYPE = "bfloat16"
@@ -236,16 +234,16 @@ def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None 
         for field, required in _VARIANT_FIELDS.items():
             if required and field not in entry:
                 raise ConfigError(f"{where}: missing field '{field}'")
-            if field in entry and not (isinstance(entry[field], str) and entry[field]):
+            if field in entry and field != "quant" and not (isinstance(entry[field], str) and entry[field]):
                 raise ConfigError(f"{where}: field '{field}' must be a non-empty string, got {entry[field]!r}")
         try:
             cfg = load_model_config(entry["config"])
         except config_io.ConfigError as e:
             raise ConfigError(f"{where}: field 'config'={entry['config']!r}: {e}") from None
         try:
-            out[str(name)] = ModelShape.from_config(cfg, entry["weight_dtype"], tp,
-                                                    expert_dtype=entry.get("expert_dtype"), name=str(name))
-        except ConfigError as e:
+            quant = config_io.from_dict(QuantConfig, entry["quant"], "quant") if "quant" in entry else None
+            out[str(name)] = ModelShape.from_config(cfg, entry["weight_dtype"], tp, quant=quant, name=str(name))
+        except (ConfigError, config_io.ConfigError, ValueError) as e:
             raise ConfigError(f"{where}: {e}") from None
     configs = set(available_models())
     for name in extra:

@@ -160,6 +160,11 @@ class HostWeights:
     def name(self) -> str:
         return self.layout.name
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes over all devices' rows: what a load or staging copies."""
+        return self.layout.bytes_per_device * self.layout.mesh.devices.size
+
     @classmethod
     def of(cls, model: ShardedModel, layout: SlotLayout | None = None) -> "HostWeights":
         """Copies `model`'s parameters to host memory, one row per device built from the shards that
@@ -213,6 +218,11 @@ class WeightSlot:
         self.active: HostWeights | None = None  # the weights now in the slot
         self.staged: HostWeights | None = None  # the weights in (or on their way to) staging
         self._staging: jax.Array | None = None
+        # Bytes copied so far, over all devices: host to device (loads and stagings) and device to
+        # device (activations). A switch moves its model's layout bytes: the checkpoint's, quantized
+        # weights and their scales included.
+        self.h2d_bytes = 0
+        self.d2d_bytes = 0
 
     @classmethod
     def for_layouts(cls, mesh: Mesh, layouts) -> "WeightSlot":
@@ -239,6 +249,7 @@ class WeightSlot:
         self.check(host.layout)
         self.array = self._write(self.array, jax.device_put(host.data, self.sharding))
         self.active = host
+        self.h2d_bytes += host.nbytes
 
     def stage(self, host: HostWeights) -> None:
         """Starts copying `host` to the staging buffer and returns at once; the active model keeps
@@ -246,6 +257,7 @@ class WeightSlot:
         self.check(host.layout)
         self._staging = jax.device_put(host.data, self.sharding)
         self.staged = host
+        self.h2d_bytes += host.nbytes
 
     def staged_ready(self) -> bool:
         """Whether the staged copy has arrived on the devices (False when nothing is staged)."""
@@ -262,6 +274,7 @@ class WeightSlot:
         if self._staging is None:
             raise ValueError("activate_staged: nothing is staged (call stage(host) first)")
         self.array = self._write(self.array, self._staging)
+        self.d2d_bytes += self.staged.nbytes
         self.active, self.staged, self._staging = self.staged, None, None
         return self.active
 

@@ -1,4 +1,4 @@
-"""Builds tiny random HF models (Llama with Llama-3 RoPE scaling, Qwen3, Qwen3-MoE, GLM-4.5-style MoE) with a fixed
+"""Builds tiny random HF models (Llama with Llama-3 RoPE scaling, Qwen3, Qwen3-MoE, GLM-4.5-style MoE, gpt-oss) with a fixed
 seed, saves each as safetensors + config.json and golden logits / greedy continuations for a fixed
 prompt batch. Needs torch + transformers (`make hf`); run with `make golden`.
 
@@ -34,6 +34,15 @@ CONFIGS = {
                              attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                              norm_topk_prob=True, routed_scaling_factor=2.5, n_group=1, topk_group=1),
+    # gpt-oss: attention sinks, q/k/v/o biases, sliding-window layers alternating with full ones, YaRN
+    # RoPE, a biased router, fused gate/up experts with biases and the clamped SwiGLU. The window (4)
+    # and YaRN's original context (32) are small so that the prompts reach past both.
+    "hf-tiny-gpt-oss": dict(model_type="gpt_oss", intermediate_size=64, rope_theta=150000.0, attention_bias=True,
+                            num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                            rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                              original_max_position_embeddings=32, truncate=False),
+                            attn_implementation="eager"),
 }
 
 
@@ -59,6 +68,8 @@ def build_hf_model(name: str, seed: int = 0):
                 t.normal_(0.0, 0.1)
             elif "norm" in name:
                 t.normal_(1.0, 0.1)
+            elif name.endswith("sinks"):  # large enough that a sink takes a real share of the softmax
+                t.normal_(0.0, 1.0)
     return model.eval()
 
 
@@ -76,9 +87,9 @@ def hf_logits_and_greedy(model, batch: list[list[int]]) -> tuple[list[np.ndarray
     return logits, greedy
 
 
-def main():
+def main(names=tuple(CONFIGS)):
     batch = prompts()
-    for name in CONFIGS:
+    for name in names:
         model = build_hf_model(name)
         out = ASSETS / name
         out.mkdir(exist_ok=True)
@@ -93,4 +104,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:] or tuple(CONFIGS))
