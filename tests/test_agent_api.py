@@ -102,6 +102,31 @@ def test_required_gives_a_declared_call_with_valid_arguments_every_time(server):
     assert len({a.choices[0].message.tool_calls[0].function.name for a in answers}) > 1  # the prompt matters
 
 
+def test_an_answer_cut_by_max_tokens_keeps_its_complete_calls(server):
+    # SmolLM2 under tool_choice required answers this with two calls; cut short, the answer keeps the
+    # calls it finished and shows the cut one nowhere (neither as a call nor as raw text), plain and streamed
+    kw = dict(model="smol", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+              tool_choice="required", temperature=0.0)
+    whole = server.chat.completions.create(max_tokens=200, **kw)
+    want = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    n = whole.usage.completion_tokens
+    assert whole.choices[0].finish_reason == "tool_calls" and len(want) == 2, whole
+    kept = []
+    for limit in (n // 2 + 3, n - 8, 6):  # after the first call, inside the second, inside the first
+        cut = server.chat.completions.create(max_tokens=limit, **kw).choices[0]
+        got = [(c.function.name, c.function.arguments) for c in cut.message.tool_calls or ()]
+        assert cut.finish_reason == "length" and got == want[:len(got)] and not cut.message.content, (limit, cut)
+        streamed, calls, finish = "", {}, None
+        for chunk in server.chat.completions.create(stream=True, max_tokens=limit, **kw):
+            for ch in chunk.choices:
+                streamed += ch.delta.content or ""
+                calls.update({c.index: (c.function.name, c.function.arguments) for c in ch.delta.tool_calls or ()})
+                finish = ch.finish_reason or finish
+        assert finish == "length" and streamed == "" and list(calls.values()) == got, (limit, streamed, calls)
+        kept.append(len(got))
+    assert kept[0] == kept[1] == 1 and kept[2] == 0, kept
+
+
 def test_a_named_tool_is_always_the_one_called(server):
     def ask(k):
         return server.chat.completions.create(

@@ -65,6 +65,31 @@ def test_llama3_json_output_parses(text, calls):
     assert content == ("" if calls else text)
 
 
+A = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+B = '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n'
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    ("hermes", "First.\n" + A + B + '<tool_call>{"name": "c", "argu', "First.\n", [("a", {"x": 1}), ("b", {})]),
+    ("hermes", A + "<tool_call>", "", [("a", {"x": 1})]),
+    ("hermes", 'Let me.<tool_call>{"name": "a", "ar', "Let me.", []),  # the cut call is nowhere
+    ("hermes", A + "<tool_call>{broken}</tool_call>", A + "<tool_call>{broken}</tool_call>", []),  # closed: not cut
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "param', "", [("a", {})]),
+    ("llama3_json", '{"answer": "a long', '{"answer": "a long', []),  # a cut answer stays an answer
+])
+def test_an_output_cut_at_its_limit_keeps_its_complete_calls(fmt, text, content, calls):
+    got_content, got = tools.parse(text, fmt, cut=True)
+    assert (got_content, _names_args(got)) == (content, calls)
+    for n in (1, 3, 7):  # streamed: the same calls, and no text of a call in the content
+        s = tools.ToolStream(fmt)
+        sent = "".join(s.feed(text[i:i + n]) for i in range(0, len(text), n))
+        rest, streamed = s.finish(cut=True)
+        assert (sent + rest or None) == tools.message_content(content, calls) or (sent + rest == content == text)
+        assert _names_args(streamed) == calls
+    if calls:  # read as a whole output, the cut call spoils them all
+        assert tools.parse(text, fmt)[1] == []
+
+
 @pytest.mark.parametrize("fmt, text", [
     ("hermes", "I will check.  \n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"<tool\"}}\n</tool_call>"),
     ("hermes", "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>"

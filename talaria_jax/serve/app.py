@@ -494,7 +494,7 @@ class _Choice:
     def body(self, chat: bool) -> dict:
         if self.tool_format is None:
             return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat))
-        content, calls = tools.parse(self.text, self.tool_format, self.tool_names)
+        content, calls = tools.parse(self.text, self.tool_format, self.tool_names, self.finish_reason == "length")
         calls = self._calls(calls)
         return protocol.choice(chat, self.index, tools.message_content(content, calls), self._reason(calls),
                                self.logprobs(chat), tool_calls=calls)
@@ -508,7 +508,7 @@ class _Choice:
         d = self.tool_stream.feed(d)
         if not final:
             return d, None, None
-        rest, calls = self.tool_stream.finish()
+        rest, calls = self.tool_stream.finish(self.finish_reason == "length")
         calls = self._calls(calls)
         return d + rest, tools.delta_calls(calls) or None, self._reason(calls)
 

@@ -139,7 +139,7 @@ def _call(name: Any, arguments: Any, names: Sequence[str] | None = None) -> dict
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def _hermes(text: str) -> tuple[str, list[dict]]:
+def _hermes(text: str, cut: bool) -> tuple[str, list[dict]]:
     start = text.find(HERMES_OPEN)
     if start < 0:
         return text, []
@@ -151,10 +151,12 @@ def _hermes(text: str) -> tuple[str, list[dict]]:
         try:
             obj = json.loads(body)
         except ValueError:
-            return text, []  # not a call this parser can read: the text stays the content
+            obj = None
         call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) else None
+        if call is None and cut and end < 0:  # the output stopped inside this call: the others stand
+            break
         if call is None:
-            return text, []
+            return text, []  # not a call this parser can read: the text stays the content
         calls.append(call)
         if end < 0:
             break
@@ -162,7 +164,7 @@ def _hermes(text: str) -> tuple[str, list[dict]]:
     return text[:start], calls
 
 
-def _llama3_json(text: str, names: Sequence[str] | None) -> tuple[str, list[dict]]:
+def _llama3_json(text: str, names: Sequence[str] | None, cut: bool) -> tuple[str, list[dict]]:
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].strip()
@@ -173,6 +175,8 @@ def _llama3_json(text: str, names: Sequence[str] | None) -> tuple[str, list[dict
         try:
             obj, i = decoder.raw_decode(body, i)
         except ValueError:
+            if cut and calls:  # the output stopped inside a later call: the complete ones stand
+                break
             return text, []
         # a call names a declared function and brings its arguments: other JSON is an answer, not a call
         args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
@@ -191,11 +195,13 @@ def _llama3_json(text: str, names: Sequence[str] | None) -> tuple[str, list[dict
     return "", calls
 
 
-def parse(text: str, fmt: str, names: Sequence[str] | None = None) -> tuple[str, list[dict]]:
+def parse(text: str, fmt: str, names: Sequence[str] | None = None, cut: bool = False) -> tuple[str, list[dict]]:
     """The content and the tool calls of a model's whole output (no calls: the text, as it was; with
     calls, the text before them, which may be only whitespace). `names`: the declared functions
-    (llama3_json reads only calls of those: other JSON is an answer)."""
-    return _hermes(text) if fmt == "hermes" else _llama3_json(text, names)
+    (llama3_json reads only calls of those: other JSON is an answer). `cut`: the output ended at its
+    token limit, so a last call it could not finish is left out (of the calls and of the content),
+    and the complete calls before it are returned."""
+    return _hermes(text, cut) if fmt == "hermes" else _llama3_json(text, names, cut)
 
 
 class ToolStream:
@@ -242,9 +248,9 @@ class ToolStream:
         self.sent += end
         return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """At the end: the content not sent yet and the tool calls."""
-        content, calls = parse("".join(self._parts), self.fmt, self.names)
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """At the end: the content not sent yet and the tool calls (`cut`: as `parse`)."""
+        content, calls = parse("".join(self._parts), self.fmt, self.names, cut)
         rest = content[self.sent:] if content.strip() or not calls else ""
         self.sent = len(content)
         return rest, calls
