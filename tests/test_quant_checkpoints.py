@@ -31,10 +31,12 @@ PUBLISHED = {
     "mxfp4": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                          "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},  # openai/gpt-oss-120b
 }
-# (format, source checkpoint, block): the block-FP8 checkpoint twice, at the released 128 x 128
-# (one partial block per tiny matrix) and at 16 x 32 (many blocks, several per shard)
+# (format, source checkpoint, block): the block-FP8 checkpoint three times, at the released 128 x 128
+# (one partial block per tiny matrix), at 16 x 32 (many blocks, several per shard) and at 48 x 48
+# (a partial last block along each axis: 64 = 48 + 16 inputs, 8 heads = 3 + 3 + 2)
 CASES = {"fp8-block": ("fp8-block", "hf-tiny-qwen3-moe", (128, 128)),
          "fp8-block-16x32": ("fp8-block", "hf-tiny-qwen3-moe", (16, 32)),
+         "fp8-block-48x48": ("fp8-block", "hf-tiny-qwen3-moe", (48, 48)),
          "fp8-channel": ("fp8-channel", "llama-4-layers", (128, 128)),
          "mxfp4": ("mxfp4", "hf-tiny-gpt-oss", (128, 128))}
 MESHES = {"1": dict(), "tp8": dict(tp=8), "ep2xtp4": dict(tp=4, ep=2)}
@@ -236,6 +238,36 @@ def test_orbax_and_talaria_convert_keep_the_quantized_bytes(checkpoints, tmp_pat
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(np.asarray(a[k]).view(np.uint8),
                                                            np.asarray(b[k]).view(np.uint8)), k
+
+
+@pytest.mark.hf
+def test_mxfp4_dequantizes_as_transformers_does(checkpoints):
+    # transformers' own conversion of gpt-oss's packed experts (dequantize-then-compute reference)
+    torch = pytest.importorskip("torch")
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    _, ckpt = checkpoints["mxfp4"]
+    x = "model.layers.1.mlp.experts"
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        gate_up = mxfp4.convert_moe_packed_tensors(f.get_tensor(f"{x}.gate_up_proj_blocks"),
+                                                   f.get_tensor(f"{x}.gate_up_proj_scales"), dtype=torch.float32)
+        down = mxfp4.convert_moe_packed_tensors(f.get_tensor(f"{x}.down_proj_blocks"),
+                                                f.get_tensor(f"{x}.down_proj_scales"), dtype=torch.float32)
+    ours = dequantized(load_hf_checkpoint(ckpt, progress=False)).param_arrays()
+    np.testing.assert_array_equal(np.asarray(ours["blocks.1.ffn.gate_proj"]), gate_up.numpy()[..., 0::2])
+    np.testing.assert_array_equal(np.asarray(ours["blocks.1.ffn.up_proj"]), gate_up.numpy()[..., 1::2])
+    np.testing.assert_array_equal(np.asarray(ours["blocks.1.ffn.down_proj"]), down.numpy())
+
+
+def test_scales_of_another_block_size_are_refused_by_name(checkpoints, tmp_path):
+    _, ckpt = checkpoints["fp8-block-16x32"]
+    d = tmp_path / "other-blocks"
+    shutil.copytree(ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    qc = dict(cfg["quantization_config"], weight_block_size=[32, 16])  # the same count of scales, other blocks
+    (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
+    with pytest.raises(CheckpointError, match=r"^blocks\.0\.attn\.k_proj_scale: the checkpoint's scales are \(4, 2\); "
+                                              r"a \[64, 64\] matrix in blocks of \(32, 16\) \(out, in\) has \(2, 4\)$"):
+        load_hf_checkpoint(d, progress=False)
 
 
 def test_compressed_tensors_channel_fp8_reads_as_fbgemm(checkpoints, tmp_path):

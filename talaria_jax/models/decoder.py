@@ -52,7 +52,7 @@ def _linear(cfg: ModelConfig, rngs: nnx.Rngs, path: str, shape, axes, lin: Linea
     q = cfg.quant
     if q is None or not q.quantizes(path):
         return _param(rngs, shape, axes, jnp.dtype(cfg.dtype)), None
-    vshape, sshape = quant.value_shape(q, shape, lin), quant.scale_shape(q, shape, lin, path)
+    vshape, sshape = quant.value_shape(q, shape, lin, path), quant.scale_shape(q, shape, lin, path)
     if q.method == "fp8":  # values ~N(0, 1) times a scale of INIT_STD: the weights' usual spread
         value = jax.random.normal(rngs.params(), vshape, jnp.float32).astype(q.value_dtype)
         scale = jnp.full(sshape, INIT_STD, q.scale_dtype)

@@ -101,7 +101,9 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -
 def dequantize(value: jax.Array, scale: jax.Array, q: quant.QuantConfig, axes: quant.LinearAxes, dtype) -> jax.Array:
     """A quantized weight in `dtype` (inside the jitted step) from its stored values and scales in our
     layout: fp8 values times their block's scale; mxfp4 nibbles (the even element low) through the
-    e2m1 table, times 2^(exponent - 127). Scales repeat over their block's elements along each axis."""
+    e2m1 table, times 2^(exponent - 127). Each scale repeats over its block's elements along each axis
+    (`quant.blocks`; a last block may be partial). The step holds the whole matrix in `dtype` for its
+    matmul (XLA:CPU materializes it), so only the resident copy is the checkpoint's size."""
     p = quant.packed_axis(q, axes)
     if p is None:
         w = value.astype(jnp.float32)
@@ -111,7 +113,7 @@ def dequantize(value: jax.Array, scale: jax.Array, q: quant.QuantConfig, axes: q
         lo, hi = lut[(value & 0x0F).astype(jnp.int32)], lut[(value >> 4).astype(jnp.int32)]
         w = jnp.stack([lo, hi], axis=p + 1).reshape(value.shape[:p] + (2 * value.shape[p],) + value.shape[p + 1:])
         s = jnp.exp2(scale.astype(jnp.float32) - quant.MXFP4_SCALE_BIAS)
-    for axis, (d, n) in enumerate(zip(w.shape, s.shape)):
-        if n not in (1, d):  # several elements share a scale along this axis (one scale broadcasts as it is)
-            s = jax.lax.slice_in_dim(jnp.repeat(s, -(-d // n), axis=axis), 0, d, axis=axis)
+    for axis, (d, b) in enumerate(zip(w.shape, quant.blocks(q, w.shape, axes))):
+        if 1 < b < d:  # several elements share a scale along this axis; the last block may be partial
+            s = jax.lax.slice_in_dim(jnp.repeat(s, b, axis=axis), 0, d, axis=axis)
     return (w * s).astype(dtype)

@@ -15,7 +15,8 @@ axis where its blocks line up with the shards, else it is replicated (4 bytes pe
 weights in 128 x 128 blocks, 1 byte per 32 mxfp4 ones). A linear weight's axes are `[batch..., in..., out...]` (experts
 first, then the contracted axes, then the produced ones): `LinearAxes` says how many of each, and a
 checkpoint's `(out, in)` block maps onto our axes by `blocks`. `layers.dequantize` runs inside the
-step, so device memory, the weight slot, staging and host copies hold the checkpoint's bytes. This
+step, so the resident weights, the weight slot, staging and host copies hold the checkpoint's bytes
+(the step holds each matrix in the compute dtype while it uses it). This
 module is plain numpy (the simulator's byte arithmetic reads it without JAX).
 """
 from __future__ import annotations
@@ -122,13 +123,13 @@ def packed_axis(q: QuantConfig, axes: LinearAxes) -> int | None:
     return axes.batch + axes.n_in - 1 if q.method == "mxfp4" else None
 
 
-def value_shape(q: QuantConfig, shape: tuple[int, ...], axes: LinearAxes) -> tuple[int, ...]:
+def value_shape(q: QuantConfig, shape: tuple[int, ...], axes: LinearAxes, where: str = "weight") -> tuple[int, ...]:
     """The stored values' shape: `shape`, with mxfp4's packed axis halved."""
     p = packed_axis(q, axes)
     if p is None:
         return tuple(shape)
     if shape[p] % 2:
-        raise QuantError(f"mxfp4 packs element pairs: axis {p} of {tuple(shape)} is odd")
+        raise QuantError(f"{where}: mxfp4 packs element pairs, and axis {p} of {tuple(shape)} is odd")
     return tuple(d // 2 if i == p else d for i, d in enumerate(shape))
 
 

@@ -199,8 +199,10 @@ def parse(text: str, fmt: str, names: Sequence[str] | None = None, cut: bool = F
     """The content and the tool calls of a model's whole output (no calls: the text, as it was; with
     calls, the text before them, which may be only whitespace). `names`: the declared functions
     (llama3_json reads only calls of those: other JSON is an answer). `cut`: the output ended at its
-    token limit, so a last call it could not finish is left out (of the calls and of the content),
-    and the complete calls before it are returned."""
+    token limit, so a last call it could not finish is left out, of the calls and of the content, and
+    the complete calls before it are returned. A hermes call is known by its tag even when cut, so a
+    cut first call leaves the text before it; a cut llama3_json output with no complete call may be
+    a JSON answer, and stays the content."""
     return _hermes(text, cut) if fmt == "hermes" else _llama3_json(text, names, cut)
 
 

@@ -243,7 +243,7 @@ def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None 
         try:
             quant = config_io.from_dict(QuantConfig, entry["quant"], "quant") if "quant" in entry else None
             out[str(name)] = ModelShape.from_config(cfg, entry["weight_dtype"], tp, quant=quant, name=str(name))
-        except (ConfigError, config_io.ConfigError, ValueError) as e:
+        except ValueError as e:  # ConfigError, config_io.ConfigError and QuantError
             raise ConfigError(f"{where}: {e}") from None
     configs = set(available_models())
     for name in extra:

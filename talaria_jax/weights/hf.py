@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import pathlib
 import re
 from collections.abc import Callable
@@ -85,7 +86,8 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32",
                    or (mt != "gpt_oss" and any(t != "full_attention" for t in layer_types))}
     bad = [f"{k}={hf.get(k)!r}" for k, v in unsupported.items() if v]
     if bad:
-        raise CheckpointError(f"config.json: {', '.join(bad)} not supported (silu, no MLP bias, full attention)")
+        raise CheckpointError(f"config.json: {', '.join(bad)} not supported (silu, no MLP bias, full attention "
+                              "or gpt-oss's sliding layers)")
     heads = hf["num_attention_heads"]
     rope_scaling = None
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else None)
@@ -95,6 +97,9 @@ def config_from_hf(hf: dict, name: str = "hf-model", dtype: str = "float32",
     elif rs and rs.get("rope_type", rs.get("type")) == "yarn":
         if rs.get("attention_factor") is not None or rs.get("mscale") or rs.get("mscale_all_dim"):
             raise CheckpointError("config.json rope_scaling: yarn with attention_factor / mscale is not supported")
+        missing = [k for k in ("factor", "original_max_position_embeddings") if rs.get(k) is None]
+        if missing:
+            raise CheckpointError(f"config.json rope_scaling: yarn needs {missing}")
         rope_scaling = RopeScaling("yarn", float(rs["factor"]),
                                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
                                    beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
@@ -163,11 +168,19 @@ def _proj_out(h: int, d: int):  # HF [E, H*D] -> ours [H, D, E]
 def _scale_in_our_layout(cfg: ModelConfig, path: str, shape: tuple[int, ...]):
     """HF scales [out blocks, in blocks] (one per expert, per-tensor ones as a scalar) -> our scale
     layout [experts..., in blocks..., out blocks...] of the weight `path` of `shape` (ours)."""
-    target = quant.scale_shape(cfg.quant, shape, linear_axes(cfg, path), path)
+    lin = linear_axes(cfg, path)
+    target = quant.scale_shape(cfg.quant, shape, lin, path)
+    ins, outs = lin.groups(len(shape))
+    o, i = math.prod(shape[k] for k in outs), math.prod(shape[k] for k in ins)
+    bo, bi = (b or d for b, d in zip(cfg.quant.block, (o, i)))
+    want = (-(-o // bo), -(-i // bi))  # the checkpoint's [out blocks, in blocks] of one matrix
 
     def fn(*scales):
         mats = [np.asarray(s, np.float32).reshape(-1, 1) if np.ndim(s) < 2 else np.asarray(s, np.float32)
                 for s in scales]
+        if mats[0].shape != want:
+            raise CheckpointError(f"{path}_scale: the checkpoint's scales are {mats[0].shape}; a [{o}, {i}] matrix "
+                                  f"in blocks of {cfg.quant.block} (out, in) has {want}")
         return np.stack([m.T for m in mats]).reshape(target)
     return fn
 
@@ -361,6 +374,7 @@ class _SafetensorsDir:
         self._handles = [safe_open(str(f), framework="numpy") for f in self.files]
         self.index = {k: h for h in self._handles for k in h.keys()}
         self._file = {k: f for f, h in zip(self.files, self._handles) for k in h.keys()}
+        self._headers: dict[pathlib.Path, tuple[int, dict]] = {}
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.index:
@@ -372,13 +386,15 @@ class _SafetensorsDir:
 
     def _raw(self, name: str, dtype) -> np.ndarray:
         path = self._file[name]
-        header_end = _safetensors_header_end(path)
-        with path.open("rb") as f:
-            f.seek(8)
-            entry = json.loads(f.read(header_end - 8))[name]
-        start, end = entry["data_offsets"]
+        if path not in self._headers:  # each file's header read once
+            header_end = _safetensors_header_end(path)
+            with path.open("rb") as f:
+                f.seek(8)
+                self._headers[path] = (header_end, json.loads(f.read(header_end - 8)))
+        header_end, header = self._headers[path]
+        start, end = header[name]["data_offsets"]
         data = np.fromfile(path, np.uint8, count=end - start, offset=header_end + start)
-        return data.view(dtype).reshape(entry["shape"])
+        return data.view(dtype).reshape(header[name]["shape"])
 
     def dtype_of(self, name: str) -> str:
         """The safetensors dtype code of one tensor (F32, BF16, F8_E4M3, U8, ...), from its header."""
@@ -451,6 +467,8 @@ def build_model(cfg: ModelConfig, mesh: Mesh, get: Getter, fingerprint: str, des
         used.update(hf_names)
         try:
             host = np.asarray(fn(*tensors))
+        except CheckpointError:  # the map's own check, naming what it found
+            raise
         except ValueError as e:  # a reshape that the config's shapes cannot satisfy
             raise CheckpointError(f"parameter {label(hf_names[0])!r} (ours {ours!r}): shape {tensors[0].shape} does "
                                   f"not fit the config's {tuple(want.shape)}: {e}") from None
