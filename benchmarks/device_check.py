@@ -26,7 +26,12 @@ On the accelerator it measures, in one run:
   8. the Pallas ragged paged-attention kernel (talaria_jax/engine/kernels/) against the jnp reference,
      one layer of that model's shapes over bf16 K/V: decode at each batch size over 2K and 8K
      contexts, and a 256-token prefill chunk in tiles of 16 over 2K, with the speed-up and the largest
-     difference of their outputs (the kernel's only check on a GPU).
+     difference of their outputs (the kernel's only check on a GPU);
+  9. FP8: that model's shapes with every attention and FFN matrix stored as FP8 with 128 x 128 block
+     scales (as Qwen3-FP8 ships; dequantized inside the step, talaria_jax/models/quant.py) against
+     the same weights dequantized once to bf16: greedy tokens side by side, decode tok/s at each
+     batch size over the 2K prefix, and the bytes each holds. There is no FP8 matmul: this times the
+     in-step dequantization against reading bf16 weights.
 Sections 4-7 share one model, built once; 5-8 take the best of --reps (after an untimed run). A
 section that fails is printed and recorded as {"error": ...}, and the run goes on; the JSON is
 rewritten after each section (with the seconds each took under "seconds"), so a run cut short keeps
@@ -48,7 +53,7 @@ _OUT = flags.DEFINE_string("out", "/tmp/device_check.json", "Write the results a
 _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes (a CPU smoke run).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Decode batch sizes.")
 _SECTIONS = flags.DEFINE_list("sections", [], "Run only these sections (memory always runs): engine_parity, "
-                               "decode, step_profile, weight_switch, host_restore, prefill_cached, kernel.")
+                               "decode, step_profile, weight_switch, host_restore, prefill_cached, kernel, fp8.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each measurement of sections 5-8 (best is reported).")
 
 
@@ -296,6 +301,45 @@ def kernel_speedup(small: bool, batches: list[int], reps: int) -> list[dict]:
     return rows
 
 
+def fp8_decode(small: bool, batches: list[int]) -> list[dict]:
+    """Section 9: FP8 weights (block scales, dequantized in the step) against the same weights dequantized
+    once to the model's compute dtype (bf16; fp32 in the --small run)."""
+    import jax
+    import numpy as np
+
+    from talaria_jax.engine import Engine, EngineConfig, SamplingParams
+    from talaria_jax.models import init_model
+    from talaria_jax.models.model import dequantized
+    from talaria_jax.models.quant import QuantConfig
+    from talaria_jax.sharding import make_mesh
+
+    cfg = bench_config(small).replace(quant=QuantConfig("fp8", (128, 128)))
+    fp8 = init_model(cfg, make_mesh(jax.devices()[:1]), seed=0)
+    models = {"fp8": fp8, "dequantized": dequantized(fp8)}
+    held = {k: sum(a.nbytes for a in m.param_arrays().values()) for k, m in models.items()}
+    prompts = [np.random.RandomState(i).randint(0, cfg.vocab_size, 32).tolist() for i in range(4)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for k, m in models.items():
+        eng = Engine(m, EngineConfig(page_size=16, max_seqs=4, max_tokens_per_step=64, max_model_len=64, warmup=False))
+        tokens[k] = [o.token_ids for o in eng.generate(prompts, greedy, progress=False)]
+        del eng
+    same = sum(a == b for a, b in zip(tokens["fp8"], tokens["dequantized"]))
+    ctx, steps = (64, 2) if small else (2048, 32)
+    rows = []
+    for batch in batches:
+        tok_s = {}
+        for k, m in models.items():
+            eng = Engine(m, EngineConfig(page_size=16, max_seqs=batch, max_tokens_per_step=max(batch, 16),
+                                         max_model_len=-(-(ctx + steps + 8) // 16) * 16, warmup=False))
+            tok_s[k] = common.decode_with_synthetic_prefix(eng, batch, ctx, steps)
+            del eng
+        rows.append({"batch": batch, "context": ctx, "fp8_gb": held["fp8"] / 1e9, "deq_gb": held["dequantized"] / 1e9,
+                     "fp8_tok_s": tok_s["fp8"], "deq_tok_s": tok_s["dequantized"],
+                     "fp8_over_deq": tok_s["fp8"] / tok_s["dequantized"], "greedy_equal": f"{same}/{len(prompts)}"})
+    return rows
+
+
 def print_memory(res: dict) -> None:
     print(json.dumps(res, indent=1), flush=True)
 
@@ -331,6 +375,10 @@ PRINT_KERNEL = table([
     ("attention", "kind", "s"), ("batch", "batch", "d"), ("context", "context", "d"), ("tokens", "tokens", "d"),
     ("tile", "tile", "d"), ("pallas ms", "pallas_ms", ".3f"), ("reference ms", "reference_ms", ".3f"),
     ("speed-up", "speedup", ".2f"), ("max abs diff", "max_abs_diff", ".2e")])
+PRINT_FP8 = table([
+    ("batch", "batch", "d"), ("context", "context", "d"), ("fp8 GB", "fp8_gb", ".3f"),
+    ("dequantized GB", "deq_gb", ".3f"), ("fp8 tok/s", "fp8_tok_s", ".0f"), ("dequantized tok/s", "deq_tok_s", ".0f"),
+    ("fp8 / dequantized", "fp8_over_deq", ".2f"), ("greedy equal", "greedy_equal", "s")])
 PRINT_PREFILL = table([
     ("cached tokens", "context", "d"), ("chunk", "chunk", "d"), ("chunk ms", "chunk_ms", ".2f"),
     ("chunk tok/s", "chunk_tok_s", ".0f"), ("recompute ms", "recompute_ms", ".1f"),
@@ -376,6 +424,7 @@ def main(argv):
         "host_restore": (lambda: host_kv_restore(small, reps), PRINT_RESTORE, False),
         "prefill_cached": (lambda: prefill_cached(small, reps), PRINT_PREFILL, False),
         "kernel": (lambda: kernel_speedup(small, batches, reps), PRINT_KERNEL, False),
+        "fp8": (lambda: fp8_decode(small, batches), PRINT_FP8, False),
     }
     unknown = set(_SECTIONS.value) - set(sections)
     if unknown:

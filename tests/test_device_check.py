@@ -39,9 +39,12 @@ def test_device_check_small_runs_on_cpu(tmp_path):
     kernel = res["kernel"]  # the Pallas kernel, interpreted on CPU: its outputs match the reference's
     assert [(r["kind"], r["context"]) for r in kernel] == [("decode", 64), ("decode", 128), ("prefill", 64)]
     assert all(r["pallas_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in kernel)
+    (fp8,) = res["fp8"]  # FP8-stored weights against the same weights dequantized: the same tokens, fewer bytes
+    assert fp8["greedy_equal"] == "4/4" and fp8["fp8_tok_s"] > 0 and fp8["deq_tok_s"] > 0
+    assert fp8["fp8_gb"] < fp8["deq_gb"]
     assert set(res["seconds"]) == {"memory", "engine_parity", "decode", "step_profile", "weight_switch",
-                                   "host_restore", "prefill_cached", "kernel"}
-    for header in ("| weight-slot switch |", "| prefix tokens |", "| cached tokens |", "| attention |"):
+                                   "host_restore", "prefill_cached", "kernel", "fp8"}
+    for header in ("| weight-slot switch |", "| prefix tokens |", "| cached tokens |", "| attention |", "| fp8 GB |"):
         assert header in run.stdout
 
 
