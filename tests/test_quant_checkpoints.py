@@ -258,13 +258,21 @@ def test_mxfp4_dequantizes_as_transformers_does(checkpoints):
     np.testing.assert_array_equal(np.asarray(ours["blocks.1.ffn.down_proj"]), down.numpy())
 
 
+def _copy(ckpt: pathlib.Path, dst: pathlib.Path) -> dict:
+    """A copy of the checkpoint `ckpt` at `dst`; returns its config.json."""
+    shutil.copytree(ckpt, dst)
+    return json.loads((dst / "config.json").read_text())
+
+
+def _set_quantization_config(dst: pathlib.Path, cfg: dict, qc: dict) -> None:
+    (dst / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
+
+
 def test_scales_of_another_block_size_are_refused_by_name(checkpoints, tmp_path):
     _, ckpt = checkpoints["fp8-block-16x32"]
     d = tmp_path / "other-blocks"
-    shutil.copytree(ckpt, d)
-    cfg = json.loads((d / "config.json").read_text())
-    qc = dict(cfg["quantization_config"], weight_block_size=[32, 16])  # the same count of scales, other blocks
-    (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
+    cfg = _copy(ckpt, d)  # the same count of scales, other blocks:
+    _set_quantization_config(d, cfg, dict(cfg["quantization_config"], weight_block_size=[32, 16]))
     with pytest.raises(CheckpointError, match=r"^blocks\.0\.attn\.k_proj_scale: the checkpoint's scales are \(4, 2\); "
                                               r"a \[64, 64\] matrix in blocks of \(32, 16\) \(out, in\) has \(2, 4\)$"):
         load_hf_checkpoint(d, progress=False)
@@ -274,8 +282,7 @@ def test_compressed_tensors_channel_fp8_reads_as_fbgemm(checkpoints, tmp_path):
     # RedHatAI's FP8 checkpoints: the same per-channel tensors under compressed-tensors' config
     _, ckpt = checkpoints["fp8-channel"]
     d = tmp_path / "ct"
-    shutil.copytree(ckpt, d)
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = _copy(ckpt, d)
     weights = {"dynamic": False, "num_bits": 8, "observer": "minmax", "strategy": "channel", "symmetric": True,
                "type": "float"}
     qc = {"config_groups": {"group_0": {"input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token",
@@ -283,12 +290,12 @@ def test_compressed_tensors_channel_fp8_reads_as_fbgemm(checkpoints, tmp_path):
                                         "output_activations": None, "targets": ["Linear"], "weights": weights}},
           "format": "float-quantized", "ignore": ["lm_head"], "quant_method": "compressed-tensors",
           "quantization_status": "compressed"}
-    (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
+    _set_quantization_config(d, cfg, qc)
     a, b = load_hf_checkpoint(ckpt, progress=False), load_hf_checkpoint(d, progress=False)
     assert a.cfg.quant == b.cfg.quant == QuantConfig("fp8", (1, 0), a.cfg.quant.exclude)
     assert all(np.array_equal(np.asarray(x), np.asarray(b.param_arrays()[k])) for k, x in a.param_arrays().items())
-    (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=dict(
-        qc, config_groups={"group_0": {"weights": dict(weights, num_bits=4, type="int")}}))))
+    _set_quantization_config(d, cfg, dict(qc, config_groups={"group_0": {"weights": dict(weights, num_bits=4,
+                                                                                          type="int")}}))
     with pytest.raises(CheckpointError, match="one group of 8-bit float weights"):
         load_hf_checkpoint(d, progress=False)
 
@@ -296,11 +303,10 @@ def test_compressed_tensors_channel_fp8_reads_as_fbgemm(checkpoints, tmp_path):
 def test_bad_quantized_checkpoints_are_refused_by_name(checkpoints, tmp_path):
     _, ckpt = checkpoints["fp8-block"]
     d = tmp_path / "bad"
-    shutil.copytree(ckpt, d)
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = _copy(ckpt, d)
     for qc, match in ((dict(quant_method="gptq"), r"quant_method 'gptq' is not supported; supported: \['fp8'"),
                       (dict(cfg["quantization_config"], fmt="e5m2"), "fmt='e5m2'")):
-        (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
+        _set_quantization_config(d, cfg, qc)
         with pytest.raises(CheckpointError, match=match):
             load_hf_checkpoint(d, progress=False)
     (d / "config.json").write_text(json.dumps(cfg))

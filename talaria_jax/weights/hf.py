@@ -308,9 +308,10 @@ def quant_from_hf(hf: dict, cfg: ModelConfig, st: "_SafetensorsDir", source: str
     else:
         q = QuantConfig("mxfp4", (1, quant.MXFP4_BLOCK))
     linear = cfg.linear_weights()
+    names = name_map(cfg.replace(quant=None), fused_experts)  # each weight's HF name, unquantized
     plain = []
     for path, *_ in linear:
-        hf_name = _hf_weight_name(cfg, path, fused_experts)
+        hf_name = names[path][0][0]  # (the first expert's)
         if q.method == "fp8":
             stored = st.dtype_of(hf_name) if hf_name in st.index else None
             if stored is not None and stored.startswith("F8") and stored != "F8_E4M3":
@@ -336,22 +337,6 @@ def _compressed_tensors(qc: dict, source: str) -> QuantConfig:
         raise CheckpointError(f"{source}: compressed-tensors config_groups {schemes}: one group of 8-bit float "
                               "weights by channel, tensor or block is supported")
     return QuantConfig("fp8", blocks[w["strategy"]])
-
-
-def _hf_weight_name(cfg: ModelConfig, path: str, fused_experts: bool) -> str:
-    """The HF tensor that holds (the first expert of) our linear weight `path`; for gpt-oss's fused
-    experts, the prefix of its `_blocks` / unquantized tensor."""
-    _, layer, kind, *rest = path.split(".")
-    hp = f"model.layers.{layer}"
-    if kind == "attn":
-        return f"{hp}.self_attn.{rest[0]}.weight"
-    if rest[0] == "shared":
-        return f"{hp}.mlp.shared_experts.{rest[1]}.weight"
-    if cfg.is_moe_layer(int(layer)):
-        if fused_experts:
-            return f"{hp}.mlp.experts.{'down_proj' if rest[0] == 'down_proj' else 'gate_up_proj'}"
-        return f"{hp}.mlp.experts.0.{rest[0]}.weight"
-    return f"{hp}.mlp.{rest[0]}.weight"
 
 
 def _fold_layers(chosen: list[str], every: list[str]) -> tuple[str, ...]:
