@@ -3,6 +3,7 @@ server's detokenization of a streamed output, for this checkout and a baseline c
 
     python benchmarks/request_path.py                   # baseline: main at 9948464, from a git worktree
     python benchmarks/request_path.py --calls=20 --instances=1,4,16 --baseline_ref=<commit>
+    python benchmarks/request_path.py --inference --instances=1,4   # sessions named vs inferred
 
 Per call: the next turn of one of two agent sessions (a chat completion whose conversation grows by a
 tool call and its result each turn, from about 15,000 prompt tokens of SmolLM2's tokenizer: a
@@ -72,7 +73,7 @@ def thread_cpu(exclude: set[int]) -> float:
     return total
 
 
-def child_path(k: int, calls: int, model: str) -> dict:
+def child_path(k: int, calls: int, model: str, named: bool = True) -> dict:
     import threading
 
     import httpx
@@ -97,7 +98,7 @@ def child_path(k: int, calls: int, model: str) -> dict:
     def call(session: int, turn: int) -> dict:
         r = client.post("/v1/chat/completions", json={"model": "m", "messages": conversation(session, EXCHANGES + turn),
                                                       "max_tokens": 1, "temperature": 0},
-                        headers={"x-session-id": f"s{session}"})
+                        headers={"x-session-id": f"s{session}"} if named else {})
         r.raise_for_status()
         return r.json()
 
@@ -163,7 +164,7 @@ def child(args: dict) -> None:
 
     enable_compilation_cache(args["cache"])
     if args["what"] == "path":
-        res = child_path(args["k"], args["calls"], args["model"])
+        res = child_path(args["k"], args["calls"], args["model"], args.get("named", True))
     else:
         res = child_detok(args["lengths"], args["model"])
     print("RESULT " + json.dumps(res), flush=True)
@@ -214,6 +215,8 @@ def main() -> None:
     from absl import app, flags
 
     flags.DEFINE_string("baseline_ref", "9948464", "the commit to compare with (checked out in a git worktree)")
+    flags.DEFINE_bool("inference", False, "compare, in this checkout, sessions named by x-session-id with the same "
+                      "calls sending none (their sessions inferred at the gateway) instead of a baseline commit")
     flags.DEFINE_list("instances", ["1", "4", "16"], "instance counts K")
     flags.DEFINE_integer("calls", 10, "calls measured per run")
     flags.DEFINE_integer("repeats", 2, "runs per version and K (best kept)")
@@ -226,34 +229,44 @@ def main() -> None:
         work = pathlib.Path(FLAGS.work)
         work.mkdir(parents=True, exist_ok=True)
         model = make_model(work / "model")
-        roots = {"this": str(ROOT), FLAGS.baseline_ref: str(baseline_tree(FLAGS.baseline_ref, work))}
+        if FLAGS.inference:  # (name: root, sessions named)
+            roots = {"named": (str(ROOT), True), "inferred": (str(ROOT), False)}
+        else:
+            roots = {FLAGS.baseline_ref: (str(baseline_tree(FLAGS.baseline_ref, work)), True),
+                     "this": (str(ROOT), True)}
+        base, this = list(roots)
         cache = str(work / "xla")
         load = os.getloadavg()
         print(f"load average before: {load[0]:.2f}; {os.cpu_count()} CPUs", flush=True)
-        res: dict = {"path": {}, "detok": {}, "load_before": load[0], "baseline": FLAGS.baseline_ref}
-        lengths = [int(n) for n in FLAGS.lengths]
+        res: dict = {"path": {}, "detok": {}, "load_before": load[0], "baseline": base}
+        lengths = [int(n) for n in FLAGS.lengths] if not FLAGS.inference else []
         for rep in range(FLAGS.repeats):
-            for name, root in roots.items():
+            for name, (root, _) in roots.items():
+                if not lengths:
+                    break
                 d = run_child({"what": "detok", "root": root, "model": model, "cache": cache, "lengths": lengths})
                 prev = res["detok"].get(name)
                 res["detok"][name] = d if prev is None else {n: min(prev[n], d[n]) for n in d}
             for k in (int(x) for x in FLAGS.instances):
-                for name, root in roots.items():
+                for name, (root, named) in roots.items():
                     r = run_child({"what": "path", "root": root, "k": k, "calls": FLAGS.calls, "model": model,
-                                   "cache": cache})
+                                   "cache": cache, "named": named})
                     prev = res["path"].setdefault(str(k), {}).get(name)
                     if prev is None or r["cpu_ms_per_call"] < prev["cpu_ms_per_call"]:
                         res["path"][str(k)][name] = r
                     print(f"rep {rep} K={k} {name}: {r['cpu_ms_per_call']:.1f} ms CPU per call "
                           f"({r['wall_ms_per_call']:.0f} ms wall, {r['prompt_tokens']:.0f} prompt tokens)", flush=True)
         res["load_after"] = os.getloadavg()[0]
-        base = FLAGS.baseline_ref
         print(f"\nCPU per call outside the model step (gateway + instances), ms, best of {FLAGS.repeats}:")
-        print(f"| K | {base} | this | this / {base} |")
+        print(f"| K | {base} | {this} | {this} / {base} |")
         print("|---|---|---|---|")
         for k, row in res["path"].items():
-            a, b = row[base]["cpu_ms_per_call"], row["this"]["cpu_ms_per_call"]
+            a, b = row[base]["cpu_ms_per_call"], row[this]["cpu_ms_per_call"]
             print(f"| {k} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+        print(f"load average after: {res['load_after']:.2f}")
+        pathlib.Path(FLAGS.out).write_text(json.dumps(res, indent=1))
+        if FLAGS.inference:
+            return
         print("\nDetokenizing a streamed output, ms (one token per step):")
         print(f"| tokens | {base} | this | this / {base} |")
         print("|---|---|---|---|")
@@ -264,8 +277,6 @@ def main() -> None:
             d = res["detok"][name]
             print(f"{name}: {FLAGS.lengths[-1]} tokens cost {d[FLAGS.lengths[-1]] / d[FLAGS.lengths[0]]:.1f}x "
                   f"what {FLAGS.lengths[0]} do")
-        print(f"load average after: {res['load_after']:.2f}")
-        pathlib.Path(FLAGS.out).write_text(json.dumps(res, indent=1))
 
     app.run(run)
 

@@ -28,6 +28,7 @@ Writes the samples and a summary as JSON (--json_out), optionally a plot (--plot
 and a headline. The load average is recorded at the start, at each sample and at the end.
 
   .venv/bin/python benchmarks/soak.py --sessions=3000 --json_out=/tmp/soak.json --plot=docs/benchmarks/soak.png
+  .venv/bin/python benchmarks/soak.py --sessions=3000 --nonamed   # anonymous sessions, inferred at the gateway
 """
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ _FLUSH = flags.DEFINE_integer("flush_sessions", 32, "Sessions the fresh route ru
                               "check calls (they push the check sessions' KV off the device).", lower_bound=0)
 _PLATEAU = flags.DEFINE_float("plateau_pct", 5.0, "RSS may grow at most this much (%) over the last half of the soak.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted sessions.")
+_NAMED = flags.DEFINE_bool("named", True, "The soak's calls name their session (x-session-id); --nonamed: none does, "
+                           "and the gateway infers every session from the prompts.")
 _START_TIMEOUT = flags.DEFINE_float("start_timeout_s", 1800.0, "How long a route may take to start.")
 _JSON = flags.DEFINE_string("json_out", "/tmp/soak.json", "Write the samples and the summary here.")
 _PLOT = flags.DEFINE_string("plot", None, "Write a PNG of RSS, host KV, evictions and latency over time here.")
@@ -222,7 +225,8 @@ def run_pool(route: Route, sessions: list[load.AgentSession], concurrency: int, 
     `load`'s per-session runner (greedy, streamed); results in the order of `sessions`."""
     def one(s: load.AgentSession) -> load.SessionResult:
         ends: list[float] = []
-        r = load._run_session(route.url, route.key, s, 0.0, 300.0, {"temperature": 0.0},
+        named = {"x-session-id": s.id} if _NAMED.value else {}  # none: the gateway infers each session
+        r = load._run_session(route.url, route.key, s, 0.0, 300.0, {"temperature": 0.0, "extra_headers": named},
                               lambda _: ends.append(time.perf_counter() - progress.t0))
         with progress.lock:
             progress.sessions += 1

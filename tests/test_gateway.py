@@ -433,33 +433,92 @@ def _tool_session(url: str, sid: str, turns: int, stream: bool, in_flight=None) 
     return answers
 
 
+def _responses_session(url: str, sid: str, turns: int, stream: bool, in_flight=None) -> list[tuple]:
+    """`_tool_session` on the Responses API: each answer's function calls and status; each turn
+    continues the last response (`previous_response_id`) with the calls' outputs."""
+    c = client(url)
+    tools = [{"type": "function", **t["function"]} for t in LIST_FILES]
+    previous, given, answers = None, "Which files does the flask repository have?", []
+    for t in range(turns):
+        kw = dict(model="tiny-dense", input=given, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                  max_output_tokens=120, temperature=0, previous_response_id=previous,
+                  extra_headers={"x-session-id": sid})
+        if stream:
+            for n, event in enumerate(c.responses.create(stream=True, **kw)):
+                if n == 0 and in_flight is not None:
+                    in_flight(t)
+            response = event.response  # the last event's: response.completed (or incomplete)
+        else:
+            response = c.responses.create(**kw)
+        calls = [o for o in response.output if o.type == "function_call"]
+        answers.append(([(o.name, o.arguments) for o in calls], response.status))
+        previous = response.id
+        given = [{"type": "function_call_output", "call_id": o.call_id, "output": f"README.md ({t})"} for o in calls]
+    return answers
+
+
+def _messages_session(url: str, sid: str, turns: int, stream: bool, in_flight=None) -> list[tuple]:
+    """`_tool_session` on Anthropic's Messages API, with the anthropic client."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=300,
+                                 default_headers={"x-session-id": sid})
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in LIST_FILES]
+    messages, answers = [{"role": "user", "content": "Which files does the flask repository have?"}], []
+    for t in range(turns):
+        kw = dict(model="tiny-dense", max_tokens=120, messages=messages, tools=tools,
+                  tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0})
+        if stream:
+            with claude.messages.stream(**kw) as events:
+                for n, _ in enumerate(events):
+                    if n == 0 and in_flight is not None:
+                        in_flight(t)
+                answer = events.get_final_message()
+        else:
+            answer = claude.messages.create(**kw)
+        uses = [b for b in answer.content if b.type == "tool_use"]
+        answers.append(([(b.name, b.input) for b in uses], answer.stop_reason))
+        messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": b.id, "name": b.name,
+                                                        "input": b.input} for b in uses]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id,
+                                                   "content": f"README.md ({t})"} for b in uses]}]
+    return answers
+
+
 def test_a_killed_instance_loses_no_call(tmp_path):
     """Two talaria-serve processes behind the gateway; one is killed (SIGKILL) while it streams a tool
     call of a running session, other sessions' calls in flight. Every session completes, each reply
     what it is without the fault, and the streamed tool calls, joined, are the calls answered whole.
+    Then, the killed server started again, the same on the Responses API, and again on Anthropic's
+    Messages API: a stream cut by the kill continues on the other instance, its answer whole.
     The tiny random model keeps the two servers' start-up short (the real-client test above runs
     SmolLM2)."""
     ports = [_free_port(), _free_port()]
     template = tmp_path / "chat.jinja"
     template.write_text(TINY_TEMPLATE)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}"}
-    procs = [subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", f"--port={p}", f"--api_key={KEY}",
-                               "--model=tiny-dense", "--max_model_len=2048", "--max_seqs=4", "--kv_mib_per_device=64",
-                               f"--chat_template={template}", "--nowarmup"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"i{k}.log", "w"))
-             for k, p in enumerate(ports)]
+
+    def start(k: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "talaria_jax.launch.serve", f"--port={ports[k]}",
+                                 f"--api_key={KEY}", "--model=tiny-dense", "--max_model_len=2048", "--max_seqs=4",
+                                 "--kv_mib_per_device=64", f"--chat_template={template}", "--nowarmup"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"i{k}.log", "a"))
+
+    def wait_up(k: int) -> None:
+        deadline = time.time() + 300
+        while True:
+            assert procs[k].poll() is None and time.time() < deadline, (tmp_path / f"i{k}.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{urls[k]}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    procs = [start(k) for k in range(2)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
-        deadline = time.time() + 300
-        for u, proc in zip(urls, procs):
-            while True:
-                assert proc.poll() is None and time.time() < deadline, (tmp_path / "i0.log").read_text()[-3000:]
-                try:
-                    if httpx.get(f"{u}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+        for k in range(2):
+            wait_up(k)
         gw = build_gateway(urls, api_keys=[KEY], policy=get_policy("talaria"), probe_interval_s=0.2)
         gurl, gserver = serve_in_thread(gw)
         ups, killed = gw.state.upstreams, []
@@ -483,6 +542,21 @@ def test_a_killed_instance_loses_no_call(tmp_path):
                                                for _, calls, reason in got_tools), got_tools
         assert not ups[killed[0]].alive and ups[1 - killed[0]].alive
         assert metric(gurl, "router_replacements_total") >= 1
+        for api, session in (("responses", _responses_session), ("messages", _messages_session)):
+            procs[killed[0]] = start(killed[0])  # the killed server back: both instances up again
+            wait_up(killed[0])
+            while not all(up.accepting for up in ups):
+                time.sleep(0.1)
+            killed.clear()
+
+            def kill_it(turn: int, sid=f"{api}-fault"):  # its second answer is streaming: kill its instance
+                if turn == 1 and not killed:
+                    [name] = [up for key, up in gw.state.sessions.items() if key.endswith(f":{sid}")]
+                    killed.append(next(k for k, up in enumerate(ups) if up.name == name))
+                    procs[killed[0]].send_signal(signal.SIGKILL)
+            want = session(gurl, f"{api}-ref", 3, stream=False)
+            got = session(gurl, f"{api}-fault", 3, True, kill_it)
+            assert killed and got == want and all(len(calls) == 1 for calls, _ in got), (api, got, want)
         gserver.should_exit = True
     finally:
         for proc in procs:

@@ -81,10 +81,12 @@ def servers():
 
 # ---- the documents ---------------------------------------------------------------------------------
 ROUTES = {("get", "/health"), ("get", "/v1/models"), ("get", "/metrics"), ("post", "/v1/completions"),
-          ("post", "/v1/chat/completions")}
+          ("post", "/v1/chat/completions"), ("post", "/v1/messages"), ("post", "/v1/responses"),
+          ("get", "/v1/responses/{response_id}"), ("delete", "/v1/responses/{response_id}")}
 GENERATION = {"200", "400", "401", "404", "413", "499", "500", "503"}
 STATUSES = {"/health": {"200", "500", "503"}, "/v1/models": {"200", "401", "500"}, "/metrics": {"200", "401", "500"},
-            "/v1/completions": GENERATION, "/v1/chat/completions": GENERATION,
+            "/v1/completions": GENERATION, "/v1/chat/completions": GENERATION, "/v1/messages": GENERATION,
+            "/v1/responses": GENERATION, "/v1/responses/{response_id}": {"200", "401", "404", "500"},
             "/talaria/probe": {"200", "400", "401", "404", "413", "500", "503"}}
 
 
@@ -100,6 +102,8 @@ def test_both_apps_publish_every_route_with_every_status(servers, name, routes):
         for method, op in ops.items():
             assert set(op["responses"]) == STATUSES[path], (method, path)
             assert ("security" in op) == (path != "/health")
+            if path == "/v1/messages":  # Anthropic's clients send x-api-key
+                assert op["security"] == [{"bearer": []}, {"x-api-key": []}]
     assert not {"HTTPValidationError", "ValidationError"} & set(doc["components"]["schemas"])  # no 422 anywhere
     request = doc["components"]["schemas"]["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
     assert request.get("maximum") == (LIMITS.max_tokens if name == "serve" else None)  # the instance's own limit
@@ -126,7 +130,18 @@ def conforms(doc: dict, method: str, path: str, r: httpx.Response) -> None:
     media = r.headers["content-type"].split(";")[0]
     assert media in responses[str(r.status_code)]["content"], (method, path, media)
     at = f"/paths/{_escape(path)}/{method.lower()}/responses/{r.status_code}/content/{_escape(media)}"
-    if media == "text/event-stream":
+    if media == "text/event-stream" and path in ("/v1/messages", "/v1/responses"):  # named events, no [DONE]
+        lines = r.text.splitlines()
+        names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert len(names) == len(events) and names[-1] in ("message_stop", "response.completed",
+                                                           "response.incomplete"), names[-3:]
+        event = _validator(doc, at + "/itemSchema/properties/data/contentSchema")
+        for name, e in zip(names, events):
+            _validator(doc, at + "/itemSchema").validate({"event": name, "data": e})
+            event.validate(json.loads(e))
+            assert json.loads(e)["type"] == name and name != "error", e
+    elif media == "text/event-stream":
         events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]", events[-3:]
         chunk = _validator(doc, at + "/itemSchema/properties/data/anyOf/1/contentSchema")
@@ -141,6 +156,8 @@ def conforms(doc: dict, method: str, path: str, r: httpx.Response) -> None:
 COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+MESSAGE = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+RESPONSE = {"model": "tiny", "input": "Hi", "max_output_tokens": 4, "temperature": 0}
 CALLS = [  # method, path, query, body, headers, status
     ("GET", "/health", {}, None, {}, 200),
     ("GET", "/v1/models", {}, None, AUTH, 200),
@@ -157,6 +174,17 @@ CALLS = [  # method, path, query, body, headers, status
     ("POST", "/v1/completions", {}, {**COMPLETION, "prompt": "x" * 9000}, AUTH, 413),
     ("POST", "/v1/chat/completions", {}, {**CHAT, "model": "gpt-9"}, AUTH, 404),
     ("POST", "/v1/chat/completions", {}, CHAT, {}, 401),
+    ("POST", "/v1/messages", {}, MESSAGE, {"x-api-key": KEY}, 200),
+    ("POST", "/v1/messages", {}, {**MESSAGE, "stream": True, "stop_sequences": ["zz"]}, AUTH, 200),
+    ("POST", "/v1/messages", {}, {**MESSAGE, "max_tokens": None}, AUTH, 400),
+    ("POST", "/v1/messages", {}, {**MESSAGE, "model": "gpt-9"}, AUTH, 404),
+    ("POST", "/v1/messages", {}, MESSAGE, {"x-api-key": "sk-wrong"}, 401),
+    ("POST", "/v1/responses", {}, RESPONSE, AUTH, 200),
+    ("POST", "/v1/responses", {}, {**RESPONSE, "stream": True, "instructions": "Be brief."}, AUTH, 200),
+    ("POST", "/v1/responses", {}, {**RESPONSE, "previous_response_id": "resp_none"}, AUTH, 404),
+    ("POST", "/v1/responses", {}, {**RESPONSE, "input": 7}, AUTH, 400),
+    ("GET", "/v1/responses/resp_none", {}, None, AUTH, 404),
+    ("DELETE", "/v1/responses/resp_none", {}, None, AUTH, 404),
 ]
 PROBES = [
     ("POST", "/talaria/probe", {"kind": "chat"}, CHAT, {**AUTH, "x-session-id": "s1"}, 200),
@@ -173,9 +201,14 @@ def test_real_answers_of_every_route_are_valid_under_the_document(servers, name,
     for method, path, query, body, headers, status in calls:
         r = httpx.request(method, f"{url}{path}", params=query, json=body, headers=headers, timeout=120)
         assert r.status_code == status, (method, path, body, r.text[:300])
-        conforms(doc, method, path, r)
+        conforms(doc, method, "/v1/responses/{response_id}" if path.startswith("/v1/responses/") else path, r)
         if status == 200 and body is not None:  # what the server took is valid under its request schema
             _validator(doc, f"/paths/{_escape(path)}/post/requestBody/content/application~1json/schema").validate(body)
+    made = httpx.post(f"{url}/v1/responses", json=RESPONSE, headers=AUTH, timeout=120).json()
+    for method in ("GET", "DELETE"):  # a stored response, read and deleted
+        r = httpx.request(method, f"{url}/v1/responses/{made['id']}", headers=AUTH)
+        assert r.status_code == 200, r.text[:300]
+        conforms(doc, method, "/v1/responses/{response_id}", r)
     if name == "serve":  # a parameter FastAPI refuses is OpenAI's error naming it
         bad = httpx.post(f"{url}/talaria/probe", params={"kind": "text"}, json=COMPLETION, headers=AUTH)
         assert bad.json()["error"]["param"] == "kind"

@@ -44,7 +44,7 @@ def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: st
     """`serve.local_cluster.instance_apps` for a launcher: the compilation cache on, names resolved
     (`hardware` None: cpu on the CPU backend, h200x8 elsewhere), and a bad model, policy, profile or
     device count a usage error naming it. `serving_kw`: host_kv_bytes, max_sessions, session_ttl_s,
-    tool_call_parser, chat_template."""
+    tool_call_parser, chat_template, inferred_calls, responses_stored, responses_ttl_s."""
     import jax
 
     from talaria_jax.engine import enable_compilation_cache

@@ -54,6 +54,12 @@ _WARMUP = flags.DEFINE_bool("warmup", True, "Local instances: compile every step
 _HOST_KV = flags.DEFINE_string("host_kv_bytes", "auto", "Local instances: host memory for session KV copies, per "
                                "instance: a size (8G, 512M, bytes; 0: none), 'auto' (20% of the host memory available "
                                "at start, split over the instances) or 'unbounded'.")
+_INFERRED = flags.DEFINE_integer("inferred_calls", 65_536, "Calls kept to infer the sessions of calls that name "
+                                 "none (no session_id, x-session-id or prompt_cache_key) from their prompts' token "
+                                 "ids; the least recently used are forgotten past it. 0: no inference.", lower_bound=0)
+_RESPONSES = flags.DEFINE_integer("responses_stored", 10_000, "Responses (of POST /v1/responses with store: true) "
+                                  "kept for previous_response_id, GET and DELETE; the oldest go first.", lower_bound=0)
+_RESPONSES_TTL = flags.DEFINE_float("responses_ttl_s", 3600.0, "Seconds a stored response is kept.", lower_bound=1.0)
 _MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 10_000, "Local instances: sessions each keeps at most.",
                                      lower_bound=1)
 _SESSION_TTL = flags.DEFINE_float("session_ttl_s", 3600.0, "Local instances: seconds a session is kept after its "
@@ -68,6 +74,7 @@ def main(argv):
         raise app.UsageError("give either --instances=URL,... or --local_instances=N")
     from talaria_jax.scheduler.policies import get_policy
     from talaria_jax.serve.gateway import build_gateway
+    from talaria_jax.serve.responses import Store
 
     keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
     if not keys:
@@ -81,7 +88,9 @@ def main(argv):
     try:
         urls = local.urls if local is not None else _INSTANCES.value
         gateway = build_gateway(urls, api_keys=keys, policy=policy, max_body_bytes=_MAX_BODY.value,
-                                probe_interval_s=_PROBE.value, fail_after=_FAIL_AFTER.value)
+                                probe_interval_s=_PROBE.value, fail_after=_FAIL_AFTER.value,
+                                inferred_calls=_INFERRED.value,
+                                response_store=Store(_RESPONSES.value, _RESPONSES_TTL.value))
         print(f"routing ({policy.name}) over {', '.join(urls)} on http://{_HOST.value}:{_PORT.value}/v1",
               file=sys.stderr)
         # uvicorn re-raises the signal that stopped it: exit through the finally below, which stops the instances

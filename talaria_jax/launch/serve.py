@@ -63,6 +63,13 @@ _MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 10_000, "Sessions kept at m
                                      lower_bound=1)
 _SESSION_TTL = flags.DEFINE_float("session_ttl_s", 3600.0, "Seconds a session is kept after its last call.",
                                   lower_bound=0.0)
+_INFERRED = flags.DEFINE_integer("inferred_calls", 65_536, "Calls kept to infer the sessions of calls that name "
+                                 "none (no session_id, x-session-id or prompt_cache_key) from their prompts' token "
+                                 "ids; the least recently used are forgotten past it. 0: no inference (each such "
+                                 "call is a session of its own).", lower_bound=0)
+_RESPONSES = flags.DEFINE_integer("responses_stored", 10_000, "Responses (of POST /v1/responses with store: true) "
+                                  "kept for previous_response_id, GET and DELETE; the oldest go first.", lower_bound=0)
+_RESPONSES_TTL = flags.DEFINE_float("responses_ttl_s", 3600.0, "Seconds a stored response is kept.", lower_bound=1.0)
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving.")
 _TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", "llama3_json"],
                                  "How the models write tool calls (auto: read from each chat template; a template "
@@ -99,7 +106,9 @@ def main(argv):
                           tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None,
                           compilation_cache=_XLA_CACHE.value, host_kv_bytes=host_kv_bytes(_HOST_KV.value),
                           max_sessions=_MAX_SESSIONS.value, session_ttl_s=_SESSION_TTL.value,
-                          tool_call_parser=_TOOL_PARSER.value, chat_template=chat_template_text(_CHAT_TEMPLATE.value))
+                          tool_call_parser=_TOOL_PARSER.value, chat_template=chat_template_text(_CHAT_TEMPLATE.value),
+                          inferred_calls=_INFERRED.value, responses_stored=_RESPONSES.value,
+                          responses_ttl_s=_RESPONSES_TTL.value)
     server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning",
                                            timeout_graceful_shutdown=max(1, int(_DRAIN.value))),
                             api.state.engine, _DRAIN.value)

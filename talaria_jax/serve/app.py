@@ -1,7 +1,10 @@
 """The instance server: OpenAI's completions and chat completions over one engine (FastAPI).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both plain and SSE streams: text
-deltas, usage in a last chunk with `stream_options: {"include_usage": true}`, then `data: [DONE]`), `GET /v1/models`, `GET /health` (503 once
+deltas, usage in a last chunk with `stream_options: {"include_usage": true}`, then `data: [DONE]`),
+OpenAI's Responses API (`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: `serve.responses`)
+and Anthropic's Messages API (`POST /v1/messages`: `serve.messages`), both translated to chat calls,
+`GET /v1/models`, `GET /health` (503 once
 draining or dead) and `GET /metrics` (Prometheus). Every route but /health wants
 `Authorization: Bearer <key>` with one of the server's keys; `/openapi.json` (Swagger UI at `/docs`,
 no key) describes every route (`serve.schema`). The prefix cache's tenant salt is derived
@@ -37,7 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from talaria_jax.engine.engine import Engine, RequestOutput
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.grammar import GrammarError
-from talaria_jax.serve import protocol, schema, tools
+from talaria_jax.scheduler.inferred import OUTPUT_KEPT, Identified, SessionInference
+from talaria_jax.serve import messages, protocol, responses, schema, tools
 from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
@@ -74,19 +78,25 @@ def tenant_salt(api_key: str, secret: bytes) -> str:
     return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-DESCRIPTION = """OpenAI's completions and chat completions (plain and server-sent events) over one instance:
-its engine, or its models under the scheduler. Every route but `/health` wants `Authorization: Bearer
-<key>`; every error is OpenAI's error body, its `param` naming the field at fault."""
+DESCRIPTION = """OpenAI's completions, chat completions and Responses API, and Anthropic's Messages API (plain
+and server-sent events), over one instance: its engine, or its models under the scheduler. Every route
+but `/health` wants `Authorization: Bearer <key>` (or `x-api-key: <key>`); every error is OpenAI's
+error body, its `param` naming the field at fault (Anthropic's on `/v1/messages`)."""
 
 
 def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence[str], limits: Limits = Limits(),
               session_idle_s: float = 60.0, tenant_secret: bytes | None = None,
-              backend: InstanceEngine | None = None) -> FastAPI:
+              backend: InstanceEngine | None = None, inferred_calls: int = 65_536,
+              response_store: responses.Store | None = None) -> FastAPI:
     """The app; `app.state.engine` is its `AsyncEngine` (stop it with `.close()`), `app.state.metrics`
     its metrics, `app.state.server` what the routes read. `tenant_secret` keys the tenant salts
     (default: random for this process). `backend`: an `InstanceEngine` serving every one of `models`
     on one instance under the scheduler (it adds the router's route, `POST /talaria/probe`); None: the
-    one model's own engine.
+    one model's own engine. A call that names no session (`session_id`, `x-session-id`) is put in
+    its `prompt_cache_key`'s, else in one inferred from its prompt's token ids
+    (`scheduler.inferred`), which keeps up to `inferred_calls` calls (0: no inference; such calls
+    are sessions of one call). `response_store`: the Responses API's stored responses (default: 10,000
+    for an hour).
 
     Raises:
         ValueError: several models without a backend, models that are not the backend's, or no API key.
@@ -106,7 +116,9 @@ def build_app(models: ServedModel | Sequence[ServedModel], *, api_keys: Sequence
     ae.on_output = metrics.on_output
     app.state.engine, app.state.metrics, app.state.limits = ae, metrics, limits
     app.state.server = _Server(ae, metrics, limits, {m.name: m for m in models}, backend,
-                               tenant_secret or secrets.token_bytes(32), key_checker(api_keys), _Probed())
+                               tenant_secret or secrets.token_bytes(32), key_checker(api_keys), _Probed(),
+                               SessionInference(inferred_calls) if inferred_calls else None,
+                               response_store if response_store is not None else responses.Store())
     openai_errors(app)
     app.include_router(routes)
     return app
@@ -123,6 +135,8 @@ class _Server:
     secret: bytes  # keys the tenant salts
     caller: Callable[[Request], str]  # the request's API key, or ApiError 401
     probes: "_Probed"
+    inference: SessionInference | None  # sessions of calls that name none
+    responses: responses.Store  # the Responses API's stored responses
 
 
 def _server(request: Request) -> _Server:
@@ -165,6 +179,35 @@ async def chat_completions(request: Request):
     return await _generate(request, chat=True)
 
 
+@routes.post("/v1/messages", **schema.MESSAGES)
+async def anthropic_messages(request: Request):
+    srv = _server(request)
+    srv.caller(request)
+    chat = messages.to_chat(await read_json(request, srv.limits.max_body_bytes))
+    return messages.answer(await _generate(request, chat=True, body=chat), chat["model"])
+
+
+@routes.post("/v1/responses", **schema.RESPONSES_CREATE)
+async def create_response(request: Request):
+    srv = _server(request)
+    tenant = tenant_salt(srv.caller(request), srv.secret)
+    t = responses.translate(await read_json(request, srv.limits.max_body_bytes), srv.responses, tenant)
+    return responses.answer(await _generate(request, chat=True, body=t.chat, session=t.session), t, srv.responses,
+                            tenant)
+
+
+@routes.get("/v1/responses/{response_id}", **schema.RESPONSES_GET)
+async def get_response(request: Request, response_id: str):
+    srv = _server(request)
+    return JSONResponse(srv.responses.get(response_id, tenant_salt(srv.caller(request), srv.secret)).body)
+
+
+@routes.delete("/v1/responses/{response_id}", **schema.RESPONSES_DELETE)
+async def delete_response(request: Request, response_id: str):
+    srv = _server(request)
+    return srv.responses.delete(response_id, tenant_salt(srv.caller(request), srv.secret))
+
+
 @routes.post("/talaria/probe", **schema.PROBE)
 async def probe(request: Request, kind: Literal["completion", "chat"] = "completion", tokens: bool = False):
     """The router's view of this instance for one request (which it checks as if it were sent):
@@ -195,7 +238,8 @@ async def probe(request: Request, kind: Literal["completion", "chat"] = "complet
     return JSONResponse(answer)  # plain JSON already: no walk of every token id by FastAPI's encoder
 
 
-async def _prepare(request: Request, chat: bool, probing: bool = False) -> Prepared:
+async def _prepare(request: Request, chat: bool, probing: bool = False, body: Any = None,
+                   session: tuple[str, str] | None = None) -> Prepared:
     """Checks the caller and the request; the model, the request, its prompt ids, the caller's
     tenant salt and the session (named within the tenant). A request named by an `x-talaria-probe`
     header that this server's probe checked for the same caller is taken as it was then (its body is
@@ -209,9 +253,13 @@ async def _prepare(request: Request, chat: bool, probing: bool = False) -> Prepa
     if probed is not None and not probing:
         prep = srv.probes.take(probed, salt)
         if prep is not None:
+            named = session_header(request)
+            if named is not None:  # a router names the session of the call it probed (it may have inferred it)
+                prep = dataclasses.replace(prep, session=f"{salt[:16]}:{named}", how=_identified(request))
             return prep
     limits = srv.limits
-    body = await read_json(request, limits.max_body_bytes)
+    if body is None:  # (a translated request, Anthropic's or the Responses API's, comes read)
+        body = await read_json(request, limits.max_body_bytes)
     given = body.pop("talaria_prompt_token_ids", None) if probing and isinstance(body, dict) else None
     p = protocol.parse_chat(body, limits, given is not None) if chat else protocol.parse_completion(body, limits)
     served = srv.by_name.get(p.model)
@@ -231,17 +279,29 @@ async def _prepare(request: Request, chat: bool, probing: bool = False) -> Prepa
     if p.max_tokens is None:  # chat's default: the rest of the context
         room = served.engine.config.max_model_len - len(prompt)
         p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
+    how = _identified(request) if p.session is not None else None
+    if p.session is None and p.cache_key is not None:
+        p.session, how = p.cache_key, "prompt_cache_key"
+    if p.session is None and session is not None:  # what a translated request names (a response chain)
+        p.session, how = session
+    inferred = None
+    if p.session is None and not probing and srv.inference is not None:
+        with contextlib.suppress(ValueError):  # ids no engine takes: it refuses the request, naming them
+            inferred = srv.inference.identify(salt, prompt)
+            p.session, how = inferred.session, "inferred"
+    if p.session is not None:  # named as a header names it (any characters, at most 256)
+        p.session = protocol.header_value(p.session)
     session = None if p.session is None else f"{salt[:16]}:{p.session}"  # tenants' sessions never mix
-    return Prepared(served, p, prompt, salt, session)
+    return Prepared(served, p, prompt, salt, session, how, inferred)
 
 
-async def _generate(request: Request, chat: bool):
+async def _generate(request: Request, chat: bool, body: Any = None, session: tuple[str, str] | None = None):
     srv = _server(request)
     ae = srv.ae
-    prep = await _prepare(request, chat)
+    prep = await _prepare(request, chat, body=body, session=session)
     served, p, prompt, salt, session = prep.served, prep.p, prep.prompt, prep.salt, prep.session
     if session is not None:
-        srv.metrics.session_started(session)
+        srv.metrics.session_started(session, prep.how)
     loop = asyncio.get_running_loop()
     # a multi-model instance's scheduler takes the agent hints; a one-model engine has none to give them to
     route = {} if srv.backend is None else {"model": served.name, "hints": p.hints}
@@ -259,15 +319,30 @@ async def _generate(request: Request, chat: bool):
         _abort_all(ae, choices)
         raise ApiError(503, str(e), code="unavailable") from None
     rid = protocol.new_id(chat)
+    named = {"x-talaria-session": p.session} if p.session is not None else {}  # the session it was served in
     if p.stream:
-        return StreamingResponse(_stream(ae, request, choices, chat, rid, p, len(prompt)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(ae, request, choices, chat, rid, p, len(prompt), prep),
+                                 media_type="text/event-stream", headers=named)
     try:
         await _wait_all(request, choices, ae)
     finally:
         _abort_all(ae, choices)
-    return protocol.envelope(chat, rid, p.model, [c.body(chat) for c in choices], chunk=False,
-                             usage_=_usage(choices, len(prompt)))
+    bodies = [c.body(chat) for c in choices]
+    bodies[0] |= _answered(srv, request, prep, choices[0])
+    return JSONResponse(protocol.envelope(chat, rid, p.model, bodies, chunk=False, usage_=_usage(choices, len(prompt))),
+                        headers=named)
+
+
+def _answered(srv: _Server, request: Request, prep: Prepared, first: _Choice) -> dict:
+    """The call is answered: its session's inference learns the output; what the first choice's
+    body adds for a router that asks (`x-talaria-output-ids: 1`): the output's leading token ids,
+    with which the router infers sessions as this server does."""
+    ids = first.out.token_ids if first.out is not None else []
+    if prep.inferred is not None:
+        srv.inference.finished(prep.inferred, ids)
+    if request.headers.get("x-talaria-output-ids") is None:
+        return {}
+    return {"talaria_output_token_ids": ids[:OUTPUT_KEPT]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +353,8 @@ class Prepared:
     prompt: list[int]
     salt: str  # the caller's tenant salt
     session: str | None  # the session, named within the tenant
+    how: str | None = None  # how the session was identified: named, prompt_cache_key or inferred
+    inferred: Identified | None = None  # the inference's record of the call, if it was inferred
 
 
 class _Probed:
@@ -307,25 +384,29 @@ class _Probed:
 
 
 def key_checker(api_keys: Sequence[str]):
-    """`caller(request)`: the request's API key (`Authorization: Bearer <key>`), or ApiError 401 unless
-    it is one of `api_keys` (compared in constant time, every key)."""
+    """`caller(request)`: the request's API key (`Authorization: Bearer <key>`, or `x-api-key: <key>`
+    as Anthropic's clients send it), or ApiError 401 unless it is one of `api_keys` (compared in
+    constant time, every key)."""
     keys = [k.encode() for k in api_keys]
 
     def caller(request: Request) -> str:
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "").strip()
         if not key or sum(hmac.compare_digest(key.encode(), k) for k in keys) == 0:
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>', or 'x-api-key: <key>')",
+                           code="invalid_api_key")
         return key
     return caller
 
 
 def openai_errors(app: FastAPI) -> None:
-    """Every error of `app` answered as OpenAI's error body: ApiError, unknown routes and methods, a
-    declared parameter FastAPI refuses (400 naming it, not FastAPI's 422), and bugs (500, logged; no
-    traceback reaches the client)."""
+    """Every error of `app` answered as OpenAI's error body (Anthropic's on `/v1/messages`): ApiError,
+    unknown routes and methods, a declared parameter FastAPI refuses (400 naming it, not FastAPI's
+    422), and bugs (500, logged; no traceback reaches the client)."""
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
+        if request.url.path == "/v1/messages":
+            return JSONResponse(messages.error_body(e.status, e.message), status_code=e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
@@ -333,16 +414,23 @@ def openai_errors(app: FastAPI) -> None:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"][1:]) or None  # loc: ("query", "kind")
         message = f"'{param}' is invalid: {err['msg']}" if param else f"the request is invalid: {err['msg']}"
-        return JSONResponse(ApiError(400, message[:300], param, "invalid_value").body(), status_code=400)
+        return await _api_error(request, ApiError(400, message[:300], param, "invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return await _api_error(request, ApiError(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
         logging.exception("request failed")
-        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+        return await _api_error(request, ApiError(500, f"internal error ({type(e).__name__})"))
+
+
+def _identified(request: Request) -> str:
+    """How a named session was identified: "named", unless a router says how it identified it
+    (`x-talaria-identified`), for the metrics' labels."""
+    how = request.headers.get("x-talaria-identified")
+    return how if how in protocol.IDENTIFIED else "named"
 
 
 def session_header(request: Request) -> str | None:
@@ -428,6 +516,7 @@ class _Choice:
         self.sent_tokens = 0
         self.finish_reason: str | None = None
         self.stopped = False  # a stop string matched: the engine request is aborted, reported as "stop"
+        self.stop_string: str | None = None  # the stop string that matched (vLLM's `stop_reason`)
         self.holdback = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be completing
         self.detok = IncrementalDetokenizer(tokenizer)  # the output's text, decoded as it grows
         self._fed = 0  # token ids given to detok
@@ -452,9 +541,10 @@ class _Choice:
         if out.finished:
             new += self.detok.flush()
         window = self._tail + new
-        found = [k for k in (window.find(s) for s in self.p.stop) if k >= 0]
+        found = [(k, s) for k, s in ((window.find(s), s) for s in self.p.stop) if k >= 0]
         if found:  # the earliest match: drop it and what follows, some of it maybe already in the text
-            cut = len(self._tail) - min(found)
+            k, self.stop_string = min(found)
+            cut = len(self._tail) - k
             new = "" if cut >= 0 else new[:-cut]
             if cut > 0:
                 self._text = [joined(self._text)[:-cut]]
@@ -493,11 +583,15 @@ class _Choice:
 
     def body(self, chat: bool) -> dict:
         if self.tool_format is None:
-            return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat))
+            return protocol.choice(chat, self.index, self.text, self.finish_reason, self.logprobs(chat)) | self.matched()
         content, calls = tools.parse(self.text, self.tool_format, self.tool_names, self.finish_reason == "length")
         calls = self._calls(calls)
         return protocol.choice(chat, self.index, tools.message_content(content, calls), self._reason(calls),
-                               self.logprobs(chat), tool_calls=calls)
+                               self.logprobs(chat), tool_calls=calls) | self.matched()
+
+    def matched(self) -> dict:
+        """The stop string that ended the choice, as vLLM reports it (`stop_reason`), if one did."""
+        return {"stop_reason": self.stop_string} if self.stop_string is not None else {}
 
     def stream_delta(self, final: bool) -> tuple[str, list[dict] | None, str | None]:
         """A stream's next content, its tool calls (at the end, with their indexes), and (when
@@ -553,7 +647,7 @@ async def _wait_all(request: Request, choices: list[_Choice], ae: AsyncEngine) -
 
 
 async def _stream(ae: AsyncEngine, request: Request, choices: list[_Choice], chat: bool, rid: str, p: Parsed,
-                  prompt_tokens: int):
+                  prompt_tokens: int, prep: Prepared):
     """SSE events: (chat) each choice's role, then text deltas as they come, each choice's finish reason
     with its last delta, the usage, and `[DONE]`. A client gone aborts every choice (finally)."""
     def event(choice_or_none, usage_=None) -> str:
@@ -570,8 +664,11 @@ async def _stream(ae: AsyncEngine, request: Request, choices: list[_Choice], cha
                 final = c.done and c.index not in ended
                 d, calls, reason = c.stream_delta(final)
                 if d or final:
-                    yield event(protocol.choice(chat, c.index, d, reason, c.logprobs(chat, new_only=True), delta=True,
-                                                tool_calls=calls))
+                    body = protocol.choice(chat, c.index, d, reason, c.logprobs(chat, new_only=True), delta=True,
+                                           tool_calls=calls)
+                    if final:
+                        body |= c.matched() | (_answered(_server(request), request, prep, c) if c.index == 0 else {})
+                    yield event(body)
                 if final:
                     ended.add(c.index)
             if len(ended) == len(choices):

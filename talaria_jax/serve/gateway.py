@@ -11,7 +11,10 @@ switching or queueing there costs more.
 
 The caller's API key is forwarded: instances derive the prefix cache's tenant salt from it (as the
 probe's prefix counts do), so the gateway and its instances take the same keys. A session is named by
-an `x-session-id` header or a `session_id` field; a call without one is a single-call session.
+an `x-session-id` header or a `session_id` field, else by OpenAI's `prompt_cache_key`; the session of
+a call with none is inferred from its prompt's token ids (the first probe answers them;
+`scheduler.inferred`), with the leading output ids the instance adds to its answer for the gateway,
+and the instances are told it by name.
 
 Faults lose nothing. Every request carries its session's whole history (OpenAI's interface is
 stateless), so any call can be placed anywhere and its KV recomputed there. The gateway checks each
@@ -56,8 +59,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from talaria_jax.scheduler import router
 from talaria_jax.scheduler.api import DerivedQueries, PrefixLocation, WeightState
 from talaria_jax.scheduler.policies import PolicyConfig
+from talaria_jax.scheduler.inferred import Identified, SessionInference
 from talaria_jax.scheduler.session import Call, Session
-from talaria_jax.serve import protocol, schema
+from talaria_jax.serve import messages, protocol, responses, schema
 from talaria_jax.serve.app import key_checker, openai_errors, read_json, session_header
 from talaria_jax.serve.protocol import ApiError, Limits
 
@@ -234,7 +238,8 @@ def _sampled(body: dict) -> bool:
     return not (isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0)
 
 
-DESCRIPTION = """OpenAI's completions and chat completions over many instance servers: each call is placed on
+DESCRIPTION = """OpenAI's completions, chat completions and Responses API, and Anthropic's Messages API (both
+translated to chat calls here), over many instance servers: each call is placed on
 the instance the scheduler's router ranks best (where its session's KV is, unless switching or queueing
 there costs more), and placed again if that instance is lost. Every route but `/health` wants
 `Authorization: Bearer <key>`; every error is OpenAI's error body. Request limits are the instances'."""
@@ -242,20 +247,24 @@ there costs more), and placed again if that instance is lost. Every route but `/
 
 def build_gateway(instances: Sequence[str], *, api_keys: Sequence[str], policy: PolicyConfig,
                   max_body_bytes: int = 1 << 20, probe_interval_s: float = 1.0, fail_after: int = 2,
-                  probe_timeout_s: float = 30.0, instance_key: str | None = None) -> FastAPI:
+                  probe_timeout_s: float = 30.0, instance_key: str | None = None,
+                  inferred_calls: int = 65_536, response_store: responses.Store | None = None) -> FastAPI:
     """The gateway app over instance servers at `instances` (base URLs): a `Gateway` (`app.state.gateway`)
     behind the module's routes. `api_keys`: the callers' keys (the instances must take them too);
     `instance_key`: the key of the gateway's own requests (model lists; default the first of
     `api_keys`). Start it under uvicorn: its health checks run while it serves. `app.state.upstreams`
     are the instances, `app.state.registry` its metrics, `app.state.sessions` each session's last
-    instance.
+    instance. A call that names no session goes in its `prompt_cache_key`'s, else in one inferred
+    from its prompt's token ids, as an instance server infers them (`scheduler.inferred`, keeping up
+    to `inferred_calls` calls; 0: none), and the instance is told the session by name.
+    `response_store`: the Responses API's stored responses (default: 10,000 for an hour).
 
     Raises:
         ValueError: no instance URL, or no non-empty API key.
     """
     gw = Gateway(instances, api_keys=api_keys, policy=policy, max_body_bytes=max_body_bytes,
                  probe_interval_s=probe_interval_s, fail_after=fail_after, probe_timeout_s=probe_timeout_s,
-                 instance_key=instance_key)
+                 instance_key=instance_key, inferred_calls=inferred_calls, response_store=response_store)
     app = FastAPI(title="talaria-route", version=schema.VERSION, description=DESCRIPTION, docs_url="/docs",
                   redoc_url=None, openapi_url="/openapi.json", lifespan=gw.lifespan)
     schema.publish(app, None)
@@ -273,7 +282,8 @@ class Gateway:
 
     def __init__(self, instances: Sequence[str], *, api_keys: Sequence[str], policy: PolicyConfig,
                  max_body_bytes: int = 1 << 20, probe_interval_s: float = 1.0, fail_after: int = 2,
-                 probe_timeout_s: float = 30.0, instance_key: str | None = None):
+                 probe_timeout_s: float = 30.0, instance_key: str | None = None, inferred_calls: int = 65_536,
+                 response_store: responses.Store | None = None):
         if not instances:
             raise ValueError("build_gateway: give at least one instance URL")
         if not api_keys or not all(isinstance(k, str) and k for k in api_keys):
@@ -294,12 +304,17 @@ class Gateway:
         self.m_up = Gauge("talaria:router_instance_up", "1 while the instance takes calls", ["instance"], registry=reg)
         self.m_inflight = Gauge("talaria:router_inflight", "Calls forwarded and not yet answered", ["instance"],
                                 registry=reg)
+        self.m_sessions = Counter("talaria:router_sessions", "Sessions begun, by how they were identified (named: "
+                                  "session_id or x-session-id; prompt_cache_key; inferred)", ["identified"],
+                                  registry=reg)
         self.m_e2e = Histogram("talaria:router_request_latency_seconds", "Arrival to the end of the answer",
                                registry=reg,
                                buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
         self.open_limits = Limits(max_body_bytes=max_body_bytes, max_tokens=1 << 30, max_n=_MAX_N)
         self.sessions: dict[str, str] = {}  # tenant-scoped session -> the instance of its last call (least recent first)
         self._anonymous = itertools.count()
+        self.inference = SessionInference(inferred_calls) if inferred_calls else None
+        self.responses = response_store if response_store is not None else responses.Store()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None),
                                       limits=httpx.Limits(max_connections=1000))
 
@@ -351,10 +366,14 @@ class Gateway:
             await asyncio.sleep(self.probe_interval_s)
 
     # --- placing one call --------------------------------------------------------------------------
-    def served(self, call: _Call, up: Upstream) -> None:
-        """The call was answered by `up`: where its session ran last."""
+    def served(self, call: _Call, up: Upstream, output_ids: list[int] | None) -> None:
+        """The call was answered by `up` (with `output_ids`, its leading output tokens, for the
+        inference): where its session ran last."""
+        if call.inferred is not None:
+            self.inference.finished(call.inferred, output_ids or [])
         if call.session_key is not None:
-            self.sessions.pop(call.session_key, None)
+            if self.sessions.pop(call.session_key, None) is None:
+                self.m_sessions.labels(call.how).inc()
             self.sessions[call.session_key] = up.name
             if len(self.sessions) > MAX_SESSIONS:
                 del self.sessions[next(iter(self.sessions))]
@@ -386,12 +405,18 @@ class Gateway:
         last = self.sessions.get(call.session_key) if call.session_key is not None else None
         cands.sort(key=lambda up: up.name != last)  # stable: the session's last instance first
         answers = []
-        if len(cands) > 1:
+        infer = call.sid is None and self.inference is not None
+        if len(cands) > 1 or infer:
             first = await self._probe(call, cands[0], call.raw, tokens=True)
-            answers.append(first)
             ids = first[2].pop("prompt_token_ids", None) if first[2] is not None else None
             content = call.raw if ids is None else _with_ids(call.body, ids)
-            answers += await asyncio.gather(*(self._probe(call, up, content) for up in cands[1:]))
+            rest = cands[1:]
+            if infer and ids is not None:
+                last = self.identify(call, ids)
+                if len(cands) > 1 and last == cands[0].name:  # its answer left out the session's KV on host
+                    rest, first = cands, None  # (a single candidate is not ranked: the forward names the session)
+            answers += [first] if first is not None else []
+            answers += await asyncio.gather(*(self._probe(call, up, content) for up in rest))
         else:
             answers.append(await self._probe(call, cands[0], call.raw))
         snaps, bad = [], None
@@ -413,6 +438,18 @@ class Gateway:
         best = router.rank(self.policy, c, session, snaps, {s.name: s.routed() for s in snaps})[0]
         return best.up, best.s.get("probe")
 
+    def tenant(self, key: str) -> str:
+        """The tenant of an API key, as the gateway groups sessions and stored responses (an HMAC)."""
+        return hmac.new(self.secret, key.encode(), hashlib.sha256).hexdigest()[:16]
+
+    def identify(self, call: _Call, prompt_ids: list[int]) -> str | None:
+        """Puts a call that names no session in one inferred from its prompt's token ids (named to the
+        instances by `x-session-id`); the instance its session ran on last, if any."""
+        call.inferred = self.inference.identify(call.tenant, prompt_ids)
+        call.sid, call.how = call.inferred.session, "inferred"
+        call.headers |= {"x-session-id": call.sid, "x-talaria-identified": "inferred", "x-talaria-output-ids": "1"}
+        return self.sessions.get(call.session_key)
+
     async def _probe(self, call: _Call, up: Upstream, content: bytes, tokens: bool = False):
         """(up, its answer or None, the answer's JSON when it is a 200)."""
         params = {"kind": "chat" if call.chat else "completion"} | ({"tokens": "true"} if tokens else {})
@@ -425,18 +462,26 @@ class Gateway:
         return up, r, r.json() if r.status_code == 200 else None
 
     # --- forwarding ----------------------------------------------------------------------------------
-    async def call(self, request: Request, path: str, chat: bool):
-        """One client call: checked, placed, forwarded (placed again while instances fail), answered."""
+    async def call(self, request: Request, path: str, chat: bool, body: Any = None,
+                   session: tuple[str, str] | None = None):
+        """One client call: checked, placed, forwarded (placed again while instances fail), answered.
+        `body`: the request already read and translated (a Messages or Responses request's chat form);
+        `session`: what the translated request names as its session, and how (a response chain)."""
         t0 = time.perf_counter()
         key = self.caller(request)
-        body = await read_json(request, self.max_body_bytes)
+        if body is None:
+            body = await read_json(request, self.max_body_bytes)
         try:  # what every instance would refuse is refused here, before any instance is asked
             (protocol.parse_chat if chat else protocol.parse_completion)(body, self.open_limits)
         except ApiError as e:
             if e.param not in _INSTANCE_LIMITS:  # (those the instances check, naming their own limits)
                 self.m_refused.inc()
                 raise
-        sid = _session_id(request, body)
+        sid, how = _session_id(request, body), "named"
+        if sid is None and isinstance(body.get("prompt_cache_key"), str):
+            sid, how = body["prompt_cache_key"], "prompt_cache_key"  # (its length was checked with the body)
+        if sid is None and session is not None:
+            sid, how = session
         if _sampled(body) and body.get("seed") is None:
             body["seed"] = secrets.randbelow(_SEED_MAX)  # a retry elsewhere draws the same tokens
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
@@ -445,8 +490,10 @@ class Gateway:
                 headers[name] = request.headers[name]
         if "x-agent-hints" in headers:  # refused here, as a bad body is
             protocol.agent_hints(protocol.hints_header(headers["x-agent-hints"]), "x-agent-hints")
-        call = _Call(body, json.dumps(body).encode(), headers, path, body["model"], sid,
-                     hmac.new(self.secret, key.encode(), hashlib.sha256).hexdigest()[:16], chat)
+        sid = None if sid is None else protocol.header_value(sid)  # (as the instances name it)
+        if sid is not None and how != "named":  # the instances are told the session by name, and how it was found
+            headers |= {"x-session-id": sid, "x-talaria-identified": how}
+        call = _Call(body, json.dumps(body).encode(), headers, path, body["model"], sid, self.tenant(key), chat, how)
         if body.get("stream") is True:
             return await self.streamed(call, t0)
         while True:
@@ -467,9 +514,10 @@ class Gateway:
                 continue
             if r.status_code != 200:
                 raise _Relayed(r)  # the instance's refusal, as it wrote it (JSON or not)
-            self.served(call, up)
+            body = r.json()
+            self.served(call, up, _output_ids(body))
             self.m_e2e.observe(time.perf_counter() - t0)
-            return JSONResponse(r.json())
+            return JSONResponse(body, headers=_named(call))
 
     async def open_stream(self, call: _Call) -> _Open:
         """A streamed call's upstream response (200) on the best instance; the instance's refusal
@@ -503,13 +551,14 @@ class Gateway:
         async def release():  # after the response, also when the client left before it started
             await box[0].release()
         return _Streamed(self.relay_events(call, box, t0), media_type="text/event-stream",
-                         background=BackgroundTask(release))
+                         background=BackgroundTask(release), headers=_named(call))
 
     async def relay_events(self, call: _Call, box: list, t0: float):
         """The client's SSE stream: the upstream's events, and after a loss the events of the call
         placed again, trimmed of what was sent (`_Relay`). The client going away closes the upstream
         stream, which aborts the call there."""
         relay = _Relay(call.chat)
+        output = None  # the output's leading token ids, from the instance that answered (for the inference)
         while True:
             cur = box[0]
             try:
@@ -522,11 +571,13 @@ class Gateway:
                     if not line.startswith("data: "):
                         continue
                     if line[6:] == "[DONE]":
-                        self.served(call, cur.up)
+                        self.served(call, cur.up, output)
                         self.m_e2e.observe(time.perf_counter() - t0)
                         yield "data: [DONE]\n\n"
                         return
-                    out = relay.feed(json.loads(line[6:]))
+                    event = json.loads(line[6:])
+                    output = _output_ids(event) or output
+                    out = relay.feed(event)
                     if out is not None:
                         yield f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
             except (_Lost, httpx.HTTPError, ValueError) as e:
@@ -591,6 +642,35 @@ async def chat_completions(request: Request):
     return await _gateway(request).call(request, "/v1/chat/completions", chat=True)
 
 
+@routes.post("/v1/messages", **schema.MESSAGES)
+async def anthropic_messages(request: Request):
+    gw = _gateway(request)
+    gw.caller(request)
+    chat = messages.to_chat(await read_json(request, gw.max_body_bytes))
+    return messages.answer(await gw.call(request, "/v1/chat/completions", chat=True, body=chat), chat["model"])
+
+
+@routes.post("/v1/responses", **schema.RESPONSES_CREATE)
+async def create_response(request: Request):
+    gw = _gateway(request)
+    tenant = gw.tenant(gw.caller(request))
+    t = responses.translate(await read_json(request, gw.max_body_bytes), gw.responses, tenant)
+    chat = await gw.call(request, "/v1/chat/completions", chat=True, body=t.chat, session=t.session)
+    return responses.answer(chat, t, gw.responses, tenant)
+
+
+@routes.get("/v1/responses/{response_id}", **schema.RESPONSES_GET)
+async def get_response(request: Request, response_id: str):
+    gw = _gateway(request)
+    return JSONResponse(gw.responses.get(response_id, gw.tenant(gw.caller(request))).body)
+
+
+@routes.delete("/v1/responses/{response_id}", **schema.RESPONSES_DELETE)
+async def delete_response(request: Request, response_id: str):
+    gw = _gateway(request)
+    return gw.responses.delete(response_id, gw.tenant(gw.caller(request)))
+
+
 @dataclasses.dataclass
 class _Call:
     """One call as the gateway forwards it (again, after a loss)."""
@@ -602,8 +682,10 @@ class _Call:
     sid: str | None
     tenant: str
     chat: bool
+    how: str  # how the session was identified: named, prompt_cache_key or inferred
     tried: set = dataclasses.field(default_factory=set)  # instances that failed this call
     error: httpx.Response | None = None  # the last 5xx an instance answered, if every one fails
+    inferred: Identified | None = None  # the inference's record of the call, once its session is inferred
 
     @property
     def session_key(self) -> str | None:
@@ -655,6 +737,19 @@ async def _until_lost(aw, up: Upstream, request: Request | None = None):
         lost.cancel()
         if not task.done():
             task.cancel()
+
+
+def _named(call: _Call) -> dict:
+    """The answer's header naming the session the call was placed in (as the client named it, by
+    `prompt_cache_key`, or as inferred)."""
+    return {"x-talaria-session": call.sid} if call.sid is not None else {}
+
+
+def _output_ids(body: dict) -> list[int] | None:
+    """Takes out of an instance's answer (or stream event) the first choice's leading output token ids
+    that the gateway asked for (`x-talaria-output-ids`), if they are there."""
+    choices = body.get("choices") or []
+    return choices[0].pop("talaria_output_token_ids", None) if choices and isinstance(choices[0], dict) else None
 
 
 def _with_ids(body: dict, ids: list[int]) -> bytes:

@@ -5,7 +5,8 @@ text, as a coding agent would: each session opens with a task, then alternates a
 "tool" run (a sleep of its tool gap) whose output -- a file listing, a file, test output, a diff -- is
 the next call's observation. Every call sends the whole conversation so far (chat: a growing
 `messages` list; completions: a growing text prompt), so a server with a prefix cache reuses the
-earlier context, and every call names its session in the `x-session-id` header.
+earlier context, and every call names its session in the `x-session-id` header (with `named=False`
+none does, as most agents send them: the server infers the sessions).
 
 `agent_sessions` scripts sessions (deterministic from a seed), `run_sessions` runs them concurrently
 with the real `openai` client, one thread per session, streaming every call to time it: TTFT (send to
@@ -149,22 +150,24 @@ class SessionResult:
 
 def run_sessions(base_url: str, api_key: str, sessions: Sequence[AgentSession], *, start_gap_s: float = 0.0,
                  progress: bool | None = None, timeout_s: float = 300.0,
-                 seed: int | None = None) -> list[SessionResult]:
+                 seed: int | None = None, named: bool = True) -> list[SessionResult]:
     """Runs `sessions` concurrently against the server at `base_url` (without `/v1`), session k
     starting `k * start_gap_s` after the first; results in the order of `sessions`.
 
     Calls are greedy (temperature 0) unless `seed` is given: then it is sent with every call and the
     server samples at its default temperature. `progress` shows a bar over calls on stderr (None: when
-    stderr is a terminal). Never raises for a failed call: see `SessionResult.errors`.
+    stderr is a terminal). `named`: every call names its session (`x-session-id`); False: none does.
+    Never raises for a failed call: see `SessionResult.errors`.
     """
     if progress is None:
         progress = sys.stderr.isatty()
     sampling = {"temperature": 0.0} if seed is None else {"seed": seed}
+    named_by = (lambda s: {"x-session-id": s.id}) if named else (lambda s: {})
     t0 = time.perf_counter()
     with tqdm(total=sum(len(s.observations) for s in sessions), disable=not progress, file=sys.stderr,
               unit="call") as bar, ThreadPoolExecutor(max_workers=max(1, len(sessions))) as pool:
-        futures = [pool.submit(_run_session, base_url, api_key, s, t0 + k * start_gap_s, timeout_s, sampling,
-                               bar.update) for k, s in enumerate(sessions)]
+        futures = [pool.submit(_run_session, base_url, api_key, s, t0 + k * start_gap_s, timeout_s,
+                               {**sampling, "extra_headers": named_by(s)}, bar.update) for k, s in enumerate(sessions)]
         return [f.result() for f in futures]
 
 
@@ -199,7 +202,7 @@ def _run_session(base_url: str, api_key: str, s: AgentSession, start: float, tim
 def _call(client: openai.OpenAI, s: AgentSession, turn: int, context: list[dict] | str, sampling: dict) -> CallStats:
     """One streamed call, timed at each chunk that carries text."""
     kwargs = dict(model=s.model, max_tokens=s.max_tokens, stream=True, stream_options={"include_usage": True},
-                  extra_headers={"x-session-id": s.id}, **sampling)
+                  **sampling)
     texts: list[str] = []
     itl: list[float] = []
     ttft, last, usage = math.nan, 0.0, None

@@ -22,6 +22,7 @@ from talaria_jax.serve.gateway import build_gateway
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.load import AgentSession, SessionResult, agent_sessions, run_sessions
 from talaria_jax.serve.protocol import Limits
+from talaria_jax.serve.responses import Store
 from talaria_jax.sim.hardware import HardwareConfig, load_hardware
 
 __all__ = ["LocalCluster", "demo_cluster", "demo_sessions", "instance_apps"]
@@ -32,14 +33,17 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
                   kv_bytes_per_device: int | None, api_keys: Sequence[str], limits: Limits = Limits(),
                   dtype: str | None = None, tenant_secret: bytes | None = None, host_kv_bytes: int | None = None,
                   max_sessions: int = 10_000, session_ttl_s: float = 3600.0, tool_call_parser: str = "auto",
-                  chat_template: str | None = None, resident: bool = False) -> list:
+                  chat_template: str | None = None, resident: bool = False, inferred_calls: int = 65_536,
+                  responses_stored: int = 10_000, responses_ttl_s: float = 3600.0) -> list:
     """`instances` instance servers (FastAPI apps, not started), each an `InstanceEngine` under `policy`
     over every model of `models` (served name -> what `load_local_model` loads, or a list of names) on
     its own `devices_per_instance` devices; `app.state.backend` is its InstanceEngine. Each keeps at
     most `host_kv_bytes` of session KV in host memory (None: unbounded) and `max_sessions` sessions,
     each until idle for `session_ttl_s`; `tool_call_parser`: how every model's tool calls are read
     (`serve.tools`; auto: from its chat template); `resident`: every model keeps its own device arrays
-    (`Instance`'s, for a CPU)."""
+    (`Instance`'s, for a CPU); `inferred_calls`: calls kept to infer the sessions of calls that name
+    none (`build_app`); `responses_stored`, `responses_ttl_s`: the Responses API's stored responses of
+    each instance (`serve.responses.Store`)."""
     insts = build_instances(models, hw, instances=instances, devices_per_instance=devices_per_instance,
                             engine_config=engine_config, tokens=None, kv_bytes_per_device=kv_bytes_per_device,
                             dtype=dtype, host_kv_bytes=host_kv_bytes, resident=resident)
@@ -47,7 +51,8 @@ def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig,
     for inst in insts:
         ie = InstanceEngine(inst, policy, session_ttl_s=session_ttl_s, max_sessions=max_sessions)
         served = [ServedModel(m, ie.engine_of(m), tool_call_parser, chat_template) for m in ie.models]
-        a = build_app(served, api_keys=api_keys, limits=limits, tenant_secret=tenant_secret, backend=ie)
+        a = build_app(served, api_keys=api_keys, limits=limits, tenant_secret=tenant_secret, backend=ie,
+                      inferred_calls=inferred_calls, response_store=Store(responses_stored, responses_ttl_s))
         a.state.backend = ie
         apps.append(a)
     return apps

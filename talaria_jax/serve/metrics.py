@@ -35,8 +35,9 @@ class ServerMetrics:
         self.e2e = Histogram("talaria:e2e_request_latency_seconds", "Request latency, arrival to finish", labels,
                              buckets=_LATENCY + (120.0, 300.0), registry=self.registry)
         self.sct = Histogram("talaria:session_completion_time_seconds", "First call of a session to the end of "
-                             "its last (closed after session_idle_s without a call)", labels, buckets=_SCT,
-                             registry=self.registry)
+                             "its last (closed after session_idle_s without a call), by how the session was "
+                             "identified (named: session_id or x-session-id; prompt_cache_key; inferred)",
+                             labels + ["identified"], buckets=_SCT, registry=self.registry)
         self.prompt_tokens = Counter("talaria:prompt_tokens", "Prompt tokens of requests", labels, registry=self.registry)
         self.generation_tokens = Counter("talaria:generation_tokens", "Tokens generated", labels, registry=self.registry)
         self.finished = Counter("talaria:request_success", "Requests ended, by reason (stop: a stop token or string; "
@@ -44,7 +45,7 @@ class ServerMetrics:
                                 registry=self.registry)
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}  # request id -> time of its last token
-        self._sessions: dict[str, list[float]] = {}  # session -> [first arrival, last finish, last activity]
+        self._sessions: dict[str, list] = {}  # session -> [first arrival, last finish, last activity, how identified]
         self.registry.register(self)
 
     def on_output(self, out: RequestOutput, arrival: float, session: str | None) -> None:
@@ -66,15 +67,15 @@ class ServerMetrics:
                 if out.finish_reason != "abort":
                     self.e2e.labels(self.model).observe(now - arrival)
                 if session is not None:
-                    s = self._sessions.setdefault(session, [arrival, now, now])
+                    s = self._sessions.setdefault(session, [arrival, now, now, "named"])
                     s[0], s[1], s[2] = min(s[0], arrival), now, now
         if len(self._sessions) > MAX_SESSIONS:
             self._close_idle_sessions()
 
-    def session_started(self, session: str) -> None:
+    def session_started(self, session: str, how: str = "named") -> None:
         with self._lock:
             now = time.perf_counter()
-            s = self._sessions.setdefault(session, [now, now, now])
+            s = self._sessions.setdefault(session, [now, now, now, how])
             s[2] = now
 
     def _close_idle_sessions(self) -> None:
@@ -82,11 +83,11 @@ class ServerMetrics:
         with self._lock:
             if len(self._sessions) > MAX_SESSIONS:  # too many open: the oldest activity closes first
                 for sid in sorted(self._sessions, key=lambda k: self._sessions[k][2])[:len(self._sessions) // 10]:
-                    first, end, _ = self._sessions.pop(sid)
-                    self.sct.labels(self.model).observe(end - first)
-            for sid, (first, end, active) in list(self._sessions.items()):
+                    first, end, _, how = self._sessions.pop(sid)
+                    self.sct.labels(self.model, how).observe(end - first)
+            for sid, (first, end, active, how) in list(self._sessions.items()):
                 if now - active >= self.session_idle_s:
-                    self.sct.labels(self.model).observe(end - first)
+                    self.sct.labels(self.model, how).observe(end - first)
                     del self._sessions[sid]
 
     def collect(self):

@@ -5,14 +5,17 @@ Parsing is plain Python over the decoded JSON (not a schema library), so every e
 OpenAI error body: `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
 Supported beyond OpenAI's fields: a prompt of token ids (a list of ints), `session_id` (also the
 `x-session-id` header), which names the agent session a call belongs to, and `agent_hints` (also the
-`x-agent-hints` header), what the agent knows of that session (`agent_hints`).
+`x-agent-hints` header), what the agent knows of that session (`agent_hints`). OpenAI's
+`prompt_cache_key` names the session of a call that has no `session_id`.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import numbers
 import time
+import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -67,6 +70,7 @@ class Parsed:
     tool_choice: ToolChoice = ToolChoice("none")
     response_format: dict | None = None  # json_object or json_schema ({"type": ..., "json_schema": ...})
     hints: Hints = NO_HINTS  # the body's agent_hints (the x-agent-hints header replaces them: `agent_hints`)
+    cache_key: str | None = None  # prompt_cache_key: the session, when none is named
 
 
 # ---- parsing -----------------------------------------------------------------------------------
@@ -132,6 +136,9 @@ def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str], max_tok
                 raise ApiError(400, f"'{f}' must be in [1, {limits.max_tokens}], got {max_tokens}", f, "out_of_range")
     temperature = _field(body, "temperature", _is_finite, "a finite number", 1.0)
     top_p = _field(body, "top_p", _is_finite, "a finite number", 1.0)
+    top_k = _field(body, "top_k", _is_int, "an integer", 0)
+    if top_k < -1:
+        raise ApiError(400, f"'top_k' must be -1, 0 (both: off) or positive, got {top_k}", "top_k", "out_of_range")
     n = _field(body, "n", _is_int, "an integer", 1)
     if not 1 <= n <= limits.max_n:
         raise ApiError(400, f"'n' must be in [1, {limits.max_n}], got {n}", "n", "out_of_range")
@@ -151,14 +158,29 @@ def _common(body: Any, limits: Limits, max_tokens_fields: Sequence[str], max_tok
                        "stream_options.include_usage", "invalid_type")
     session = _field(body, "session_id", lambda v: isinstance(v, str) and 0 < len(v) <= 256,
                      "a string of 1 to 256 characters", None)
+    cache_key = _field(body, "prompt_cache_key", lambda v: isinstance(v, str) and 0 < len(v) <= 256,
+                       "a string of 1 to 256 characters", None)
     bias = _logit_bias(body)
     hints = agent_hints(_field(body, "agent_hints", lambda v: isinstance(v, dict), "an object", {}), "agent_hints")
     # max_tokens None (chat without one): the rest of the context, set once the prompt is known
-    base = SamplingParams(max_tokens=max_tokens or 1, temperature=float(temperature), top_p=float(top_p), seed=seed,
-                          logit_bias=bias)
+    base = SamplingParams(max_tokens=max_tokens or 1, temperature=float(temperature), top_p=float(top_p),
+                          top_k=max(top_k, 0), seed=seed, logit_bias=bias)
     params = [dataclasses.replace(base, seed=None if seed is None else (seed + i) % SEED_LIMIT) for i in range(n)]
     return {"model": model, "params": params, "stream": stream, "include_usage": include_usage,
-            "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens, "hints": hints}
+            "stop": _stop(body, limits), "session": session, "max_tokens": max_tokens, "hints": hints,
+            "cache_key": cache_key}
+
+
+IDENTIFIED = ("named", "prompt_cache_key", "chain", "conversation", "inferred")  # how a session was identified
+
+
+def header_value(text: str) -> str:
+    """A session's name as an HTTP header's value (`x-session-id`, `x-talaria-session`): itself if it
+    is printable ASCII, else percent-encoded, and past 256 characters a digest of it; the same name
+    always gives the same value."""
+    if not (text.isascii() and text.isprintable()):
+        text = urllib.parse.quote(text, safe="")
+    return text if len(text) <= 256 else "sha256-" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def agent_hints(given: Mapping[str, Any], where: str) -> Hints:

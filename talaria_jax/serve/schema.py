@@ -27,8 +27,8 @@ from talaria_jax.scheduler.api import WeightState
 from talaria_jax.scheduler.session import MAX_PRIORITY
 from talaria_jax.serve.protocol import ROLES, SEED_LIMIT, Limits
 
-__all__ = ["CHAT_COMPLETIONS", "COMPLETIONS", "HEALTH", "METRICS", "MODELS", "PROBE", "VERSION", "components",
-           "publish"]
+__all__ = ["CHAT_COMPLETIONS", "COMPLETIONS", "HEALTH", "MESSAGES", "METRICS", "MODELS", "PROBE", "RESPONSES_CREATE",
+           "RESPONSES_DELETE", "RESPONSES_GET", "VERSION", "components", "publish"]
 
 
 def _version() -> str:
@@ -74,6 +74,7 @@ class _Request(_Open):
     model: str = Field(description="A served model's name (`GET /v1/models`).")
     temperature: float | None = Field(None, ge=0, le=100, description="0 samples greedily. Default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling. Default 1.")
+    top_k: int | None = Field(None, ge=-1, description="Sample among the k most likely tokens (0 or -1: all).")
     n: int | None = Field(None, ge=1, description="Choices to generate (default 1); choice i samples with `seed + i`.")
     seed: int | None = Field(None, ge=0, le=SEED_LIMIT - 1, description="Makes sampling reproducible.")
     stop: NonEmptyText | list[NonEmptyText] | None = Field(
@@ -368,9 +369,144 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-REQUESTS = (CompletionRequest, ChatCompletionRequest)
+# ---- Anthropic's Messages API --------------------------------------------------------------------
+class AnthropicMessage(_Open):
+    """One message: a string, or content blocks (text; an assistant's `tool_use`; a user's
+    `tool_result`, whose content is a string or text blocks; thinking blocks are dropped)."""
+    role: Literal["user", "assistant"]
+    content: Any = Field(description="A string or a list of content blocks.", examples=[
+        [{"type": "tool_result", "tool_use_id": "call_1", "content": "18 degrees"}, {"type": "text", "text": "Thanks"}]])
+
+
+class MessagesRequest(_Open):
+    """`POST /v1/messages`: Anthropic's Messages API, served through the chat path (`serve.messages`)."""
+    model: str = Field(description="A served model's name (`GET /v1/models`).")
+    max_tokens: int = Field(ge=1, description="Tokens to generate, up to the server's limit.")
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Any = Field(None, description="A string or text blocks, before the conversation.",
+                        examples=["You are a careful agent."])
+    stop_sequences: Any = Field(None, description="Strings that end the answer (`stop_reason: stop_sequence`).",
+                                examples=[["\n\nHuman:"]])
+    stream: bool | None = Field(None, description="Anthropic's server-sent events instead of one JSON object.")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 samples greedily. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="Sample among the k most likely tokens (0 or -1: all).")
+    tools: Any = Field(None, description="Custom tools: `name`, `description`, `input_schema`.", examples=[
+        [{"name": "get_weather", "description": "The weather in a city.",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]])
+    tool_choice: Any = Field(None, description="`{\"type\": auto | any | tool | none}` (`name` with tool; "
+                             "`disable_parallel_tool_use`). Only with `tools`.", examples=[{"type": "auto"}])
+    metadata: Any = Field(None, description="`user_id`: a Claude-Code-style id ending in `_session_<id>` names the "
+                          "session.", examples=[{"user_id": "user_1_session_0b9f2c1e"}])
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int = Field(description="Prompt tokens computed (not read from the cache).")
+    output_tokens: int
+    cache_read_input_tokens: int = Field(description="Prompt tokens read from the prefix cache.")
+    cache_creation_input_tokens: int
+
+
+class AnthropicBlock(BaseModel):
+    """A block of an answer: text, or a tool call (`tool_use`, its `input` an object)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "tool_use"]
+
+
+class MessagesAnswer(BaseModel):
+    """The answer of `POST /v1/messages`."""
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicEvent(BaseModel):
+    """One event of a streamed Messages answer (its `type` is also the SSE event name)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                  "message_delta", "message_stop", "ping", "error"]
+
+
+class AnthropicErrorBody(BaseModel):
+    type: str = Field(description="`invalid_request_error`, `authentication_error`, `not_found_error`, "
+                                  "`request_too_large`, `overloaded_error` or `api_error`.")
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body: every error of `/v1/messages` (also the event that ends a failed stream)."""
+    type: Literal["error"]
+    error: AnthropicErrorBody
+
+
+# ---- OpenAI's Responses API ----------------------------------------------------------------------
+class ResponsesRequest(_Open):
+    """`POST /v1/responses`: OpenAI's Responses API, served through the chat path (`serve.responses`)."""
+    model: str = Field(description="A served model's name (`GET /v1/models`).")
+    input: Any = Field(description="A string, or a list of items: messages (text parts), `function_call` and "
+                       "`function_call_output` (reasoning items are dropped).", examples=[
+        [{"role": "user", "content": "What is the weather in Paris?"},
+         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+         {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees"}]])
+    instructions: str | None = Field(None, description="A system message before the input (not carried over by "
+                                     "`previous_response_id`).")
+    previous_response_id: str | None = Field(None, description="A stored response whose whole conversation comes "
+                                             "before `input`; the call continues its session.")
+    conversation: Any = Field(None, description="A conversation id (or `{\"id\": ...}`): the call's session.",
+                              examples=["conv_1"])
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256, description="The call's session.")
+    store: bool | None = Field(None, description="Keep the response for `previous_response_id`, GET and DELETE "
+                               "(default true).")
+    max_output_tokens: int | None = Field(None, ge=1, description="Tokens to generate, up to the server's limit.")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 samples greedily. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool | None = Field(None, description="The Responses API's server-sent events instead of one object.")
+    tools: Any = Field(None, description="Function tools: `{\"type\": \"function\", \"name\", \"parameters\"}`.",
+                       examples=[[{"type": "function", "name": "get_weather", "parameters": {
+                           "type": "object", "properties": {"city": {"type": "string"}}}}]])
+    tool_choice: Any = Field(None, description="`none`, `auto`, `required` or `{\"type\": \"function\", "
+                             "\"name\": ...}`.", examples=["auto"])
+    parallel_tool_calls: bool | None = None
+    text: Any = Field(None, description="`format`: text, json_object or json_schema (`name`, `schema`).",
+                      examples=[{"format": {"type": "text"}}])
+    metadata: Any = Field(None, description="Kept with the response.", examples=[{"run": "7"}])
+
+
+class ResponseObject(BaseModel):
+    """A response: its output items (an assistant `message` of `output_text` parts, `function_call`s)."""
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class ResponseEvent(BaseModel):
+    """One event of a streamed response (its `type` is also the SSE event name), numbered by
+    `sequence_number`."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+REQUESTS = (CompletionRequest, ChatCompletionRequest, MessagesRequest, ResponsesRequest)
 RESPONSES = (Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList, Health, ProbeAnswer,
-             ErrorResponse)
+             ErrorResponse, MessagesAnswer, AnthropicEvent, AnthropicError, ResponseObject, ResponseEvent,
+             ResponseDeleted)
 
 
 def components(limits: Limits | None) -> dict[str, dict]:
@@ -474,6 +610,39 @@ COMPLETIONS = {"summary": "Completes a prompt", "responses": {200: _generated(Co
 CHAT_COMPLETIONS = {"summary": "Answers a conversation",
                     "responses": {200: _generated(ChatCompletion, ChatCompletionChunk), **_errors(*_GENERATION_ERRORS)},
                     "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER, _HINTS_HEADER], **_body(ChatCompletionRequest)}}
+_ANTHROPIC_ERRORS = {s: {"description": d, "content": {"application/json": {"schema": _ref(AnthropicError)}}}
+                     for s, d in _ERRORS.items() if s in _GENERATION_ERRORS}
+
+
+def _named_events(answer: type[BaseModel], event: type[BaseModel], description: str) -> dict:
+    """An answer as one JSON object or, streamed, as server-sent events that carry their type as the
+    event's name (Anthropic's and the Responses API's: no `[DONE]`)."""
+    item = {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref(event)}}}
+    return {"description": description, "content": {"application/json": {"schema": _ref(answer)},
+                                                    "text/event-stream": {"itemSchema": item}}}
+
+
+MESSAGES = {"summary": "Answers a conversation (Anthropic's Messages API)",
+            "responses": {200: _named_events(MessagesAnswer, AnthropicEvent, (
+                "The message: one JSON object, or with `stream: true` Anthropic's server-sent events "
+                "(message_start ... message_stop).")), **_ANTHROPIC_ERRORS},
+            "openapi_extra": {"security": [{"bearer": []}, {"x-api-key": []}], **_body(MessagesRequest)}}
+RESPONSES_CREATE = {
+    "summary": "Answers an input (OpenAI's Responses API)",
+    "responses": {200: _named_events(ResponseObject, ResponseEvent, (
+                      "The response: one JSON object, or with `stream: true` the Responses API's server-sent events "
+                      "(response.created ... response.completed).")),
+                  **_errors(*_GENERATION_ERRORS, s404="The model does not exist here, or `previous_response_id` "
+                                                      "names no stored response of the caller's")},
+    "openapi_extra": {**_SECURED, "parameters": [_SESSION_HEADER], **_body(ResponsesRequest)}}
+RESPONSES_GET = {"summary": "A stored response", "openapi_extra": _SECURED,
+                 "responses": {200: _json(ResponseObject, "The response as it was answered"),
+                               **_errors(401, 404, 500, s404="No stored response of the caller's has this id")}}
+RESPONSES_DELETE = {"summary": "Deletes a stored response", "openapi_extra": _SECURED,
+                    "responses": {200: _json(ResponseDeleted, "Deleted"),
+                                  **_errors(401, 404, 500, s404="No stored response of the caller's has this id")}}
 PROBE = {"summary": "The router's view of this instance for one request",
          "responses": {200: _json(ProbeAnswer, "The instance's state and the prompt's cached tokens"),
                        **_errors(400, 401, 404, 413, 500, 503, s404=(
@@ -497,7 +666,10 @@ def publish(app: FastAPI, limits: Limits | None) -> None:
             comps["schemas"] = {**{k: v for k, v in comps.get("schemas", {}).items()
                                    if k not in ("HTTPValidationError", "ValidationError")}, **components(limits)}
             comps["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
-                                                   "description": "One of the server's API keys"}}
+                                                   "description": "One of the server's API keys"},
+                                        "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                                      "description": "One of the server's API keys, as Anthropic's "
+                                                                     "clients send it"}}
             app.openapi_schema = doc
         return app.openapi_schema
     app.openapi = openapi
