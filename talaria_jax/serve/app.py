@@ -353,7 +353,7 @@ class Prepared:
     prompt: list[int]
     salt: str  # the caller's tenant salt
     session: str | None  # the session, named within the tenant
-    how: str | None = None  # how the session was identified: named, prompt_cache_key or inferred
+    how: str | None = None  # how the session was identified (protocol.IDENTIFIED)
     inferred: Identified | None = None  # the inference's record of the call, if it was inferred
 
 

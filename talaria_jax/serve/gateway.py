@@ -305,8 +305,8 @@ class Gateway:
         self.m_inflight = Gauge("talaria:router_inflight", "Calls forwarded and not yet answered", ["instance"],
                                 registry=reg)
         self.m_sessions = Counter("talaria:router_sessions", "Sessions begun, by how they were identified (named: "
-                                  "session_id or x-session-id; prompt_cache_key; inferred)", ["identified"],
-                                  registry=reg)
+                                  "session_id or x-session-id; prompt_cache_key; chain: previous_response_id; "
+                                  "conversation; inferred)", ["identified"], registry=reg)
         self.m_e2e = Histogram("talaria:router_request_latency_seconds", "Arrival to the end of the answer",
                                registry=reg,
                                buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))

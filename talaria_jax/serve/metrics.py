@@ -36,7 +36,8 @@ class ServerMetrics:
                              buckets=_LATENCY + (120.0, 300.0), registry=self.registry)
         self.sct = Histogram("talaria:session_completion_time_seconds", "First call of a session to the end of "
                              "its last (closed after session_idle_s without a call), by how the session was "
-                             "identified (named: session_id or x-session-id; prompt_cache_key; inferred)",
+                             "identified (named: session_id or x-session-id; prompt_cache_key; chain: "
+                             "previous_response_id; conversation; inferred)",
                              labels + ["identified"], buckets=_SCT, registry=self.registry)
         self.prompt_tokens = Counter("talaria:prompt_tokens", "Prompt tokens of requests", labels, registry=self.registry)
         self.generation_tokens = Counter("talaria:generation_tokens", "Tokens generated", labels, registry=self.registry)
