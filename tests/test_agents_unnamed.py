@@ -61,7 +61,7 @@ def gateway():
                             api_keys=[KEY, OTHER], instances=2, devices_per_instance=1, engine_config=CONFIG,
                             kv_bytes_per_device=256 << 20) as lc:
         recorder = Recorder(build_gateway(lc.urls, api_keys=[KEY, OTHER], policy=get_policy("talaria"),
-                                          probe_interval_s=0.5))
+                                          probe_interval_s=5.0))  # (health checks wait 5 s on a busy CPU)
         url, server = serve_in_thread(recorder)
         try:
             yield url, recorder
