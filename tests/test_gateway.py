@@ -329,9 +329,9 @@ def _failing_instance(status: int) -> FastAPI:
         return {"object": "list", "data": [{"id": "tiny-dense", "object": "model", "created": 0, "owned_by": "x"}]}
 
     @app.post("/talaria/probe")
-    async def probe():
+    async def probe(tokens: str = "false"):
         if status == 200:
-            return _STATE
+            return _STATE | ({"prompt_token_ids": [7, 8]} if tokens == "true" else {})
         return JSONResponse({"error": {"message": f"the instance answered {status}", "type": "x", "param": None,
                                        "code": "boom"}}, status_code=status)
     return app
@@ -360,6 +360,22 @@ def test_a_call_one_instance_refuses_goes_to_one_that_takes_it():
     try:
         r = _post(url, {"model": "tiny-dense", "prompt": "hi", "max_tokens": 1, "n": 16})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+    finally:
+        server.should_exit = True
+        for _, s in doubles:
+            s.should_exit = True
+
+
+def test_a_call_whose_first_probe_fails_is_still_put_in_a_session():
+    """The instance asked for the prompt's token ids fails its probe: the next one answers them, and
+    the call is placed in an inferred session (named in its answer) as any other."""
+    doubles = [serve_in_thread(_failing_instance(code)) for code in (500, 200)]
+    gw = build_gateway([u for u, _ in doubles], api_keys=[KEY], policy=get_policy("talaria"), probe_interval_s=0.2)
+    url, server = serve_in_thread(gw)
+    try:
+        r = _post(url, {"model": "tiny-dense", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.headers.get("x-talaria-session")
+        assert metric(url, "router_sessions_total{identified=\"inferred\"}") == 1
     finally:
         server.should_exit = True
         for _, s in doubles:

@@ -388,8 +388,8 @@ class Gateway:
         """The best instance for the call under the policy's router, after probing every accepting
         instance that serves the model (and has not failed this call), and the id its probe kept the
         checked request under. The request is rendered and tokenized once: the first instance probed
-        (the session's last, if it is a candidate) answers the prompt's token ids, and the others
-        are probed with them. Instances whose probe refuses the request (a 4xx: their own limits)
+        (the session's last, if it is a candidate; the next if it fails) answers the prompt's token
+        ids, and the others are probed with them. Instances whose probe refuses the request (a 4xx: their own limits)
         are passed over; if all do, the first refusal is the caller's answer. An instance that fails
         its probe (5xx, no answer) is skipped."""
         ups = self.upstreams
@@ -408,6 +408,10 @@ class Gateway:
         infer = call.sid is None and self.inference is not None
         if len(cands) > 1 or infer:
             first = await self._probe(call, cands[0], call.raw, tokens=True)
+            while _failed(first[1]) and len(cands) > 1:  # the ids (and the session) from the next that answers
+                answers.append(first)
+                cands = cands[1:]
+                first = await self._probe(call, cands[0], call.raw, tokens=True)
             ids = first[2].pop("prompt_token_ids", None) if first[2] is not None else None
             content = call.raw if ids is None else _with_ids(call.body, ids)
             rest = cands[1:]
@@ -421,7 +425,7 @@ class Gateway:
             answers.append(await self._probe(call, cands[0], call.raw))
         snaps, bad = [], None
         for up, r, answer in answers:
-            if r is None or r.status_code >= 500:
+            if _failed(r):
                 call.tried.add(up.name)
                 call.error = r if r is not None and r.status_code != 503 else call.error
             elif r.status_code != 200:
@@ -737,6 +741,11 @@ async def _until_lost(aw, up: Upstream, request: Request | None = None):
         lost.cancel()
         if not task.done():
             task.cancel()
+
+
+def _failed(r: httpx.Response | None) -> bool:
+    """A probe that failed (no answer, or a server error): the instance is passed over for the call."""
+    return r is None or r.status_code >= 500
 
 
 def _named(call: _Call) -> dict:
