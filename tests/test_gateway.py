@@ -169,9 +169,17 @@ def test_a_call_is_rendered_and_tokenized_once_and_a_probe_is_its_callers_only(c
     probe = httpx.post(f"{instances[0]}/talaria/probe", params={"kind": "chat", "tokens": "true"}, json=body,
                        headers={"Authorization": f"Bearer {KEY}"}).json()
     assert probe["prompt_token_ids"] and len(probe["prompt_token_ids"]) == probe["prompt_tokens"]
+    # asked again by its id once the session is known (the gateway's inference), a probe answers from
+    # the request it kept: its body is not read, the prompt not rendered again
+    n = len(renders)
+    again = httpx.post(f"{instances[0]}/talaria/probe", params={"kind": "chat"}, content=b"(not read)",
+                       headers={"Authorization": f"Bearer {KEY}", "x-talaria-probe": probe["probe"],
+                                "x-session-id": "known-now"})
+    assert again.status_code == 200 and len(renders) == n
+    assert again.json()["prompt_tokens"] == probe["prompt_tokens"] and again.json()["probe"] != probe["probe"]
     other = {**body, "messages": [{"role": "user", "content": "Name three colors of the rainbow, please."}]}
     r = httpx.post(f"{instances[0]}/v1/chat/completions", json=other, timeout=300,
-                   headers={"Authorization": f"Bearer {OTHER}", "x-talaria-probe": probe["probe"]})
+                   headers={"Authorization": f"Bearer {OTHER}", "x-talaria-probe": again.json()["probe"]})
     assert r.status_code == 200 and renders[-1] == other["messages"]
     assert r.json()["usage"]["prompt_tokens"] != probe["prompt_tokens"]
 

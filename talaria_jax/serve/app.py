@@ -212,10 +212,11 @@ async def delete_response(request: Request, response_id: str):
 async def probe(request: Request, kind: Literal["completion", "chat"] = "completion", tokens: bool = False):
     """The router's view of this instance for one request (which it checks as if it were sent):
     the instance's state, the tokens of the request's prompt it holds on device and on host, and
-    `probe`, an id under which the checked request is kept: the request sent with the header
-    `x-talaria-probe: <id>` skips its parsing, rendering and tokenizing. `tokens=true` adds the
-    prompt's token ids to the answer; a request that brings them (`talaria_prompt_token_ids`, what
-    another instance of the same model answered) is not rendered or tokenized here."""
+    `probe`, an id under which the checked request is kept: the request (or a probe of it, with the
+    session now named) sent with the header `x-talaria-probe: <id>` skips its parsing, rendering and
+    tokenizing. `tokens=true` adds the prompt's token ids to the answer; a request that brings them
+    (`talaria_prompt_token_ids`, what another instance of the same model answered) is not rendered
+    or tokenized here."""
     srv = _server(request)
     backend = srv.backend
     if backend is None:
@@ -250,7 +251,7 @@ async def _prepare(request: Request, chat: bool, probing: bool = False, body: An
         raise ApiError(503, f"the server is {srv.ae.state}", code="unavailable")
     salt = tenant_salt(key, srv.secret)
     probed = request.headers.get("x-talaria-probe")
-    if probed is not None and not probing:
+    if probed is not None:  # (a probe too: asked again once the router knows the call's session)
         prep = srv.probes.take(probed, salt)
         if prep is not None:
             named = session_header(request)

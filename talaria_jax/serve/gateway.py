@@ -415,12 +415,15 @@ class Gateway:
             ids = first[2].pop("prompt_token_ids", None) if first[2] is not None else None
             content = call.raw if ids is None else _with_ids(call.body, ids)
             rest = cands[1:]
+            again = None
             if infer and ids is not None:
                 last = self.identify(call, ids)
-                if len(cands) > 1 and last == cands[0].name:  # its answer left out the session's KV on host
-                    rest, first = cands, None  # (a single candidate is not ranked: the forward names the session)
+                if len(cands) > 1 and last == cands[0].name:  # its answer left out the session's KV on host:
+                    again = self._probe(call, cands[0], content, kept=first[2]["probe"])  # asked again, by its id
+                    first = None  # (a single candidate is not ranked: the forward names the session)
             answers += [first] if first is not None else []
-            answers += await asyncio.gather(*(self._probe(call, up, content) for up in rest))
+            answers += await asyncio.gather(*([again] if again is not None else []),
+                                            *(self._probe(call, up, content) for up in rest))
         else:
             answers.append(await self._probe(call, cands[0], call.raw))
         snaps, bad = [], None
@@ -454,12 +457,13 @@ class Gateway:
         call.headers |= {"x-session-id": call.sid, "x-talaria-identified": "inferred", "x-talaria-output-ids": "1"}
         return self.sessions.get(call.session_key)
 
-    async def _probe(self, call: _Call, up: Upstream, content: bytes, tokens: bool = False):
-        """(up, its answer or None, the answer's JSON when it is a 200)."""
+    async def _probe(self, call: _Call, up: Upstream, content: bytes, tokens: bool = False, kept: str | None = None):
+        """(up, its answer or None, the answer's JSON when it is a 200). `kept`: the id of the request
+        as `up`'s earlier probe kept it, which `up` then reads instead of `content` while it has it."""
         params = {"kind": "chat" if call.chat else "completion"} | ({"tokens": "true"} if tokens else {})
         try:
-            r = await self.http.post(f"{up.url}/talaria/probe", params=params, content=content, headers=call.headers,
-                                     timeout=self.probe_timeout_s)
+            r = await self.http.post(f"{up.url}/talaria/probe", params=params, content=content,
+                                     headers=_forward(call.headers, kept), timeout=self.probe_timeout_s)
         except httpx.HTTPError:
             asyncio.ensure_future(self.check(up))
             return up, None, None

@@ -1,0 +1,388 @@
+"""Calibrates the simulator's hardware profile on the real engine of this machine.
+
+`measure_model` and `measure_copies` time one real instance (``talaria_jax.instance``): decode steps against batch and context,
+prefill steps against prompt length, a weight switch loading from pinned host memory and one from the
+staging area (device to device), and a session's KV offloaded to and restored from host memory.
+`fit` turns those into a ``HardwareConfig`` whose cost model (``talaria_jax.sim.cost``) reproduces
+them: a fixed cost per step (the intercept, where models of several sizes tell it from the weights'
+read), weight and KV bytes over their bandwidths and FLOPs over a matmul rate, either overlapped
+(the longer of the two, a GPU's roofline) or added (a CPU's cores do both), whichever fits the
+points better, and copy rates for the links. Efficiencies are 1 but the KV reads' share of the
+weights' rate: the rates measured are the effective ones. `measure_staging` times decode steps with another model's staging copy kept in
+flight against steps with nothing staging; their ratio is ``staging_step_slowdown``
+(``benchmarks/model_switch.py`` times the same thing with `decode_step_times`). `measure_engine`
+times any ``Engine`` the same way (the rollout replicas' too), `measure_verify` steps that verify
+suffix drafts (their time beyond their tokens' prefill cost, per token: ``verify_token_overhead_us``), and
+`measure_colocated` decode steps of replicas on this host stepping at once against one alone:
+``colocated_step_slowdown``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.instance import Instance
+from talaria_jax.sim.cost import CostModel
+from talaria_jax.sim.hardware import GB, GIB, HardwareConfig
+
+
+@dataclasses.dataclass
+class Point:
+    model: str
+    kind: str  # decode | prefill | verify
+    batch: int
+    tokens: int  # decode, verify: context per sequence; prefill: prompt tokens
+    seconds: float
+    drafted: float = 0.0  # verify: draft tokens per sequence and step (mean)
+
+
+def _drain(eng) -> None:
+    while eng.has_unfinished():
+        eng.step()
+
+
+def measure_model(inst: Instance, model: str, **kw) -> list[Point]:
+    """Decode and prefill step times of `model` on `inst` (its weights loaded into the slot);
+    `measure_engine`'s keywords."""
+    s = inst.served[model]
+    inst.slot.load(s.host)
+    return measure_engine(s.engine, model, **kw)
+
+
+def measure_engine(eng, model: str, *, batches=(1, 4), contexts=(64, 512), prompts=(64, 256),
+                   steps: int = 6) -> list[Point]:
+    """Prefill step times of `eng` (an ``Engine``) for each prompt length in `prompts`, and decode
+    step times (median of `steps`, `decode_step_times`) for each batch and context; `model` names
+    the points."""
+    rng = np.random.default_rng(0)
+    out = []
+    for n in prompts:  # one fresh prompt per step: the step is its prefill
+        for _ in range(2):  # the first compiles
+            eng.add_request(rng.integers(0, eng.cfg.vocab_size, n).tolist(),
+                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            t = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t
+            _drain(eng)
+        out.append(Point(model, "prefill", 1, n, dt))
+    for b in batches:
+        for c in contexts:
+            out.append(Point(model, "decode", b, c, float(np.median(decode_step_times(eng, b, c, steps)[0]))))
+    if eng.prefix_cache is not None:
+        eng.prefix_cache.clear()
+    return out
+
+
+def measure_verify(eng, model: str, *, batches=(1, 4, 8), context: int = 1024, steps: int = 6) -> list[Point]:
+    """Times of `eng`'s steps that verify drafts (an ``Engine`` whose speculation policy is "always"):
+    `batch` sequences whose prompts repeat a 16-token phrase, so that the suffix drafter drafts their
+    continuations, the median of `steps` verifying steps after their prefill, with the draft tokens
+    each sequence brought. Raises RuntimeError when the engine cannot be made to verify."""
+    if eng.drafter is None or eng.config.speculation.policy != "always":
+        raise RuntimeError("measure_verify: the engine needs speculation with policy 'always'")
+    rng = np.random.default_rng(2)
+    out = []
+    for b in batches:
+        for _ in range(b):
+            phrase = rng.integers(0, eng.cfg.vocab_size, 16).tolist()
+            eng.add_request((phrase * (context // 16 + 1))[:context],
+                            SamplingParams(max_tokens=context, temperature=0.0, ignore_eos=True))  # none ends
+        while any(r.num_computed < len(r.prompt) for r in list(eng.running) + list(eng.waiting)):
+            eng.step()
+        times, drafted = [], []
+        for _ in range(4 * steps):
+            if len(times) == steps or len(eng.running) != b:
+                break
+            spec, tokens = eng.stats.spec_steps, eng.stats.draft_tokens
+            t = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t
+            if eng.stats.spec_steps > spec:
+                times.append(dt)
+                drafted.append((eng.stats.draft_tokens - tokens) / b)
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        eng.prefix_cache.clear()
+        if len(times) < 2:
+            raise RuntimeError(f"measure_verify: {len(times)} verifying steps at batch {b}")
+        out.append(Point(model, "verify", b, context, float(np.median(times[1:])), float(np.mean(drafted[1:]))))
+    return out
+
+
+def measure_colocated(engines: Sequence, *, batch: int = 4, context: int = 1024, steps: int = 6,
+                      reps: int = 3) -> dict[str, float]:
+    """Median decode step seconds of `engines[0]` stepping alone (`step_alone_s`) and while every
+    engine of `engines` (replicas on this host, each on its own devices) steps at once, each in its
+    own thread (`step_together_s`, the median over all of them); `slowdown` is their ratio."""
+    for eng in engines[1:]:  # compiled before anything is timed
+        decode_step_times(eng, batch, context, 1)
+    alone, together = [], []
+    for r in range(reps):
+        alone += decode_step_times(engines[0], batch, context, steps, seed=r)[0]
+        got: list[list[float]] = [[] for _ in engines]
+
+        def run(i: int) -> None:
+            got[i] = decode_step_times(engines[i], batch, context, steps, seed=r)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        together += [x for g in got for x in g]
+    res = {"step_alone_s": float(np.median(alone)), "step_together_s": float(np.median(together))}
+    res["slowdown"] = res["step_together_s"] / res["step_alone_s"]
+    return res
+
+
+def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3) -> dict[str, float]:
+    """Seconds of: a weight load from pinned host memory, a staged switch (device to device), and a
+    `tokens`-token KV offload and restore; with the bytes each moved."""
+    s = inst.served[model]
+    eng, slot = s.engine, inst.slot
+    res: dict[str, float] = {"weight_bytes": float(s.host.layout.bytes_per_device * slot.mesh.devices.size)}
+    load, d2d = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        slot.load(s.host)
+        slot.array.block_until_ready()
+        load.append(time.perf_counter() - t)
+        slot.stage(s.host)
+        slot.wait_staged()
+        t = time.perf_counter()
+        slot.activate_staged()
+        slot.array.block_until_ready()
+        d2d.append(time.perf_counter() - t)
+    res["weight_load_s"], res["d2d_s"] = min(load), min(d2d)
+    rng = np.random.default_rng(1)
+    eng.add_request(rng.integers(0, eng.cfg.vocab_size, tokens).tolist(),  # runs on after its prefill
+                    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    req = next(iter(eng.requests.values()))
+    while req.num_computed < tokens:
+        eng.step()
+    off, on = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        kv = eng.host_tier.offload(eng.runner.kv, req.seq.pages, req.prompt[:tokens])
+        kv.data.block_until_ready()
+        off.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        eng.runner.kv = eng.host_tier.restore(eng.runner.kv, kv, req.seq.pages[:kv.num_pages])
+        eng.runner.kv.block_until_ready()
+        on.append(time.perf_counter() - t)
+        eng.host_tier.release(kv)
+    _drain(eng)
+    eng.prefix_cache.clear()
+    res["kv_bytes"] = float(kv.nbytes)
+    res["kv_offload_s"], res["kv_restore_s"] = min(off), min(on)
+    return res
+
+
+class KeepStaging:
+    """Called before each step, keeps a staging copy of `host` in flight in `slot` (a ``WeightSlot``):
+    it issues ``slot.stage(host)`` whenever nothing is staging or the last copy has arrived. Between
+    an arrival and the next call nothing is in flight, so a step slowed by the copy is slightly
+    under-counted. `copies` counts the copies issued; `settle` waits for the one in flight and frees
+    the staging buffer."""
+
+    def __init__(self, slot, host):
+        self.slot, self.host, self.copies = slot, host, 0
+
+    def __call__(self) -> None:
+        if self.slot.staged is None or self.slot.staged_ready():
+            self.slot.stage(self.host)
+            self.copies += 1
+
+    def settle(self) -> None:
+        self.slot.wait_staged()
+        self.slot.drop_staged()
+
+
+def start_synthetic_decode(eng, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
+    """Puts `batch` sequences of random tokens straight into `eng`'s running batch, their first `context`
+    tokens counting as cached (pages held, contents whatever the pool holds), so only the last prompt
+    token is computed and every later step is decode-shaped: decode timed at any context, no prefill."""
+    from talaria_jax.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    for _ in range(batch):
+        rid = eng.add_request(rng.integers(0, eng.cfg.vocab_size, context).tolist(),
+                              SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        req = eng.requests[rid]
+        req.seq.grow(eng.allocator, context)
+        req.num_computed = context - 1
+        eng.waiting.remove(req)
+        eng.running.append(req)
+
+
+def decode_step_times(eng, batch: int, context: int, steps: int, keep: KeepStaging | None = None,
+                      warmup: int = 3, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Seconds of each of `steps` decode steps of `eng` with nothing staging and, when `keep` is
+    given, of `steps` more with its staging copy kept in flight (``keep()`` runs before each of
+    them, inside the timed step: a serving loop pays it too; the copy has arrived and its buffer is
+    freed when this returns). The batch: `batch` sequences of random tokens whose first `context`
+    count as cached (pages held, contents whatever the pool holds: only the last prompt token is
+    computed, so every timed step is decode-shaped), `warmup` untimed steps first (the first
+    compiles). The sequences are aborted at the end, so the engine can be timed again."""
+    start_synthetic_decode(eng, batch, context, max_tokens=warmup + 2 * steps + 1, seed=seed)
+    try:
+        for _ in range(warmup):
+            eng.step()
+        if len(eng.running) != batch:
+            raise RuntimeError(f"calibration: {len(eng.running)} of {batch} sequences decoding (raise max_seqs)")
+
+        def timed(before) -> list[float]:
+            out = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                before()
+                eng.step()
+                out.append(time.perf_counter() - t)
+            return out
+
+        idle = timed(lambda: None)
+        staging = [] if keep is None else timed(keep)
+    finally:
+        if keep is not None:
+            keep.settle()
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        if eng.prefix_cache is not None:  # the synthetic prefixes' pages must not be matched later
+            eng.prefix_cache.clear()
+    return idle, staging
+
+
+def measure_staging(inst: Instance, model: str, staged: str, *, batch: int = 4, context: int = 256, steps: int = 6,
+                    reps: int = 3) -> dict[str, float]:
+    """Median decode step seconds of `model` on `inst` (loaded into the slot) with nothing staging
+    (`step_idle_s`) and with a staging copy of `staged` kept in flight (`step_staging_s`), over
+    `reps` alternations of `steps` steps each (`decode_step_times`); `slowdown` is their ratio."""
+    if model == staged:
+        raise ValueError(f"measure_staging: the staged model must differ from the active one ({model!r})")
+    s = inst.served[model]
+    inst.slot.load(s.host)
+    keep = KeepStaging(inst.slot, inst.served[staged].host)
+    idle, staging = [], []
+    for r in range(reps):
+        i, b = decode_step_times(s.engine, batch, context, steps, keep, seed=r)
+        idle += i
+        staging += b
+    s.engine.prefix_cache.clear()
+    res = {"step_idle_s": float(np.median(idle)), "step_staging_s": float(np.median(staging)),
+           "staging_copies": float(keep.copies)}
+    res["slowdown"] = res["step_staging_s"] / res["step_idle_s"]
+    return res
+
+
+def staging_slowdown(measured: Sequence[dict[str, float]]) -> float:
+    """``staging_step_slowdown`` from `measure_staging` results: the mean of their step-time ratios,
+    at least 1 (a copy that seems to speed a step up is noise); 1 when nothing was measured."""
+    if not measured:
+        return 1.0
+    return max(1.0, float(np.mean([m["step_staging_s"] / m["step_idle_s"] for m in measured])))
+
+
+def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str = "cpu",
+        staging: Sequence[dict[str, float]] = (), colocated: float = 1.0) -> HardwareConfig:
+    """The profile whose cost model best reproduces `points` and `copies` (least squares, see module
+    doc), with ``staging_step_slowdown`` from the `measure_staging` results `staging` and
+    ``colocated_step_slowdown`` `colocated` (`measure_colocated`'s, at least 1)."""
+    n = inst.slot.mesh.devices.size
+    shapes = inst.shapes()
+    # unit rates: the probe's decode seconds x n x GB are the bytes a step reads
+    probe = HardwareConfig(name=name, num_gpus=n, hbm_gib_per_gpu=1.0, memory_utilization=1.0, hbm_bw_gbps=1.0,
+                           hbm_bw_efficiency=1.0, matmul_tflops=1.0, prefill_efficiency=1.0, nvlink_gbps=1e4,
+                           allreduce_latency_us=0.0, step_overhead_us=0.0, pcie_h2d_gbps=1.0, pcie_d2h_gbps=1.0,
+                           weight_load_efficiency=1.0, d2d_gbps=1.0, host_memory_gb=1.0, host_reserve_gb=0.0)
+    cost = CostModel(probe)
+    verify = [p for p in points if p.kind == "verify"]
+    points = [p for p in points if p.kind != "verify"]
+    # per point: weight bytes read, KV bytes read (and written), FLOPs
+    w = np.array([cost.decode_step_s(shapes[p.model], p.batch if p.kind == "decode" else 1, 0) * n * GB
+                  for p in points])
+    kv = np.array([p.batch * p.tokens * shapes[p.model].kv_bytes_per_token for p in points])
+    flops = np.array([cost.decode_flops(shapes[p.model], p.batch, p.batch * p.tokens) if p.kind == "decode"
+                      else cost.prefill_flops(shapes[p.model], p.tokens, 0) for p in points])
+    t = np.array([p.seconds for p in points])
+    decode = np.array([p.kind == "decode" for p in points])
+    # with one size of weights (one dense model) a step's fixed cost cannot be told from their read: 0
+    sizes = np.ones(len(points)) if np.ptp(w) > 0.01 * w.mean() else np.zeros(len(points))
+
+    def profile(overhead: float, inv_w: float, inv_kv: float, inv_flops: float, overlap: float) -> HardwareConfig:
+        return dataclasses.replace(
+            probe, hbm_bw_gbps=1.0 / max(inv_w, 1e-15) / n / GB, matmul_tflops=1.0 / max(inv_flops, 1e-30) / n / 1e12,
+            step_overhead_us=overhead * 1e6, kv_bw_efficiency=min(1.0, max(0.01, inv_w / inv_kv)) if inv_kv > inv_w
+            else 1.0, compute_memory_overlap=overlap)
+
+    # overlapped (a GPU's roofline): decode is memory bound, t = overhead + weights / rate + KV / (rate x
+    # kv efficiency); prefill compute bound, t - overhead = FLOPs / matmul rate
+    a, inv_w, inv_kv = _nonneg_lstsq(np.c_[sizes, w, kv][decode], t[decode])
+    left = np.maximum(t[~decode] - a, 1e-6)
+    inv_flops = float(flops[~decode] @ left / (flops[~decode] @ flops[~decode])) if (~decode).any() else 1e-30
+    fits = [profile(a, inv_w, inv_kv, inv_flops, 1.0)]
+    # added (a CPU's cores both read and compute): t = overhead + weights / rate + KV / (...) + FLOPs / matmul rate
+    fits.append(profile(*_nonneg_lstsq(np.c_[sizes, w, kv, flops], t), 0.0))
+    errors = [sum((pred / p.seconds - 1) ** 2 for p, pred in predicted(hw, inst, points)) for hw in fits]
+    best = fits[int(np.argmin(errors))]
+    if verify:  # what verifying steps take beyond their chunks' prefill cost, per token (least squares)
+        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, verify)])
+        tokens = np.array([p.batch * (1 + round(p.drafted)) for p in verify])
+        best = dataclasses.replace(best, verify_token_overhead_us=max(0.0, float(tokens @ left / (tokens @ tokens))) * 1e6)
+    kv_h2d = copies["kv_bytes"] / copies["kv_restore_s"]
+    weight_h2d = copies["weight_bytes"] / copies["weight_load_s"]
+    h2d = max(kv_h2d, weight_h2d)
+    capacity = inst.capacity / n
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    return dataclasses.replace(
+        best, hbm_gib_per_gpu=max(1.0, capacity / GIB), pcie_h2d_gbps=h2d / n / GB,
+        pcie_d2h_gbps=copies["kv_bytes"] / copies["kv_offload_s"] / n / GB,
+        weight_load_efficiency=weight_h2d / h2d, d2d_gbps=max(1.0, 2 * copies["weight_bytes"] / copies["d2d_s"] / n / GB),
+        host_memory_gb=mem, host_reserve_gb=mem / 4, staging_step_slowdown=staging_slowdown(staging),
+        colocated_step_slowdown=max(1.0, colocated))
+
+
+def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares `a x ~ y` with every coefficient >= 0: the best unconstrained fit over the
+    subsets of `a`'s (few) columns whose fit has no negative coefficient, the others 0."""
+    best, out = np.inf, [0.0] * a.shape[1]
+    for keep in itertools.product((False, True), repeat=a.shape[1]):
+        cols = [i for i, k in enumerate(keep) if k]
+        if not cols:
+            continue
+        c = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+        err = float(np.sum((a[:, cols] @ c - y) ** 2))
+        if (c >= 0).all() and err < best:
+            best, out = err, [0.0] * a.shape[1]
+            for i, v in zip(cols, c):
+                out[i] = float(v)
+    return out
+
+
+def predicted(hw: HardwareConfig, inst: Instance, points: list[Point]) -> list[tuple[Point, float]]:
+    """Each point next to the fitted cost model's seconds for it."""
+    cost, shapes = CostModel(hw), inst.shapes()
+
+    def seconds(p: Point) -> float:
+        m = shapes[p.model]
+        if p.kind == "decode":
+            return cost.decode_step_s(m, p.batch, p.batch * p.tokens)
+        if p.kind == "verify":
+            return cost.verify_batch_s(m, [(1 + round(p.drafted), p.tokens)] * p.batch)
+        return cost.prefill_s(m, p.tokens, 0)
+
+    return [(p, seconds(p)) for p in points]
+
+
+def to_yaml(hw: HardwareConfig, header: str) -> str:
+    lines = [f"# {line}" for line in header.splitlines()]
+    for f in dataclasses.fields(hw):
+        v = getattr(hw, f.name)
+        lines.append(f"{f.name}: {v if isinstance(v, (int, str)) else float(f'{v:.6g}')}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,100 @@
+"""talaria_jax.calibration's staging measurement on a real engine and weight slot (what it leaves behind;
+its times are measured, not asserted), the slowdown fit, the decode fit (a profile recovered from
+its own points), and the profile round trip through to_yaml."""
+import dataclasses
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from talaria_jax import calibration
+from talaria_jax.engine.engine import Engine, EngineConfig
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.models import greedy_generate, init_model, load_model_config
+from talaria_jax.sharding import make_mesh
+from talaria_jax.sim.hardware import load_hardware
+from talaria_jax.weights.slot import HostWeights, WeightSlot, without_weights
+
+
+@pytest.fixture(scope="module")
+def slot_engine():
+    """tiny-dense decoding out of a weight slot on one device, and tiny-moe's host weights to stage."""
+    mesh = make_mesh(jax.devices()[:1])
+    models = {n: init_model(load_model_config(n), mesh, seed=1) for n in ("tiny-dense", "tiny-moe")}
+    hosts = {n: HostWeights.of(m) for n, m in models.items()}
+    slot = WeightSlot.for_layouts(mesh, [h.layout for h in hosts.values()])
+    eng = Engine(without_weights(models["tiny-dense"]), EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64,
+                                                                      max_model_len=128, prefix_cache=True,
+                                                                      warmup=False))
+    eng.runner.use_slot(slot, hosts["tiny-dense"].layout)
+    slot.load(hosts["tiny-dense"])
+    return models["tiny-dense"], eng, slot, hosts["tiny-moe"]
+
+
+def test_decode_step_times_keeps_staging_in_flight_and_leaves_the_engine_clean(slot_engine):
+    model, eng, slot, other = slot_engine
+    keep = calibration.KeepStaging(slot, other)
+    idle, staging = calibration.decode_step_times(eng, batch=2, context=24, steps=4, keep=keep)
+    assert len(idle) == len(staging) == 4 and min(idle + staging) > 0
+    assert keep.copies >= 1  # issued before the first staging step (and again each time one arrived)
+    # settled and cleaned up: no staging buffer, no request, no page held, nothing left in the prefix cache
+    assert slot.staged is None and not eng.requests and eng.allocator.num_free == eng.allocator.num_pages
+    assert eng.prefix_cache.num_pages == 0
+    idle, staging = calibration.decode_step_times(eng, batch=2, context=24, steps=3)
+    assert len(idle) == 3 and staging == []
+    # the slot still holds tiny-dense: the engine decodes exactly as the model does
+    prompt = list(range(1, 20))
+    out = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), progress=False)
+    assert out[0].token_ids == greedy_generate(model, [prompt], 5)[0]
+
+
+def test_staging_slowdown_fit():
+    assert calibration.staging_slowdown([]) == 1.0
+    r = lambda idle, busy: {"step_idle_s": idle, "step_staging_s": busy}
+    assert calibration.staging_slowdown([r(0.01, 0.02), r(0.1, 0.15)]) == pytest.approx(1.75)
+    assert calibration.staging_slowdown([r(0.1, 0.09)]) == 1.0  # never below 1: a faster step is noise
+
+
+def test_profile_round_trips_through_to_yaml(tmp_path):
+    hw = dataclasses.replace(load_hardware("cpu"), staging_step_slowdown=1.8)
+    p = tmp_path / "cpu2.yaml"
+    p.write_text(calibration.to_yaml(hw, "a header\nof two lines"))
+    assert "staging_step_slowdown: 1.8" in p.read_text()
+    assert load_hardware(p) == dataclasses.replace(hw, name="cpu")
+
+
+def test_nonneg_lstsq_keeps_every_coefficient_at_least_zero():
+    a = np.c_[np.ones(4), [1.0, 2.0, 3.0, 4.0]]
+    assert calibration._nonneg_lstsq(a, a @ [0.5, 2.0]) == pytest.approx([0.5, 2.0])
+    # the unconstrained fit's intercept would be negative: it is 0 and the slope refitted alone
+    y = np.array([1.0, 3.0, 5.0, 7.0])  # y = 2x - 1
+    assert calibration._nonneg_lstsq(a, y) == pytest.approx([0.0, float(a[:, 1] @ y / (a[:, 1] @ a[:, 1]))])
+
+
+def test_fit_recovers_a_profile_from_its_own_points():
+    """Points priced by a known profile (one dense model, KV read at 40% of the weights' rate, two
+    replicas slowing each other 1.4x, a verified token 2 ms dearer than a prefill token) fit back to
+    it: with one size of weights the overhead is 0."""
+    from talaria_jax.sim.cost import CostModel
+    from talaria_jax.sim.hardware import ModelShape
+
+    cfg = load_model_config("tiny-dense")
+    shape = ModelShape.from_config(cfg, "float32", 1, name="tiny-dense")
+    truth = dataclasses.replace(load_hardware("cpu"), name="t", hbm_bw_gbps=11.0, kv_bw_efficiency=0.4,
+                                step_overhead_us=0.0, colocated_step_slowdown=1.4, verify_token_overhead_us=2000.0)
+    cost = CostModel(truth)
+    points = [calibration.Point("tiny-dense", "decode", b, c, cost.decode_step_s(shape, b, b * c))
+              for b in (1, 4, 8) for c in (256, 2048)]
+    points += [calibration.Point("tiny-dense", "prefill", 1, n, cost.prefill_s(shape, n)) for n in (64, 256)]
+    points += [calibration.Point("tiny-dense", "verify", b, 512, cost.verify_batch_s(shape, [(1 + d, 512)] * b), d)
+               for b, d in ((1, 6), (4, 3), (8, 5))]
+    inst = types.SimpleNamespace(slot=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.zeros(1))),
+                                 shapes=lambda: {"tiny-dense": shape}, capacity=2**30)
+    copies = dict(kv_bytes=1e6, kv_restore_s=1e-3, kv_offload_s=1e-3, weight_bytes=1e8, weight_load_s=0.05, d2d_s=0.01)
+    hw = calibration.fit(points, copies, inst, name="t", colocated=1.4)
+    assert hw.hbm_bw_gbps == pytest.approx(11.0, rel=1e-3) and hw.kv_bw_efficiency == pytest.approx(0.4, rel=1e-3)
+    assert hw.step_overhead_us == 0.0 and hw.colocated_step_slowdown == 1.4
+    assert hw.verify_token_overhead_us == pytest.approx(2000.0, rel=0.05)  # verified tokens cost 2 ms more
+    for p, pred in calibration.predicted(hw, inst, points):
+        assert p.kind == "prefill" or pred == pytest.approx(p.seconds, rel=1e-3)
