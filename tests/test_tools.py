@@ -1,6 +1,7 @@
 """Tool calling without a model: the output parsers (hermes, llama3_json), the stream's content and
 tool-call deltas against the whole parse, the tools and tool-call history rendered for templates
 with and without a tools section, the constrained-call grammars, and OpenAI's request checks."""
+import asyncio
 import json
 import random
 
@@ -314,3 +315,19 @@ def test_one_answers_tool_results_render_as_one_message():
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[3]["content"] == "<tool_response>\ntwo\n</tool_response>\n<tool_response>\none\n</tool_response>"
     assert messages[2]["content"].count('{"name":"search","arguments":{}}') == 2  # compact, as a call is written
+
+
+@pytest.mark.parametrize("cut", [1, 7, 13])
+def test_a_stream_is_read_as_its_events_however_it_is_cut(cut):
+    """The server-sent events of a chat stream (what the Messages and Responses APIs translate), cut
+    anywhere, a multi-byte character included: the same events in order, None for [DONE]."""
+    events = [{"choices": [{"delta": {"content": "Grüße, 世界"}}]}, {"choices": [{"delta": {}, "finish_reason": "stop"}]}]
+    raw = ("".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+
+    async def chunks():
+        for k in range(0, len(raw), cut):
+            yield raw[k:k + cut]
+
+    async def read():
+        return [e async for e in protocol.stream_data(chunks())]
+    assert asyncio.run(read()) == events + [None]

@@ -23,7 +23,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from talaria_jax.serve.protocol import ApiError
+from talaria_jax.serve.protocol import ApiError, stream_data
 
 __all__ = ["answer", "error_body", "from_chat", "stream_events", "to_chat"]
 
@@ -211,45 +211,41 @@ async def stream_events(chunks: AsyncIterator[str], model: str) -> AsyncIterator
                                                "stop_reason": None, "stop_sequence": None,
                                                "usage": _usage(None)}})
     block, text_open, stop, usage = 0, False, ("end_turn", None), None
-    async for raw in chunks:
-        for line in raw.splitlines():
-            if not line.startswith("data: "):
-                continue
-            if line[6:] == "[DONE]":
+    async for data in stream_data(chunks):
+        if data is None:
+            if text_open:
+                yield _event("content_block_stop", {"index": block})
+            yield _event("message_delta", {"delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                                           "usage": _usage(usage)})
+            yield _event("message_stop", {})
+            return
+        if "error" in data:
+            e = data["error"]
+            yield _event("error", {"error": error_body(503 if e.get("type") == "service_unavailable" else 500,
+                                                       e.get("message", "the server failed"))["error"]})
+            return
+        usage = data.get("usage") or usage
+        for ch in data.get("choices") or []:
+            delta = ch.get("delta") or {}
+            if delta.get("content"):
+                if not text_open:
+                    yield _event("content_block_start", {"index": block, "content_block": {"type": "text",
+                                                                                            "text": ""}})
+                    text_open = True
+                yield _event("content_block_delta", {"index": block, "delta": {"type": "text_delta",
+                                                                                "text": delta["content"]}})
+            for call in delta.get("tool_calls") or []:
                 if text_open:
                     yield _event("content_block_stop", {"index": block})
-                yield _event("message_delta", {"delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-                                               "usage": _usage(usage)})
-                yield _event("message_stop", {})
-                return
-            data = json.loads(line[6:])
-            if "error" in data:
-                e = data["error"]
-                yield _event("error", {"error": error_body(503 if e.get("type") == "service_unavailable" else 500,
-                                                           e.get("message", "the server failed"))["error"]})
-                return
-            usage = data.get("usage") or usage
-            for ch in data.get("choices") or []:
-                delta = ch.get("delta") or {}
-                if delta.get("content"):
-                    if not text_open:
-                        yield _event("content_block_start", {"index": block, "content_block": {"type": "text",
-                                                                                                "text": ""}})
-                        text_open = True
-                    yield _event("content_block_delta", {"index": block, "delta": {"type": "text_delta",
-                                                                                    "text": delta["content"]}})
-                for call in delta.get("tool_calls") or []:
-                    if text_open:
-                        yield _event("content_block_stop", {"index": block})
-                        block, text_open = block + 1, False
-                    use = _tool_use(call)
-                    yield _event("content_block_start", {"index": block, "content_block": {**use, "input": {}}})
-                    yield _event("content_block_delta", {"index": block, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
-                    yield _event("content_block_stop", {"index": block})
-                    block += 1
-                if ch.get("finish_reason"):
-                    stop = _stop_reason(ch)
+                    block, text_open = block + 1, False
+                use = _tool_use(call)
+                yield _event("content_block_start", {"index": block, "content_block": {**use, "input": {}}})
+                yield _event("content_block_delta", {"index": block, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
+                yield _event("content_block_stop", {"index": block})
+                block += 1
+            if ch.get("finish_reason"):
+                stop = _stop_reason(ch)
 
 
 def answer(chat_answer: Response, model: str) -> Response:

@@ -10,14 +10,16 @@ Supported beyond OpenAI's fields: a prompt of token ids (a list of ints), `sessi
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
+import json
 import math
 import numbers
 import time
 import urllib.parse
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from talaria_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
@@ -454,3 +456,15 @@ def envelope(chat: bool, rid: str, model: str, choices: list[dict], chunk: bool,
     if usage_ is not None:
         out["usage"] = usage_
     return out
+
+
+async def stream_data(chunks: AsyncIterator[str | bytes]) -> AsyncIterator[dict | None]:
+    """The JSON events of a chat or completion stream's server-sent events, in order (an event may span
+    chunks), and None for its closing `[DONE]`."""
+    rest, utf8 = "", codecs.getincrementaldecoder("utf-8")()
+    async for chunk in chunks:
+        rest += utf8.decode(chunk) if isinstance(chunk, bytes) else chunk  # (a character may span chunks)
+        *lines, rest = rest.split("\n")
+        for line in lines:
+            if line.startswith("data: "):
+                yield None if line[6:].strip() == "[DONE]" else json.loads(line[6:])

@@ -31,7 +31,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from talaria_jax.serve.protocol import ApiError
+from talaria_jax.serve.protocol import ApiError, stream_data
 
 __all__ = ["Store", "Translated", "answer", "translate"]
 
@@ -392,50 +392,46 @@ async def _events(chunks: AsyncIterator[str], a: _Answering) -> AsyncIterator[st
                 event("response.content_part.done", item_id=mid, output_index=k, content_index=0, part=part),
                 event("response.output_item.done", output_index=k, item=output[k])]
 
-    async for raw in chunks:
-        for line in raw.splitlines():
-            if not line.startswith("data: "):
-                continue
-            if line[6:] == "[DONE]":
+    async for data in stream_data(chunks):
+        if data is None:
+            for e in close_text():
+                yield e
+            incomplete = finish == "length"
+            body = a.done(output, _usage(usage), incomplete)
+            yield event("response.incomplete" if incomplete else "response.completed", response=body)
+            return
+        if "error" in data:
+            e = data["error"]
+            yield event("error", code=e.get("code"), message=e.get("message", "the server failed"),
+                        param=e.get("param"))
+            return
+        usage = data.get("usage") or usage
+        for ch in data.get("choices") or []:
+            delta = ch.get("delta") or {}
+            if delta.get("content"):
+                if msg is None:
+                    msg = _message_item("", "in_progress")
+                    output.append(msg)
+                    yield event("response.output_item.added", output_index=len(output) - 1, item=msg)
+                    yield event("response.content_part.added", item_id=msg["id"], output_index=len(output) - 1,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                       "logprobs": []})
+                text.append(delta["content"])
+                yield event("response.output_text.delta", item_id=msg["id"], output_index=len(output) - 1,
+                            content_index=0, delta=delta["content"], logprobs=[])
+            for call in delta.get("tool_calls") or []:
                 for e in close_text():
                     yield e
-                incomplete = finish == "length"
-                body = a.done(output, _usage(usage), incomplete)
-                yield event("response.incomplete" if incomplete else "response.completed", response=body)
-                return
-            data = json.loads(line[6:])
-            if "error" in data:
-                e = data["error"]
-                yield event("error", code=e.get("code"), message=e.get("message", "the server failed"),
-                            param=e.get("param"))
-                return
-            usage = data.get("usage") or usage
-            for ch in data.get("choices") or []:
-                delta = ch.get("delta") or {}
-                if delta.get("content"):
-                    if msg is None:
-                        msg = _message_item("", "in_progress")
-                        output.append(msg)
-                        yield event("response.output_item.added", output_index=len(output) - 1, item=msg)
-                        yield event("response.content_part.added", item_id=msg["id"], output_index=len(output) - 1,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                           "logprobs": []})
-                    text.append(delta["content"])
-                    yield event("response.output_text.delta", item_id=msg["id"], output_index=len(output) - 1,
-                                content_index=0, delta=delta["content"], logprobs=[])
-                for call in delta.get("tool_calls") or []:
-                    for e in close_text():
-                        yield e
-                    item = _call_item(call, "in_progress")
-                    args, item["arguments"] = item["arguments"], ""
-                    output.append(item)
-                    k = len(output) - 1
-                    yield event("response.output_item.added", output_index=k, item=dict(item))
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                                delta=args)
-                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                                arguments=args, name=item["name"])
-                    item["arguments"], item["status"] = args, "completed"
-                    yield event("response.output_item.done", output_index=k, item=item)
-                finish = ch.get("finish_reason") or finish
+                item = _call_item(call, "in_progress")
+                args, item["arguments"] = item["arguments"], ""
+                output.append(item)
+                k = len(output) - 1
+                yield event("response.output_item.added", output_index=k, item=dict(item))
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                            delta=args)
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                            arguments=args, name=item["name"])
+                item["arguments"], item["status"] = args, "completed"
+                yield event("response.output_item.done", output_index=k, item=item)
+            finish = ch.get("finish_reason") or finish
 
