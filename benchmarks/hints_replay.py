@@ -8,8 +8,8 @@ other jitter draws alone. The table and its reading are in docs/serving.md "Agen
 """
 from __future__ import annotations
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.sim.compare import run_replay
-from talaria_jax.sim.hardware import CONFIG_ROOT
 
 TRACES = {"default": "swebench-30x32.jsonl", "short": "short-30.jsonl", "long": "long-30.jsonl",
           "bimodal": "bimodal-30.jsonl"}
@@ -21,7 +21,7 @@ def main() -> None:
           "noise (no hints, seeds 5-9 / 0-4) | round | composite |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, file in TRACES.items():
-        path = str(CONFIG_ROOT / "traces" / file)
+        path = str(CONFIG_DIR / "traces" / file)
         for gaps in (1.0, 0.0):
             run = lambda hints, policies, seeds: run_replay(path, "h200x8", policies, seeds, tool_gap_scale=gaps,
                                                             hints=hints)["policies"]

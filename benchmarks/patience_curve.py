@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.sim.compare import run_replay
-from talaria_jax.sim.hardware import CONFIG_ROOT
 
 TRACES = {"default": "swebench-30x32.jsonl", "short": "short-30.jsonl", "long": "long-30.jsonl",
           "bimodal": "bimodal-30.jsonl"}
@@ -29,7 +29,7 @@ def measure() -> dict:
     for name, file in TRACES.items():
         for gaps in GAPS:
             pols = [f"talaria[patience={p}]" for p in PATIENCE] + list(RIVALS)
-            res = run_replay(str(CONFIG_ROOT / "traces" / file), "h200x8", pols, SEEDS, tool_gap_scale=gaps)
+            res = run_replay(str(CONFIG_DIR / "traces" / file), "h200x8", pols, SEEDS, tool_gap_scale=gaps)
             out[(name, gaps)] = {(f"patience={p:g}" if pol.startswith("talaria[") else pol): (v["sct_p50_s"], v["sct_p95_s"])
                                  for p, (pol, v) in zip(list(PATIENCE) + [None] * len(RIVALS), res["policies"].items())}
             print(f"{name} x{gaps:g}: " + ", ".join(f"{k} {a:.0f}/{b:.0f}" for k, (a, b) in out[(name, gaps)].items()),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.sim.compare import run_replay
-from talaria_jax.sim.hardware import CONFIG_ROOT
 
 TRACES = {"default": "swebench-30x32.jsonl", "coresident": "swebench-30x32-coresident.jsonl",
           "short": "short-30.jsonl", "long": "long-30.jsonl", "bimodal": "bimodal-30.jsonl"}
@@ -24,7 +24,7 @@ def main() -> None:
     for hw in ("h200x8", "h100x8"):
         for name, file in TRACES.items():
             for gaps in (1.0, 0.25, 0.0):
-                res = run_replay(str(CONFIG_ROOT / "traces" / file), hw, ["talaria-sp-continuations", "talaria"],
+                res = run_replay(str(CONFIG_DIR / "traces" / file), hw, ["talaria-sp-continuations", "talaria"],
                                  [0, 1, 2, 3, 4], tool_gap_scale=gaps)["policies"]
                 a, b = res["talaria-sp-continuations"], res["talaria"]
                 r50.append(b["sct_p50_s"] / a["sct_p50_s"])

@@ -9,11 +9,12 @@ from typing import Any, TypeVar
 
 import yaml
 
+from talaria_jax import configs
+
 T = TypeVar("T")
 
-# configs/ sits beside the package in the source tree (the project installs editable).
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO_ROOT / "configs"
+# The shipped configuration files: the package talaria_jax.configs (configs/ in the source tree).
+CONFIG_DIR = pathlib.Path(configs.__file__).resolve().parent
 
 
 class ConfigError(ValueError):

@@ -4,10 +4,10 @@ import json
 import pytest
 from absl import app, flags
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.launch import replay as cli
-from talaria_jax.sim.hardware import CONFIG_ROOT
 
-TRACE = str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl")
+TRACE = str(CONFIG_DIR / "traces" / "swebench-30x32.jsonl")
 
 
 def test_run_replay_json_and_table():
@@ -61,7 +61,7 @@ def test_bad_flags_give_clear_errors():
 
 
 def test_cluster_replay_places_by_router():
-    res = cli.run_replay(str(CONFIG_ROOT / "traces" / "cluster-120x32.jsonl"), "h200x8", ["talaria"], [0], servers=4)
+    res = cli.run_replay(str(CONFIG_DIR / "traces" / "cluster-120x32.jsonl"), "h200x8", ["talaria"], [0], servers=4)
     assert res["policies"]["talaria"]["per_seed"][0]["calls"] == 3840
 
 
@@ -78,7 +78,7 @@ def test_unknown_model_is_one_line_with_file_and_line(tmp_path):
         {"session": "a", "turn": 0, "model": "qwen3-235b-a22b", "prompt_tokens": 100, "output_tokens": 10, "start_s": 0.0},
         {"session": "b", "turn": 0, "model": "gpt-5", "prompt_tokens": 100, "output_tokens": 10, "start_s": 0.0}])
     p = subprocess.run([sys.executable, "-m", "talaria_jax.launch.replay", f"--trace={trace}", "--policies=talaria",
-                        "--seeds=0"], capture_output=True, text=True, cwd=str(CONFIG_ROOT.parent), timeout=120)
+                        "--seeds=0"], capture_output=True, text=True, cwd=str(CONFIG_DIR.parent), timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(

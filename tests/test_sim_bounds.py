@@ -2,16 +2,17 @@
 any policy on the default trace (kernel jitter off, so every chunk costs the model's nominal time)."""
 import pytest
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.scheduler import POLICIES, get_policy
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.bounds import sct_floor_s, service_floor_s
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.cost import CostModel
-from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware, load_models
+from talaria_jax.sim.hardware import load_hardware, load_models
 from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES
 from talaria_jax.sim.traces import TraceSpec, generate, read_jsonl
 
-CALLS = read_jsonl(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl")
+CALLS = read_jsonl(CONFIG_DIR / "traces" / "swebench-30x32.jsonl")
 HW, SHAPES = load_hardware("h200x8"), load_models()
 TOY = [Call("a", 0, "m1", 1000, 10, 5.0, 0.0), Call("a", 1, "m1", 1500, 10, 7.0)]
 

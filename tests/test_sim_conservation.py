@@ -2,12 +2,13 @@
 within its session, and no instance exceeds its HBM or its KV pages."""
 import pytest
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.scheduler import POLICIES, get_policy
 from talaria_jax.sim.cluster import replay
-from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware, load_models
+from talaria_jax.sim.hardware import load_hardware, load_models
 from talaria_jax.sim.traces import read_jsonl
 
-CALLS = read_jsonl(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl")
+CALLS = read_jsonl(CONFIG_DIR / "traces" / "swebench-30x32.jsonl")
 HW, SHAPES = load_hardware("h200x8"), load_models()
 
 

@@ -3,8 +3,9 @@ import dataclasses
 
 import pytest
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.sim.cost import CostModel
-from talaria_jax.sim.hardware import CONFIG_ROOT, ConfigError, load_hardware, load_models
+from talaria_jax.sim.hardware import ConfigError, load_hardware, load_models
 from talaria_jax.sim.toys import TOY_HW, toy_model
 
 M = toy_model("m1")
@@ -75,7 +76,7 @@ def test_switch_calibrated_to_sleep_mode_wake():
     ("staging_step_slowdown", "0.5", r"field 'staging_step_slowdown'=0.5 outside \[1.0, 100.0\]")])
 def test_bad_hardware_config_names_field(tmp_path, field, bad, match):
     p = tmp_path / "bad.yaml"
-    good = (CONFIG_ROOT / "hardware" / "h200x8.yaml").read_text()
+    good = (CONFIG_DIR / "hardware" / "h200x8.yaml").read_text()
     p.write_text("\n".join(f"{field}: {bad}" if line.startswith(f"{field}:") else line for line in good.splitlines()))
     with pytest.raises(ConfigError, match=match):
         load_hardware(p)

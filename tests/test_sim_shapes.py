@@ -4,9 +4,10 @@ import sys
 
 import pytest
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.models.config import load_model_config
 from talaria_jax.models.quant import QuantConfig
-from talaria_jax.sim.hardware import CONFIG_ROOT, ConfigError, ModelShape, load_hardware, load_models
+from talaria_jax.sim.hardware import ConfigError, ModelShape, load_hardware, load_models
 from talaria_jax.sim.instance import SimInstance
 from talaria_jax.sim.traces import read_jsonl
 
@@ -21,7 +22,7 @@ VARIANTS = {  # variant: (config, weight precision, quantized layout), as config
 
 
 def test_every_trace_model_has_a_shape():
-    for trace in (CONFIG_ROOT / "traces").glob("*.jsonl"):
+    for trace in (CONFIG_DIR / "traces").glob("*.jsonl"):
         assert {c.model for c in read_jsonl(trace)} <= set(SHAPES), trace.name
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from talaria_jax.sim.hardware import CONFIG_ROOT
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.scheduler import Hints
 from talaria_jax.sim.traces import (TraceError, TraceSpec, generate, parse_jsonl, read_jsonl, summary, with_hints,
                                     write_jsonl)
@@ -95,7 +95,7 @@ def test_compaction_settings_are_checked():
 
 
 def test_default_trace_matches_references():
-    calls = read_jsonl(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl")
+    calls = read_jsonl(CONFIG_DIR / "traces" / "swebench-30x32.jsonl")
     s = summary(calls)
     assert s["sessions"] == 30 and s["calls"] == 960 and len(s["sessions_per_model"]) == 3
     assert 0.2 < s["tool_gap_median_s"] < 0.4 and 10 < s["tool_gap_p90_s"] < 18  # TraceLab 0.3 s / 13.6 s
@@ -110,7 +110,7 @@ def test_default_trace_matches_references():
     ("bimodal-30", TraceSpec(turns=3, turns_sigma=0.5, long_turns=50, long_share=0.3), 4),
 ])
 def test_session_length_traces_are_what_their_spec_generates(name, spec, median):
-    calls = read_jsonl(CONFIG_ROOT / "traces" / f"{name}.jsonl")
+    calls = read_jsonl(CONFIG_DIR / "traces" / f"{name}.jsonl")
     assert calls == generate(spec) and summary(calls)["calls_per_session"][0] == median
     with pytest.raises(TraceError, match=r"'long_turns'=0 outside \[1, 10000\]"):
         TraceSpec(long_share=0.5)

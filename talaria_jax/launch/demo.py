@@ -126,9 +126,9 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
 
 def _simulated(say: _Clock, pols: list[str]) -> dict:
     from talaria_jax.sim.compare import run_replay
-    from talaria_jax.sim.hardware import CONFIG_ROOT
+    from talaria_jax.config_io import CONFIG_DIR
 
-    trace = CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"
+    trace = CONFIG_DIR / "traces" / "swebench-30x32.jsonl"
     say(f"the simulator: {trace.name} (30 SWE-bench-style sessions x 32 calls over three >100B models) on "
         f"h200x8, {', '.join(pols)}, seeds 0-2 ...")
     return {scale: run_replay(str(trace), "h200x8", pols, seeds=[0, 1, 2], tool_gap_scale=scale) for scale in (0.0, 1.0)}

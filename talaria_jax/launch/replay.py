@@ -35,17 +35,18 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.scheduler.policies import DEFAULT_POLICIES, get_policy
 from talaria_jax.sim.cluster import replay
-from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware
+from talaria_jax.sim.hardware import load_hardware
 from talaria_jax.sim.compare import run_replay, trace_shapes
 from talaria_jax.sim.instance import CapacityError
 from talaria_jax.sim.traces import HINT_MODES, read_jsonl, with_hints
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("trace", str(CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"), "JSONL trace (docs/traces.md).")
+flags.DEFINE_string("trace", str(CONFIG_DIR / "traces" / "swebench-30x32.jsonl"), "JSONL trace (docs/traces.md).")
 flags.DEFINE_string("hardware", "h200x8", "Hardware config: a name under configs/hardware/ or a YAML path.")
-flags.DEFINE_string("models_table", str(CONFIG_ROOT / "hardware" / "models.yaml"), "Served model variants (a configs/models config + a precision) for the cost model.")
+flags.DEFINE_string("models_table", str(CONFIG_DIR / "hardware" / "models.yaml"), "Served model variants (a configs/models config + a precision) for the cost model.")
 flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "Policies to replay (talaria, round, load, sticky, composite, talaria-no-*, talaria-popular-first, "
                   "talaria-smith, talaria-round-robin, talaria-srpt; a numeric field changed: 'talaria[patience=0.5]').")
 flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds (run-to-run kernel and tool-time jitter).")

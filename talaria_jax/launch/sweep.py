@@ -21,8 +21,9 @@ from typing import Sequence
 
 import numpy as np
 
+from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.sim.compare import replay_calls, trace_shapes
-from talaria_jax.sim.hardware import CONFIG_ROOT, load_hardware
+from talaria_jax.sim.hardware import load_hardware
 from talaria_jax.sim.traces import Trace, TraceSpec, generate, read_jsonl
 
 SCALES = (0.0, 0.1, 0.25, 1.0)
@@ -60,7 +61,7 @@ def cell_trace(name: str, default_path: str | pathlib.Path) -> Trace:
     if name == "default":
         return read_jsonl(default_path)
     if name in LENGTH_TRACES:
-        return read_jsonl(CONFIG_ROOT / "traces" / f"{name}-30.jsonl")
+        return read_jsonl(CONFIG_DIR / "traces" / f"{name}-30.jsonl")
     if name.startswith("gen"):
         spec = TraceSpec(seed=int(name[3:]))
     elif name.startswith("open"):
@@ -81,7 +82,7 @@ def run_sweep(policies: Sequence[str], seeds: Sequence[int], default_trace: str 
         raise ValueError("--sweep compares talaria with the other policies: put talaria in --policies")
     if set(noise_seeds) & set(seeds):
         raise ValueError(f"--noise_seeds {sorted(set(noise_seeds) & set(seeds))} are among --seeds: give other seeds")
-    default_trace = default_trace or CONFIG_ROOT / "traces" / "swebench-30x32.jsonl"
+    default_trace = default_trace or CONFIG_DIR / "traces" / "swebench-30x32.jsonl"
     traces: dict[str, Trace] = {}
     out = []
     todo = cells(trace_names)

@@ -19,7 +19,6 @@ from talaria_jax import config_io
 from talaria_jax.models.config import ModelConfig, available_models, bytes_per_weight, load_model_config
 from talaria_jax.models.quant import QuantConfig
 
-CONFIG_ROOT = pathlib.Path(__file__).resolve().parents[2] / "configs"
 GB = 1e9
 GIB = 2**30
 
@@ -183,7 +182,7 @@ def _checked(kind: str, where: str, raw: Any, cls: type, limits: dict[str, tuple
 def _resolve(path: str | pathlib.Path, subdir: str) -> pathlib.Path:
     p = pathlib.Path(path)
     if not p.suffix:  # a bare name like "h200x8" means configs/hardware/h200x8.yaml
-        p = CONFIG_ROOT / subdir / f"{p}.yaml"
+        p = config_io.CONFIG_DIR / subdir / f"{p}.yaml"
     if not p.exists():
         raise ConfigError(f"config file not found: {p}")
     return p
@@ -197,7 +196,7 @@ def load_hardware(path: str | pathlib.Path) -> HardwareConfig:
     return _checked("hardware", str(p), raw, HardwareConfig, _HW_LIMITS, {"name": str(name)})
 
 
-DEFAULT_MODELS_TABLE = CONFIG_ROOT / "hardware" / "models.yaml"
+DEFAULT_MODELS_TABLE = config_io.CONFIG_DIR / "hardware" / "models.yaml"
 _VARIANT_FIELDS = {"config": True, "weight_dtype": True, "quant": False}  # field: required
 # The precision of a model named in a trace by its config name (configs/models/<name>.yaml) when the
 # table has no variant of that name: every weight in bf16, as the configs' checkpoints ship.
