@@ -17,7 +17,7 @@ the page so the model with the most KV bytes per token gets `page_size` tokens p
 where the page is rounded up to whole rows of every model); the others get as many as fit. Only four functions touch the arena, each per device in a shard_map: `write_kv`
 and `read_kv` (one layer, in the step), `read_pages` and `write_pages` (whole pages, host tier);
 besides them, the Pallas attention kernel (talaria_jax/engine/kernels/) reads one layer's K/V pages
-in place, through `_manual` and `_view` as `read_kv` does.
+in place, through `on_each_device` and `local_view` as `read_kv` does.
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def allocate_pool(spec: PoolSpec, mesh: Mesh):
     return allocate_arena(mesh, spec.num_pages, page_words(spec, mesh), spec.dtype)
 
 
-def _manual(fn, mesh: Mesh, in_specs, out_specs):
+def on_each_device(fn, mesh: Mesh, in_specs, out_specs):
     """`fn` run on each device's own rows (a shard_map over the arena). Only manual code touches the
     arena: XLA partitions a global view as it likes, and where kv heads are replicated it may then read
     one device's rows for another's, while the arena's rows differ per device (pages hold other
@@ -124,7 +124,7 @@ def _heads(spec: PoolSpec, mesh: Mesh, lead: int) -> P:
     return P(*(None,) * lead, view[2], view[3])
 
 
-def _view(rows: jax.Array, spec: PoolSpec) -> jax.Array:
+def local_view(rows: jax.Array, spec: PoolSpec) -> jax.Array:
     """A device's rows [1, pages, words] as its [pages, rows, local kv heads, head_dim]."""
     return rows.reshape(spec.num_pages, spec.rows, -1, spec.head_dim)
 
@@ -141,7 +141,7 @@ def write_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, k: jax.Ar
 
     def local(rows, k, v, slots):
         ps = spec.page_size
-        flat = _view(rows, spec).reshape(spec.num_pages * spec.rows, -1, spec.head_dim)
+        flat = local_view(rows, spec).reshape(spec.num_pages * spec.rows, -1, spec.head_dim)
         row = slots // ps * spec.rows + 2 * layer * ps + slots % ps  # padding: page == num_pages, out of bounds
         # one scatter of K and V together: at least two indices, since XLA turns a one-index scatter
         # into a select over the whole arena (a copy of it every step)
@@ -149,7 +149,7 @@ def write_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, k: jax.Ar
         return flat.reshape(rows.shape)
 
     arena_spec = arena_sharding(mesh).spec
-    return _manual(local, mesh, (arena_spec, _heads(spec, mesh, 1), _heads(spec, mesh, 1), P()),
+    return on_each_device(local, mesh, (arena_spec, _heads(spec, mesh, 1), _heads(spec, mesh, 1), P()),
                    arena_spec)(arena, k, v, slots)
 
 
@@ -157,12 +157,12 @@ def read_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, pages: jax
     """Layer `layer`'s K and V of `pages` (any shape S): two [*S, page_size, kv_heads, head_dim]."""
 
     def local(rows, pages):
-        flat = _view(rows, spec).reshape(spec.num_pages * spec.rows, -1, spec.head_dim)
+        flat = local_view(rows, spec).reshape(spec.num_pages * spec.rows, -1, spec.head_dim)
         k = _layer_rows(spec, layer, pages)
         return flat[k], flat[k + spec.page_size]
 
     out = _heads(spec, mesh, pages.ndim + 1)
-    return _manual(local, mesh, (arena_sharding(mesh).spec, P()), (out, out))(arena, pages)
+    return on_each_device(local, mesh, (arena_sharding(mesh).spec, P()), (out, out))(arena, pages)
 
 
 def read_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array) -> jax.Array:
@@ -170,10 +170,10 @@ def read_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array) -> 
     read zeros."""
 
     def local(rows, idx):
-        used = _view(rows, spec).at[idx, :2 * spec.num_layers * spec.page_size].get(mode="fill", fill_value=0)
+        used = local_view(rows, spec).at[idx, :2 * spec.num_layers * spec.page_size].get(mode="fill", fill_value=0)
         return used.reshape(len(idx), 2 * spec.num_layers, spec.page_size, *used.shape[2:])
 
-    return _manual(local, mesh, (arena_sharding(mesh).spec, P()), _heads(spec, mesh, 3))(arena, idx)
+    return on_each_device(local, mesh, (arena_sharding(mesh).spec, P()), _heads(spec, mesh, 3))(arena, idx)
 
 
 def write_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array, pages: jax.Array) -> jax.Array:
@@ -184,11 +184,11 @@ def write_pages(arena: jax.Array, spec: PoolSpec, mesh: Mesh, idx: jax.Array, pa
         pages = pages.reshape(len(idx), -1, *pages.shape[3:]).astype(rows.dtype)
         if len(idx) == 1:  # a second, dropped index: XLA copies the arena for a one-index scatter (write_kv)
             idx, pages = jnp.concatenate([idx, jnp.full_like(idx, spec.num_pages)]), jnp.concatenate([pages, pages])
-        view = _view(rows, spec).at[idx, :2 * spec.num_layers * spec.page_size].set(pages, mode="drop")
+        view = local_view(rows, spec).at[idx, :2 * spec.num_layers * spec.page_size].set(pages, mode="drop")
         return view.reshape(rows.shape)
 
     arena_spec = arena_sharding(mesh).spec
-    return _manual(local, mesh, (arena_spec, P(), _heads(spec, mesh, 3)), arena_spec)(arena, idx, pages)
+    return on_each_device(local, mesh, (arena_spec, P(), _heads(spec, mesh, 3)), arena_spec)(arena, idx, pages)
 
 
 def kv_dtype(cfg: ModelConfig) -> str:

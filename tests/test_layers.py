@@ -1,6 +1,7 @@
 """Dependencies point one way: every import in the package, at module level or inside a function, goes
 from a layer to one below it, in the order docs/ARCHITECTURE.md gives, and no modules of one layer
-import each other in a cycle."""
+import each other in a cycle. And a module uses only what others make public: it reads no private
+(`_name`) attribute that it does not define itself, and imports no private name."""
 import ast
 import pathlib
 import re
@@ -11,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # where each part of the talaria_jax package lives (pyproject's package-dir mapping)
 PACKAGES = {"talaria_jax": ROOT / "talaria_jax", "talaria_jax.sharding": ROOT / "sharding",
             "talaria_jax.kvcache": ROOT / "kvcache", "talaria_jax.scheduler": ROOT / "scheduler",
-            "talaria_jax.rollout": ROOT / "rollout"}
+            "talaria_jax.rollout": ROOT / "rollout", "talaria_jax.configs": ROOT / "configs"}
 
 
 def documented_layers(text: str) -> list[list[str]]:
@@ -97,9 +98,39 @@ def violations(packages: dict[str, pathlib.Path], layers: list[list[str]]) -> li
     return found
 
 
+def private_reads(packages: dict[str, pathlib.Path]) -> list[str]:
+    """Each read of another module's private name: `x._name` where `x` is not `self` or `cls` and the
+    module defines no `_name` itself (as a function, class, variable or attribute), and each
+    `from m import _name`."""
+    found = []
+    for name, path in modules(packages).items():
+        tree = ast.parse(path.read_text())
+        own = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+        for node in ast.walk(tree):
+            private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+            if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{name}:{node.lineno} reads {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom):
+                found += [f"{name}:{node.lineno} imports {a.name} from {node.module}" for a in node.names
+                          if private(a.name)]
+    return found
+
+
 def test_imports_follow_the_documented_layers():
     layers = documented_layers((ROOT / "docs" / "ARCHITECTURE.md").read_text())
     assert violations(PACKAGES, layers) == []
+
+
+def test_no_module_reads_another_modules_private_names():
+    assert private_reads(PACKAGES) == []
 
 
 def write(root: pathlib.Path, files: dict[str, str]) -> None:
@@ -122,3 +153,19 @@ def test_a_planted_upward_import_or_cycle_is_found(tmp_path, plant, expect):
     write(tmp_path, plant)
     found = violations({"pkg": tmp_path / "pkg"}, layers)
     assert any(expect in v for v in found), found
+
+
+@pytest.mark.parametrize("plant, expect", [
+    ("from pkg.low.b import Pool\n\ndef f(pool: Pool):\n    return pool._free\n", "pkg.high.a:4 reads pool._free"),
+    ("from pkg.low.b import _helper\n", "pkg.high.a:1 imports _helper from pkg.low.b"),
+    ("import pkg.low.b\n\nx = pkg.low.b._helper()\n", "pkg.high.a:3 reads pkg.low.b._helper"),
+])
+def test_a_planted_private_read_is_found(tmp_path, plant, expect):
+    base = {"pkg/__init__.py": "", "pkg/high/__init__.py": "", "pkg/high/a.py": "from pkg.low.b import Pool\n",
+            "pkg/low/__init__.py": "", "pkg/low/b.py": ("class Pool:\n    def __init__(self):\n        self._free = []\n"
+                                                      "\n    def same(self, other):\n        return other._free\n"
+                                                      "\n\ndef _helper():\n    pass\n")}
+    write(tmp_path, base)
+    assert private_reads({"pkg": tmp_path / "pkg"}) == []  # (a class reading its own kind's private: allowed)
+    write(tmp_path, {"pkg/high/a.py": plant})
+    assert expect in private_reads({"pkg": tmp_path / "pkg"})

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from talaria_jax.kvcache.pool import PoolSpec, _manual, _view, arena_sharding, view_sharding
+from talaria_jax.kvcache.pool import PoolSpec, on_each_device, local_view, arena_sharding, view_sharding
 from talaria_jax.sharding import mesh_platform, spec_for
 
 _NEG = -1e30  # as the reference: a fully masked page adds exp(0) terms that a later real max wipes out
@@ -169,7 +169,7 @@ def ragged_paged_attention(q: jax.Array, arena: jax.Array, spec: PoolSpec, mesh:
     def local(rows, qtiles, head_ids, tile_pages, nb, tok_slot, *meta):
         groups = h_loc // gs
         kvg = (head_ids[::gs] // g) % kvh_loc  # each group's kv head among the device's own
-        flat = _view(rows, spec).reshape(spec.num_pages * spec.rows, kvh_loc, d)
+        flat = local_view(rows, spec).reshape(spec.num_pages * spec.rows, kvh_loc, d)
         qg = qtiles.reshape(nt, qt, groups, gs, d).transpose(0, 2, 1, 3, 4).reshape(nt, groups, qt * gs, d)
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m - qt * gs), (0, 0)))
         row_spec = pl.BlockSpec((None, m), lambda i, j: (i, 0))
@@ -191,6 +191,6 @@ def ragged_paged_attention(q: jax.Array, arena: jax.Array, spec: PoolSpec, mesh:
         return jnp.concatenate([out, jnp.zeros((1, h_loc, d), out.dtype)])[tok_slot]
 
     heads = P(None, None, qspec[1], None)
-    fn = _manual(local, mesh, (arena_sharding(mesh).spec, heads, P(qspec[1]), P(), P(), P(), *[P()] * len(meta)),
+    fn = on_each_device(local, mesh, (arena_sharding(mesh).spec, heads, P(qspec[1]), P(), P(), P(), *[P()] * len(meta)),
                  qspec)
     return fn(arena, qtiles, head_ids, tile_pages, nb, tok_slot, *meta)
