@@ -120,7 +120,7 @@ def synthetic_decode(engine, batch: int, context: int, steps: int, reps: int, wa
     pool holds, only the last prompt token is computed), so only decode-shaped steps are timed; it
     returns their seconds. The sequences have room for `reps` + 1 calls after `warmup` untimed steps
     (which compile)."""
-    from talaria_jax.calibrate import start_synthetic_decode
+    from talaria_jax.calibration import start_synthetic_decode
 
     start_synthetic_decode(engine, batch, context, max_tokens=warmup + steps * (reps + 1) + 1)
     for _ in range(warmup):
@@ -295,7 +295,7 @@ def step_profile(model, batches: list[int], ctx: int, steps: int = 20) -> list[d
     `ctx` tokens deep (a synthetic prefix). device_check.py and engine_decode.py --step_profile run it."""
     import jax
 
-    from talaria_jax.calibrate import start_synthetic_decode
+    from talaria_jax.calibration import start_synthetic_decode
     from talaria_jax.engine import Engine, EngineConfig
 
     rows = []

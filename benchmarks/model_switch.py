@@ -17,7 +17,7 @@ Decode: tokens/s of one engine serving model A from the slot, `--batch` sequence
 cached tokens, with nothing staging vs with model B's staging copy kept in flight throughout
 (re-issued as soon as one arrives), and, for scale, an engine over model A's own parameters (no
 slot). The three alternate `--reps` times; best is reported. The steps are timed by
-`talaria_jax.calibrate.decode_step_times` and `KeepStaging`, the same code with which
+`talaria_jax.calibration.decode_step_times` and `KeepStaging`, the same code with which
 `talaria-calibrate` fits the simulator's `staging_step_slowdown` (there: the ratio of median steps).
 
   .venv/bin/python benchmarks/model_switch.py --out=/tmp/model_switch.json
@@ -67,7 +67,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs each save and restore at INFO, at length
     import jax
 
-    from talaria_jax import calibrate
+    from talaria_jax import calibration
     from talaria_jax.engine import Engine, EngineConfig
     from talaria_jax.models import init_model
     from talaria_jax.sharding import make_mesh
@@ -77,7 +77,7 @@ def main(argv):
     cfg = bench_config(_HIDDEN.value, _LAYERS.value)
     mesh = make_mesh(jax.devices()[:1])
     page = 16
-    # calibrate.decode_step_times decodes 3 warm-up steps + 2 x decode_steps (idle, then staging) + 1
+    # calibration.decode_step_times decodes 3 warm-up steps + 2 x decode_steps (idle, then staging) + 1
     ecfg = EngineConfig(page_size=page, max_seqs=_BATCH.value, max_tokens_per_step=max(_BATCH.value, 16),
                         max_model_len=-(-(_CONTEXT.value + 2 * _STEPS.value + 8) // page) * page, warmup=False)
     a, b = (init_model(cfg, mesh, seed=s) for s in (0, 1))
@@ -95,12 +95,12 @@ def main(argv):
     served = Engine(without_weights(a), ecfg)
     served.runner.use_slot(slot)
     slot.load(hosts[0])
-    keep = calibrate.KeepStaging(slot, hosts[1])  # model B's staging copy always in flight
+    keep = calibration.KeepStaging(slot, hosts[1])  # model B's staging copy always in flight
     rates = {k: [] for k in ("plain", "slot_idle", "slot_staging")}
     idle_steps, staging_steps = [], []
     for _ in range(_REPS.value):
-        plain_s, _ = calibrate.decode_step_times(plain, _BATCH.value, _CONTEXT.value, _STEPS.value)
-        idle_s, busy_s = calibrate.decode_step_times(served, _BATCH.value, _CONTEXT.value, _STEPS.value, keep)
+        plain_s, _ = calibration.decode_step_times(plain, _BATCH.value, _CONTEXT.value, _STEPS.value)
+        idle_s, busy_s = calibration.decode_step_times(served, _BATCH.value, _CONTEXT.value, _STEPS.value, keep)
         for k, v in (("plain", plain_s), ("slot_idle", idle_s), ("slot_staging", busy_s)):
             rates[k].append(decode_tok_s(v))
         idle_steps += idle_s

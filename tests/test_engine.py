@@ -233,13 +233,11 @@ def test_failed_step_requeues_everything_and_recovers(dense1, reference):
         eng.add_request(p, GREEDY)
     for _ in range(3):
         eng.step()
-    real = eng.runner._step
-
-    def broken(*a, **k):
-        eng.runner._step = real
+    def broken(plan):
+        eng.before_step = None
         raise RuntimeError("injected device failure")
 
-    eng.runner._step = broken
+    eng.before_step = broken
     with pytest.raises(StepError, match="injected device failure"):
         eng.step()
     assert not eng.running and len(eng.waiting) == 5 and eng.allocator.num_free == eng.allocator.num_pages

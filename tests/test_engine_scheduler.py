@@ -9,7 +9,7 @@ import pytest
 
 from talaria_jax.engine.plan import Drawn, StepPlan, StepResult
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.engine.scheduler import EngineScheduler, Limits, Request
+from talaria_jax.engine.engine_scheduler import EngineScheduler, Limits, Request
 from talaria_jax.engine.spec.suffix import Draft
 from talaria_jax.kvcache.allocator import PageAllocator, SequencePages
 from talaria_jax.kvcache.prefix import PrefixCache

@@ -108,15 +108,13 @@ def test_a_failed_step_tells_every_engine_on_the_arena(pair):
     ea.generate([pa], GREEDY, progress=False)
     assert ea.prefix_cache.num_pages == 3  # 25 computed tokens
     eb.add_request(pb, GREEDY, "b")
-    good = eb.runner._step
-
-    def broken(*args, **kwargs):
+    def broken(plan):
         raise RuntimeError("injected device failure")
 
-    eb.runner._step = broken
+    eb.before_step = broken
     with pytest.raises(StepError, match="injected device failure"):
         eb.step()
-    eb.runner._step = good
+    eb.before_step = None
     # the arena was replaced: A's cached KV went with it, and no page is held for it any more
     assert ea.prefix_cache.num_pages == 0 and arena.allocator.num_free == arena.num_pages
     outs = []

@@ -271,10 +271,10 @@ def test_an_engine_that_keeps_failing_is_reported_dead_and_answers_503():
     model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=1)
     engine = Engine(model, CONFIG)
 
-    def broken(*args, **kwargs):
+    def broken(plan):
         raise RuntimeError("injected device failure")
 
-    engine.runner._step = broken
+    engine.before_step = broken
     app = build_app(ServedModel("tiny", engine), api_keys=[KEY])
     with serving(app) as url:
         r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3})

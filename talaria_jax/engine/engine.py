@@ -17,19 +17,19 @@ import dataclasses
 import functools
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
+from talaria_jax.engine.engine_scheduler import EngineScheduler, EngineStats, Limits, Request
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.grammar import Grammars
 from talaria_jax.engine.plan import StepPlan
 from talaria_jax.engine.runner import ATTENTION, Runner, attention_kind
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.engine.scheduler import EngineScheduler, EngineStats, Limits, Request
 from talaria_jax.engine.spec.policy import SpecPolicy
 from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter
 from talaria_jax.kvcache.allocator import SequencePages
@@ -68,7 +68,7 @@ class EngineConfig:
     # tests expect; serving turns it on where sessions return (talaria_jax.instance does). A request's
     # `restore` then tops up a hit: only the host copy's pages past the cached ones are copied in.
     prefix_cache: bool = False
-    # Speculative decoding with suffix-tree drafts (talaria_jax.rollout): drafts from the request's own
+    # Speculative decoding with suffix-tree drafts (engine/spec/): drafts from the request's own
     # text and from earlier and in-flight responses of the same cache_salt, verified losslessly in
     # the step; how many per step is chosen from the measured step-cost curve (engine/spec/policy.py).
     speculation: SpecConfig | None = None
@@ -142,7 +142,13 @@ class RequestOutput:
 
 
 class Engine:
-    """Continuous-batching generation over one model on one mesh."""
+    """Continuous-batching generation over one model on one mesh.
+
+    `before_step`: None, or a function called with each step's plan inside the step, before its
+    device work (host-KV restores, the jitted step). What it raises fails the step as a device
+    failure would (`StepError`; the pool reallocated, every running request requeued): fault
+    injection for tests and failure drills, without reaching into the runner.
+    """
 
     def __init__(self, model: ShardedModel, config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
                  arena: KVArena | None = None):
@@ -166,6 +172,7 @@ class Engine:
                              f"max_position ({model.cfg.max_position})")
         self.model, self.config = model, config
         self.cfg = model.cfg
+        self.before_step: Callable[[StepPlan], None] | None = None
         self.tokenizer = tokenizer or ByteTokenizer()
         if arena is None:
             num_pages = config.num_pages
@@ -489,6 +496,8 @@ class Engine:
         if not plan:
             return []
         try:
+            if self.before_step is not None:
+                self.before_step(plan)
             for c in plan.restores:  # host-to-device into the donated pool, before the step reads it
                 r = c.restore
                 self.runner.kv = self.host_tier.restore(self.runner.kv, r.kv, list(c.pages[:r.kv.num_pages]),

@@ -191,7 +191,6 @@ class EngineScheduler:
         budget = self.limits.max_tokens_per_step
         picked: list[tuple[Request, int, Draft | None, Restore | None]] = []
         preempted: list[str] = []
-        evicted = [0]
         running = list(self.running)
         for i, req in enumerate(running):
             if req not in self.running or budget == 0:
@@ -212,7 +211,7 @@ class EngineScheduler:
                     if draft is not None:
                         draft = None
                         continue
-                    if self._evict_cached(req.seq.pages_needed(req.num_computed + n), evicted):
+                    if self._evict_cached(req.seq.pages_needed(req.num_computed + n)):
                         continue  # cached pages made room: nothing needs preempting
                     scheduled = {id(r) for r, *_ in picked}
                     victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
@@ -244,7 +243,7 @@ class EngineScheduler:
                         req.seq.grow(self.allocator, cached + n)
                         break
                     except OutOfPages:
-                        if not self._evict_cached(req.seq.pages_needed(cached + n), evicted):
+                        if not self._evict_cached(req.seq.pages_needed(cached + n)):
                             raise
             except OutOfPages:
                 req.seq.release(self.allocator)  # the matched pages go back; matched again next step
@@ -259,8 +258,7 @@ class EngineScheduler:
             budget -= n
         self.stats.prefix_query_tokens += query_tokens
         self.stats.prefix_hit_tokens += hit_tokens
-        return StepPlan(tuple(self._chunk(*p) for p in picked), hit_tokens, query_tokens, evicted[0],
-                        tuple(preempted))
+        return StepPlan(tuple(self._chunk(*p) for p in picked), hit_tokens, query_tokens, tuple(preempted))
 
     def _chunk(self, req: Request, q: int, draft: Draft | None, restore: Restore | None) -> Chunk:
         """The chunk of `q` of the request's own tokens (1 beside a draft) from num_computed on."""
@@ -292,7 +290,7 @@ class EngineScheduler:
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
-    def _evict_cached(self, need: int, evicted: list[int]) -> bool:
+    def _evict_cached(self, need: int) -> bool:
         """Frees cached pages so `need` can be allocated (from every prefix cache on the arena, in the
         caches' eviction order); whether any were freed."""
         short = need - self.allocator.num_free
@@ -301,7 +299,6 @@ class EngineScheduler:
             return False
         freed = evict(caches, short)
         self.stats.prefix_evicted_pages += freed
-        evicted[0] += freed
         return freed > 0
 
     # ---- update -----------------------------------------------------------------------------------

@@ -64,7 +64,6 @@ class StepPlan:
     chunks: tuple[Chunk, ...] = ()
     prefix_hit_tokens: int = 0   # tokens the step's admissions found in the prefix cache
     prefix_query_tokens: int = 0  # tokens they looked up there
-    evicted_pages: int = 0       # cached pages freed to make room
     preempted: tuple[str, ...] = ()  # requests sent back to the queue to free pages
 
     @property

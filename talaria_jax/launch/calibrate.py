@@ -5,7 +5,7 @@
 Builds one real instance (``talaria_jax.instance``) hosting the local replay's models, times decode
 and prefill steps, a weight switch from pinned host memory and from the staging area, and a session's
 KV offload and restore, and decode steps while another model's staging copy is in flight
-(``talaria_jax.calibrate``), fits the cost model's rates, prints every measured
+(``talaria_jax.calibration``), fits the cost model's rates, prints every measured
 point next to the fitted cost model's prediction, and writes the profile. `talaria-replay
 --backend=local --hardware=<the profile>` then predicts a local replay with it.
 
@@ -48,7 +48,7 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
     two replicas of the first (`devices` each) on this host."""
     import jax
 
-    from talaria_jax import calibrate
+    from talaria_jax import calibration
     from talaria_jax.engine.engine import Engine, EngineConfig
     from talaria_jax.engine.spec import SpecConfig
     from talaria_jax.sharding import make_mesh
@@ -59,15 +59,15 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
         engines = [Engine(load_model(m, make_mesh(jax.devices()[r * devices:(r + 1) * devices]), dtype="float32").model,
                           EngineConfig(**ROLLOUT_ENGINE)) for r in range(2)]
         print(f"timing {m}'s rollout engine ...", file=sys.stderr)
-        points += calibrate.measure_engine(engines[0], m, batches=(1, 4, 8), contexts=(256, 1024, 2048),
+        points += calibration.measure_engine(engines[0], m, batches=(1, 4, 8), contexts=(256, 1024, 2048),
                                            prompts=(16, 64, 256), steps=FLAGS.steps)
         spec = Engine(engines[0].model, EngineConfig(**ROLLOUT_ENGINE, speculation=SpecConfig(max_spec_tokens=8,
                                                                                              policy="always")))
         for context in (512, 1024):
-            points += calibrate.measure_verify(spec, m, batches=(1, 2, 4, 8), context=context, steps=FLAGS.steps)
+            points += calibration.measure_verify(spec, m, batches=(1, 2, 4, 8), context=context, steps=FLAGS.steps)
         del spec
         if i == 0:
-            r = calibrate.measure_colocated(engines, steps=FLAGS.steps)
+            r = calibration.measure_colocated(engines, steps=FLAGS.steps)
             colocated = r["slowdown"]
             print(f"decode step of {m} (batch 4, context 1,024): {r['step_alone_s'] * 1e3:.1f} ms alone, "
                   f"{r['step_together_s'] * 1e3:.1f} ms while another replica steps ({colocated:.2f}x)")
@@ -77,7 +77,7 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from talaria_jax import calibrate, local
+    from talaria_jax import calibration, local
 
     rollout = FLAGS.engine == "rollout"
     local.simulate_cpu_devices(FLAGS.devices_per_instance * (2 if rollout else 1))
@@ -94,20 +94,20 @@ def main(argv: Sequence[str]) -> None:
         points, colocated = rollout_points(FLAGS.models, FLAGS.devices_per_instance)
     for m in [] if rollout else FLAGS.models:
         print(f"timing {m} ...", file=sys.stderr)
-        points += calibrate.measure_model(inst, m, steps=FLAGS.steps)
+        points += calibration.measure_model(inst, m, steps=FLAGS.steps)
     biggest = max(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device)
-    copies = calibrate.measure_copies(inst, biggest)
+    copies = calibration.measure_copies(inst, biggest)
     staging = []
     if len(FLAGS.models) > 1 and not rollout:  # each model decoding while the biggest other one stages
         by_size = sorted(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device, reverse=True)
         for m in FLAGS.models:
             other = next(o for o in by_size if o != m)
             print(f"timing {m} while {other} stages ...", file=sys.stderr)
-            staging.append((m, other, calibrate.measure_staging(inst, m, other, steps=FLAGS.steps)))
-    hw = calibrate.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem, staging=[r for _, _, r in staging],
+            staging.append((m, other, calibration.measure_staging(inst, m, other, steps=FLAGS.steps)))
+    hw = calibration.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem, staging=[r for _, _, r in staging],
                        colocated=colocated)
     print("| model | kind | batch | tokens | measured (ms) | cost model (ms) | error |\n|---|---|---:|---:|---:|---:|---:|")
-    for p, pred in calibrate.predicted(hw, inst, points):
+    for p, pred in calibration.predicted(hw, inst, points):
         kind = f"{p.kind} ({p.drafted:.1f} drafts)" if p.kind == "verify" else p.kind
         print(f"| {p.model} | {kind} | {p.batch} | {p.tokens} | {p.seconds * 1e3:.1f} | {pred * 1e3:.1f} "
               f"| {pred / p.seconds - 1:+.0%} |")
@@ -133,7 +133,7 @@ def main(argv: Sequence[str]) -> None:
               f"{f' --steps={FLAGS.steps}' if FLAGS['steps'].present else ''} --out={FLAGS.out}")
     path = pathlib.Path(FLAGS.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(calibrate.to_yaml(hw, header))
+    path.write_text(calibration.to_yaml(hw, header))
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -109,9 +109,6 @@ class CostModel:
         """Seconds to restore `tokens` of session KV from host memory (all GPUs' links in parallel)."""
         return tokens * m.kv_bytes_per_token / (self.hw.num_gpus * self.hw.pcie_h2d_gbps * GB)
 
-    def d2h_kv_s(self, m: ModelShape, tokens: int) -> float:
-        return tokens * m.kv_bytes_per_token / (self.hw.num_gpus * self.hw.pcie_d2h_gbps * GB)
-
     def weight_load_rate(self) -> float:
         """Bytes/s of a host-to-device weight load over all GPUs (sleep-mode wake calibration)."""
         return self.hw.num_gpus * self.hw.pcie_h2d_gbps * GB * self.hw.weight_load_efficiency
