@@ -182,6 +182,52 @@ def _accepted(draft: Draft, truth: Sequence[int]) -> int:
     return n
 
 
+@dataclasses.dataclass(frozen=True)
+class _Arrive:
+    """Turn `turn` of `traj` reaches the service, its context `before` plus the turn's prompt."""
+    traj: TrajectoryRecord
+    turn: int
+    before: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Free:
+    """Replica `replica`'s step ends, unless its end was moved since (a later `version`)."""
+    replica: int
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """Replica `replica` starts its next step (after the turns arriving at the same time)."""
+    replica: int
+
+
+@dataclasses.dataclass(order=True)
+class _Event:
+    time: float
+    order: int
+    what: _Arrive | _Free | _Start = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A replica's step in flight: the work left (seconds of computing alone), the version of its end
+    event, when it started, its kind for the timeline, and the turns it ends."""
+    work_s: float
+    version: int
+    start: float
+    kind: str
+    ended: list[tuple[TrajectoryRecord, int, tuple[int, ...]]]
+
+
+@dataclasses.dataclass
+class _Host:
+    """The replicas of one host computing now, and when their work was last counted."""
+    members: set[int] = dataclasses.field(default_factory=set)
+    counted: float = 0.0
+
+
 def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, replicas: int,
                 placement: str = "cache_aware", spec: SpecConfig | None = None,
                 replicas_per_host: int = 1) -> StepResult:
@@ -211,75 +257,120 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
         total = sum(len(turn.prompt) + len(turn.output) for turn in t.turns)
         if total > kv_cap:
             raise ValueError(f"trajectory {t.id}: {total} tokens exceed a replica's KV ({kv_cap} tokens)")
-    cost = CostModel(shape.hardware)
-    place = make_placement(placement, replicas, shape.page_size, max(1, kv_cap // shape.page_size))
-    reps = [_Replica(shape, spec) for _ in range(replicas)]
-    res = StepResult(0.0, 0, 0, 0, 0, 0, 0, [0.0] * replicas, [[] for _ in range(replicas)])
-    order = itertools.count()
-    events: list[tuple[float, int, str, object]] = []  # (time, order, kind, payload)
-    for t in trajectories:
-        heapq.heappush(events, (0.0, next(order), "arrive", (t, 0, ())))
-    # the steps in flight, per replica: [work left (seconds computing alone), version of its end event,
-    # start, kind, the turns it ends]; per host: its replicas in flight and when their work was last counted
-    flight: dict[int, list] = {}
-    hosts: list[tuple[set[int], list[float]]] = [(set(), [0.0]) for _ in range(-(-replicas // replicas_per_host))]
-    waiting = [0]  # requests in the replicas' queues
+    return _StepReplay(shape, replicas, placement, spec, replicas_per_host).run(trajectories)
 
-    def slow(m: int) -> float:  # a step's time while m replicas of its host compute, over its time alone
-        return 1.0 + (m - 1) * (shape.hardware.colocated_step_slowdown - 1.0)
 
-    def share(r: int, now: float, change) -> None:
-        """Counts the work done on r's host until `now`, applies `change`, and (re)schedules the end
-        of every step in flight there at the new rate."""
-        members, last = hosts[r // replicas_per_host]
-        for q in members:
-            flight[q][0] -= (now - last[0]) / slow(len(members))
-        last[0] = now
-        change(members)
-        for q in members:
-            f = flight[q]
-            f[1] += 1
-            heapq.heappush(events, (now + max(0.0, f[0]) * slow(len(members)), next(order), "free", (q, f[1])))
+class _StepReplay:
+    """The event loop of `replay_step`: arrivals of turns, steps that start and end on each replica."""
 
-    def steal(r: int) -> bool:
+    def __init__(self, shape: ReplicaShape, replicas: int, placement: str, spec: SpecConfig | None,
+                 replicas_per_host: int):
+        self.shape, self.replicas, self.per_host = shape, replicas, replicas_per_host
+        self.kv_cap = shape.kv_capacity()
+        self.cost = CostModel(shape.hardware)
+        self.place = make_placement(placement, replicas, shape.page_size, max(1, self.kv_cap // shape.page_size))
+        self.reps = [_Replica(shape, spec) for _ in range(replicas)]
+        self.res = StepResult(0.0, 0, 0, 0, 0, 0, 0, [0.0] * replicas, [[] for _ in range(replicas)])
+        self.events: list[_Event] = []
+        self.order = itertools.count()
+        self.arrivals = itertools.count()
+        self.flight: dict[int, _InFlight] = {}  # the steps in flight, per replica
+        self.hosts = [_Host() for _ in range(-(-replicas // replicas_per_host))]
+        self.waiting = 0  # requests in the replicas' queues
+
+    def push(self, time: float, what: _Arrive | _Free | _Start) -> None:
+        heapq.heappush(self.events, _Event(time, next(self.order), what))
+
+    def run(self, trajectories: Sequence[TrajectoryRecord]) -> StepResult:
+        for t in trajectories:
+            self.push(0.0, _Arrive(t, 0, ()))
+        while self.events:
+            ev = heapq.heappop(self.events)
+            what = ev.what
+            if isinstance(what, _Arrive):
+                self.arrive(what, ev.time)
+            elif isinstance(what, _Free):
+                f = self.flight.get(what.replica)
+                if f is not None and f.version == what.version:
+                    self.finish(what.replica, ev.time)
+            else:
+                self.start(what.replica, ev.time)
+        return self.res
+
+    def arrive(self, a: _Arrive, now: float) -> None:
+        prompt = tuple(a.before) + a.traj.turns[a.turn].prompt
+        req = _Running(f"{a.traj.id}/{a.turn}", a.traj, a.turn, prompt, 0)
+        preq = PlacementRequest(prompt, trajectory=a.traj.id, turn=a.turn, arrival=next(self.arrivals))
+        loads = [ReplicaLoad(rep.outstanding, self.shape.max_seqs) for rep in self.reps]
+        r = self.place.choose(preq, loads)
+        heapq.heappush(self.reps[r].queue, (self.place.priority(preq), preq.arrival, req))
+        self.waiting += 1
+        self.place.computed(r, prompt)  # as the service: its prompt's KV will be there
+        self.start(r, now)
+        if self.place.steal:
+            for i in range(self.replicas):
+                self.start(i, now)
+
+    def slow(self, m: int) -> float:
+        """A step's time while m replicas of its host compute, over its time alone."""
+        return 1.0 + (m - 1) * (self.shape.hardware.colocated_step_slowdown - 1.0)
+
+    def share(self, r: int, now: float, computing: bool) -> None:
+        """Counts the work done on r's host until `now`, lets r join (`computing`) or leave its
+        replicas computing, and (re)schedules the end of every step in flight there at the new rate."""
+        host = self.hosts[r // self.per_host]
+        for q in host.members:
+            self.flight[q].work_s -= (now - host.counted) / self.slow(len(host.members))
+        host.counted = now
+        if computing:
+            host.members.add(r)
+        else:
+            host.members.discard(r)
+        for q in host.members:
+            f = self.flight[q]
+            f.version += 1
+            self.push(now + max(0.0, f.work_s) * self.slow(len(host.members)), _Free(q, f.version))
+
+    def steal(self, r: int) -> bool:
         """The service's stealing: an idle slot of r takes the most urgent waiting request of the most
         loaded replica among those whose requests wait because they are full."""
-        if not waiting[0]:
+        if not self.waiting:
             return False
-        full = [i for i, d in enumerate(reps) if i != r and d.queue and len(d.running) >= shape.max_seqs]
+        reps, max_seqs = self.reps, self.shape.max_seqs
+        full = [i for i, d in enumerate(reps) if i != r and d.queue and len(d.running) >= max_seqs]
         if not full:
             return False
-        victim = max(full, key=lambda i: (reps[i].outstanding / shape.max_seqs, -i))
+        victim = max(full, key=lambda i: (reps[i].outstanding / max_seqs, -i))
         item = heapq.heappop(reps[victim].queue)
         heapq.heappush(reps[r].queue, item)
-        place.computed(r, item[2].prompt)
+        self.place.computed(r, item[2].prompt)
         return True
 
-    def start(r: int, now: float) -> None:
-        rep = reps[r]
-        if r in flight:
+    def start(self, r: int, now: float) -> None:
+        rep = self.reps[r]
+        if r in self.flight:
             return
-        while len(rep.running) < shape.max_seqs and (rep.queue or (place.steal and steal(r))):
+        while len(rep.running) < self.shape.max_seqs and (rep.queue or (self.place.steal and self.steal(r))):
             used = sum(len(x.prompt) + len(x.output) for x in rep.running)  # KV each running turn ends with
             nxt = rep.queue[0][2]
-            if rep.running and used + len(nxt.prompt) + len(nxt.output) > kv_cap:
+            if rep.running and used + len(nxt.prompt) + len(nxt.output) > self.kv_cap:
                 break
             heapq.heappop(rep.queue)
-            waiting[0] -= 1
+            self.waiting -= 1
             nxt.ctx = min(rep.kv.match(nxt.prompt), len(nxt.prompt) - 1)
             if rep.drafter is not None:
                 rep.drafter.start(nxt.rid, nxt.prompt)
             rep.running.append(nxt)
         if rep.running:
-            _step(r, now)
+            self.step(r, now)
 
-    def _step(r: int, now: float) -> None:
-        rep = reps[r]
+    def step(self, r: int, now: float) -> None:
+        rep, res, shape = self.reps[r], self.res, self.shape
         budget = shape.max_tokens_per_step
         decoding = [x for x in rep.running if x.prefill_left == 0]
         drafts: dict[str, Draft] = {}
         # the service's switch: requests waiting for a slot anywhere mean the replicas are saturated
-        if rep.drafter is not None and decoding and not waiting[0]:
+        if rep.drafter is not None and decoding and not self.waiting:
             k = rep.policy.draft_len(len(rep.running))
             if k:
                 caps = [min(k, len(x.output) - x.produced - 1) for x in decoding]
@@ -299,14 +390,13 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
                 fed[x.rid] = n
                 chunks.append((n, x.ctx))
                 budget -= n
-        plain = cost.prefill_batch_s(shape.model, chunks)
-        seconds = plain + cost.verify_overhead_s(chunks) if drafts else plain  # verify_batch_s when verifying
+        plain = self.cost.prefill_batch_s(shape.model, chunks)
+        seconds = plain + self.cost.verify_overhead_s(chunks) if drafts else plain  # verify_batch_s when verifying
         kind = "verify" if drafts else ("decode" if decoding else "prefill")
         if rep.policy is not None:  # the runner's time, as the engine tells its policy (no drafting)
             rep.policy.observe_step(bool(drafts), sum(n for n, _ in chunks), plain)
-        ended: list[tuple[TrajectoryRecord, int, tuple[int, ...]]] = []
-        flight[r] = [seconds, 0, now, kind, ended]
-        share(r, now, lambda members: members.add(r))
+        flight = self.flight[r] = _InFlight(seconds, 0, now, kind, [])
+        self.share(r, now, computing=True)
         res.steps += 1
         res.verify_steps += bool(drafts)
         for x in list(rep.running):
@@ -341,47 +431,22 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
                     rep.drafter.finish(x.rid)
                 done = x.prompt + x.output
                 rep.kv.insert(done)
-                place.computed(r, done)
+                self.place.computed(r, done)
                 res.output_tokens += len(x.output)
-                ended.append((x.traj, x.turn, done))
+                flight.ended.append((x.traj, x.turn, done))
 
-    def finish(r: int, now: float) -> None:
-        _, _, began, kind, ended = flight[r]
-        share(r, now, lambda members: members.discard(r))
-        del flight[r]
-        res.busy_s[r] += now - began
-        res.timeline[r].append((began, now, kind))
-        for traj, turn, done in ended:
+    def finish(self, r: int, now: float) -> None:
+        f = self.flight[r]
+        self.share(r, now, computing=False)
+        del self.flight[r]
+        self.res.busy_s[r] += now - f.start
+        self.res.timeline[r].append((f.start, now, f.kind))
+        for traj, turn, done in f.ended:
             if turn + 1 < len(traj.turns):
-                heapq.heappush(events, (now + traj.turns[turn].tool_s, next(order), "arrive", (traj, turn + 1, done)))
+                self.push(now + traj.turns[turn].tool_s, _Arrive(traj, turn + 1, done))
             else:
-                res.step_s = max(res.step_s, now)
-        heapq.heappush(events, (now, next(order), "start", r))  # after the turns arriving now
-
-    arrivals = itertools.count()
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "arrive":
-            traj, turn, before = payload
-            prompt = tuple(before) + traj.turns[turn].prompt
-            req = _Running(f"{traj.id}/{turn}", traj, turn, prompt, 0)
-            preq = PlacementRequest(prompt, trajectory=traj.id, turn=turn, arrival=next(arrivals))
-            loads = [ReplicaLoad(rep.outstanding, shape.max_seqs) for rep in reps]
-            r = place.choose(preq, loads)
-            heapq.heappush(reps[r].queue, (place.priority(preq), preq.arrival, req))
-            waiting[0] += 1
-            place.computed(r, prompt)  # as the service: its prompt's KV will be there
-            start(r, now)
-            if place.steal:
-                for i in range(replicas):
-                    start(i, now)
-        elif kind == "free":
-            r, version = payload
-            if r in flight and flight[r][1] == version:
-                finish(r, now)
-        else:
-            start(payload, now)
-    return res
+                self.res.step_s = max(self.res.step_s, now)
+        self.push(now, _Start(r))  # after the turns arriving now
 
 
 def synthetic_step(prompts: int, samples: int, *, turns: tuple[int, int] = (1, 1), prompt_tokens: int = 1024,
