@@ -48,6 +48,7 @@ from talaria_jax.scheduler.api import DerivedQueries, InstanceStats, PrefixLocat
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
+from talaria_jax.sim.instance import Switch
 from talaria_jax.tokenizer import Tokenizer
 from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights, word_for
 
@@ -167,6 +168,12 @@ class _Served:
     shape: ModelShape
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A chunk that ran one engine step; `outputs`: the requests that gained a token."""
+    outputs: tuple[RequestOutput, ...]
+
+
 class Instance(DerivedQueries):
     """A real instance; see the module docstring. `models` maps the trace's model names to loaded
     models, all on `mesh`'s devices. `hw` and `shapes` (the calibrated profile of this machine, e.g.
@@ -272,7 +279,7 @@ class Instance(DerivedQueries):
         self.outputs: dict[tuple[str, int], RequestOutput] = {}  # call key -> its finished output
         self.step_outputs: list[tuple[Call, RequestOutput]] = []  # every output of the last chunk
         self._protect: dict[str, float] = {}
-        self._chunk: tuple | None = None
+        self.chunk: Switch | Step | None = None  # the chunk in flight
         self.now = 0.0
         self.busy_until: float | None = None
         self.stats = InstanceStats()
@@ -506,7 +513,7 @@ class Instance(DerivedQueries):
             self.stats.switches += 1
             self.stats.switch_s += dur
             self.stats.switch_log.append((now, model, dur))
-            return self._busy(("switch", model), dur)
+            return self._busy(Switch(model), dur)
         if self._pending:
             self._submit()
         eng = self.served[self._active].engine if self._active else None
@@ -520,7 +527,7 @@ class Instance(DerivedQueries):
         st.prefill_tokens += report.prefill_tokens
         st.peak_kv_pages = max(st.peak_kv_pages, self.kv_pages_used())
         st.peak_device_bytes = max(st.peak_device_bytes, self._device_bytes())
-        return self._busy(("step", outs), dur)
+        return self._busy(Step(tuple(outs)), dur)
 
     def _timed(self, fn: Callable, *args):
         """fn(*args) and the seconds it took: on the wall clock, less the compiling inside it when
@@ -534,8 +541,8 @@ class Instance(DerivedQueries):
             seconds = max(0.0, seconds - compiled)
         return out, seconds
 
-    def _busy(self, chunk: tuple, seconds: float) -> float:
-        self._chunk = chunk
+    def _busy(self, chunk: Switch | Step, seconds: float) -> float:
+        self.chunk = chunk
         self.busy_until = self.now + seconds
         return self.busy_until
 
@@ -565,7 +572,7 @@ class Instance(DerivedQueries):
                                    f"{self._active} is active")
             s = self.served[call.model]
             eng = s.engine
-            prompt = self.tokens.prompt(call, eng.cfg.vocab_size)
+            prompt = self.tokens.prompt(call, eng.model.cfg.vocab_size)
             # at admission the engine takes the device cache's full pages and restores only the rest
             kv = self._restorable(call.session, call.model, prompt)
             rid = eng.add_request(prompt, self.tokens.params(call), f"{call.session}/{call.turn}",
@@ -581,13 +588,13 @@ class Instance(DerivedQueries):
         """Applies the chunk that ends at `now`; returns the calls that completed."""
         assert self.busy_until is not None and abs(now - self.busy_until) < 1e-9, "finish_chunk at wrong time"
         self.now, self.busy_until = now, None
-        kind, arg = self._chunk
-        self._chunk = None
-        if kind == "switch":
+        chunk, self.chunk = self.chunk, None
+        if isinstance(chunk, Switch):
             self.step_outputs = []
             return []
-        self.step_outputs = [(self._calls[out.request_id], out) for out in arg if out.request_id in self._calls]
-        return [self._finished(out) for out in arg if out.finished]
+        outs = chunk.outputs
+        self.step_outputs = [(self._calls[out.request_id], out) for out in outs if out.request_id in self._calls]
+        return [self._finished(out) for out in outs if out.finished]
 
     def _finished(self, out: RequestOutput) -> Call:
         call = self._calls.pop(out.request_id)

@@ -63,15 +63,15 @@ def _decoding(horizon):
 
 def test_truncating_a_decode_chunk_is_starting_it_with_that_horizon():
     long_inst, t0, long_end = _decoding(None)  # all 50 steps in one chunk
-    assert long_inst._chunk == ("decode", 50)
+    assert long_inst.chunk.steps == 50
     for frac in (0.0, 0.013, 0.3, 0.5, 0.97):
         at = t0 + frac * (long_end - t0)
         cut = copy.deepcopy(long_inst)
         new_end = cut.truncate_chunk(at)
         ref, _, ref_end = _decoding(at)
         assert new_end == pytest.approx(ref_end, abs=1e-12) and new_end >= at
-        assert cut._chunk == ref._chunk and cut.busy_until == new_end
-        k = ref._chunk[1]
+        assert cut.chunk == ref.chunk and cut.busy_until == new_end
+        k = ref.chunk.steps
         assert cut.finish_chunk(new_end) == ref.finish_chunk(ref_end) == []  # nobody finished early
         assert [r.remaining for r in cut.running] == [r.remaining for r in ref.running] == [50 - k] * 2
     # past the chunk's end, or at its last step, nothing changes

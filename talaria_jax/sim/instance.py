@@ -47,6 +47,33 @@ class _DevKV:
     in_use: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A chunk that makes `model` the active one."""
+    model: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """A chunk that prefills the admitted calls of `batch` (host-KV restores first)."""
+    batch: tuple[_Req, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """A chunk of `steps` decode steps of the running batch (`batch` calls, `ctx` tokens of context)
+    on `shape`, started at `start`: `step0` seconds its first step takes, `slow` the end of a staging
+    copy's slowdown window (None: none), `jitter` the run-to-run factor drawn at its start."""
+    steps: int
+    start: float
+    shape: ModelShape
+    batch: int
+    ctx: int
+    step0: float
+    slow: float | None
+    jitter: float
+
+
 class SimInstance(DerivedQueries):
     """A simulated instance; see the module docstring. `reusable_prefix(call)` gives the tokens of
     call's prompt that an earlier call of its session produced (for the recomputed-token count)."""
@@ -96,8 +123,7 @@ class SimInstance(DerivedQueries):
         self.running: list[_Req] = []
         self.now = 0.0
         self.busy_until: float | None = None
-        self._chunk: tuple | None = None
-        self._decode: tuple | None = None  # the decode chunk in flight: (start, shape, batch, ctx, step0, slow, jitter)
+        self.chunk: Switch | Prefill | Decode | None = None  # the chunk in flight
         self._switch_to: str | None = None
         self._weights_lru: dict[str, float] = {}
         self.stats = InstanceStats()
@@ -447,7 +473,7 @@ class SimInstance(DerivedQueries):
     def _start_chunk(self, now: float, horizon: float | None) -> float | None:
         if self._switch_to is not None:
             dur = self._start_switch(self._switch_to)
-            self._chunk = ("switch", self._switch_to)
+            self.chunk = Switch(self._switch_to)
             self._switch_to = None
             return self._busy(now, dur)
         if self.waiting:
@@ -547,7 +573,7 @@ class SimInstance(DerivedQueries):
             return None
         self.waiting = keep
         self._touch()
-        self._chunk = ("prefill", batch)
+        self.chunk = Prefill(tuple(batch))
         # the restores go first (the staging copy waits for them: _staging_start moved by as much),
         # then one prefill step over the batch (one weight read), slowed while the copy is in flight
         dur = restore_s + self._staging_stretch_s(self.now + restore_s, self.cost.prefill_batch_s(m, chunks))
@@ -563,36 +589,31 @@ class SimInstance(DerivedQueries):
         k = kmax
         if horizon is not None and step0 > 0:
             k = max(1, min(kmax, math.ceil((horizon - now) / step0)))
-        jitter = self._jitter()
-        self._decode = (now, m, b, ctx, step0, slow, jitter)
-        self._chunk = ("decode", k)
-        return self._decode_s(k)
+        self.chunk = Decode(k, now, m, b, ctx, step0, slow, self._jitter())
+        return self._decode_s(self.chunk, k)
 
-    def _decode_s(self, k: int) -> float:
-        """Seconds of the started decode chunk if it ran `k` steps (its jitter drawn at its start)."""
-        now, m, b, ctx, _, slow, jitter = self._decode
-        return self._stretch(slow, k * self.cost.decode_step_s(m, b, ctx + b * k // 2)) * jitter
+    def _decode_s(self, d: Decode, k: int) -> float:
+        """Seconds of the decode chunk `d` if it ran `k` steps."""
+        return self._stretch(d.slow, k * self.cost.decode_step_s(d.shape, d.batch, d.ctx + d.batch * k // 2)) * d.jitter
 
     def truncate_chunk(self, t: float) -> float | None:
         """Cuts the decode chunk in flight short at the first step boundary at or after `t` (an
         arrival routed here while it runs): it then runs the steps it would have run had it been
         started with `t` as its horizon. Returns its new end, or None when nothing changed (no decode
         chunk in flight, or it ends in the step that covers `t` anyway)."""
-        if self.busy_until is None or self._chunk is None or self._chunk[0] != "decode" or t >= self.busy_until:
+        d = self.chunk
+        if self.busy_until is None or not isinstance(d, Decode) or t >= self.busy_until or d.step0 <= 0:
             return None
-        t0, step0 = self._decode[0], self._decode[4]
-        k = self._chunk[1]
-        if step0 <= 0:
-            return None
-        k2 = max(1, math.ceil((t - t0) / step0))
+        k = d.steps
+        k2 = max(1, math.ceil((t - d.start) / d.step0))
         while k2 < k:
-            end = t0 + self._decode_s(k2)
+            end = d.start + self._decode_s(d, k2)
             if end >= t:  # (kernel jitter can end k2 steps before t; it then runs one step more)
                 break
             k2 += 1
         if k2 >= k:
             return None
-        self._chunk = ("decode", k2)
+        self.chunk = dataclasses.replace(d, steps=k2)
         self.busy_until = end
         self.stats.truncated_chunks += 1
         return end
@@ -601,19 +622,18 @@ class SimInstance(DerivedQueries):
         """Applies the chunk that ends at `now`; returns the calls that completed."""
         assert self.busy_until is not None and abs(now - self.busy_until) < 1e-9, "finish_chunk at wrong time"
         self.now, self.busy_until = now, None
-        kind, arg = self._chunk
-        self._chunk = None
+        chunk, self.chunk = self.chunk, None
         done: list[Call] = []
-        if kind == "switch":
-            self._active = arg
-            self._weights_lru[arg] = now
-        elif kind == "prefill":
-            self.running.extend(arg)
-        elif kind == "decode":
+        if isinstance(chunk, Switch):
+            self._active = chunk.model
+            self._weights_lru[chunk.model] = now
+        elif isinstance(chunk, Prefill):
+            self.running.extend(chunk.batch)
+        elif isinstance(chunk, Decode):
             still = []
             for r in self.running:
-                r.ctx += arg
-                r.remaining -= arg
+                r.ctx += chunk.steps
+                r.remaining -= chunk.steps
                 if r.remaining > 0:
                     still.append(r)
                     continue
