@@ -130,7 +130,8 @@ def replica_shape(e):
     from talaria_jax.rollout.replay import ReplicaShape
     from talaria_jax.sim.hardware import ModelShape, load_hardware
 
-    return ReplicaShape(load_hardware(_HARDWARE.value), ModelShape.from_config(e.cfg, e.cfg.weight_dtype, _DEVICES.value),
+    cfg = e.model.cfg
+    return ReplicaShape(load_hardware(_HARDWARE.value), ModelShape.from_config(cfg, cfg.weight_dtype, _DEVICES.value),
                         max_seqs=e.config.max_seqs, max_tokens_per_step=e.config.max_tokens_per_step,
                         page_size=e.page_size, kv_tokens=e.pool_spec.num_slots)
 

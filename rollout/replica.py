@@ -107,7 +107,7 @@ class Replica:
 
     def info(self) -> ReplicaInfo:
         e = self.engine
-        return ReplicaInfo(e.cfg.name, e.cfg.vocab_size, min(e.config.max_model_len, e.pool_spec.num_slots),
+        return ReplicaInfo(e.model.cfg.name, e.model.cfg.vocab_size, min(e.config.max_model_len, e.pool_spec.num_slots),
                            e.config.max_seqs, e.page_size, e.allocator.num_pages)
 
     def add(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams, str | None]]) -> list[Completion]:

@@ -65,7 +65,7 @@ def measure_engine(eng, model: str, *, batches=(1, 4), contexts=(64, 512), promp
     out = []
     for n in prompts:  # one fresh prompt per step: the step is its prefill
         for _ in range(2):  # the first compiles
-            eng.add_request(rng.integers(0, eng.cfg.vocab_size, n).tolist(),
+            eng.add_request(rng.integers(0, eng.model.cfg.vocab_size, n).tolist(),
                             SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             t = time.perf_counter()
             eng.step()
@@ -91,7 +91,7 @@ def measure_verify(eng, model: str, *, batches=(1, 4, 8), context: int = 1024, s
     out = []
     for b in batches:
         for _ in range(b):
-            phrase = rng.integers(0, eng.cfg.vocab_size, 16).tolist()
+            phrase = rng.integers(0, eng.model.cfg.vocab_size, 16).tolist()
             eng.add_request((phrase * (context // 16 + 1))[:context],
                             SamplingParams(max_tokens=context, temperature=0.0, ignore_eos=True))  # none ends
         while any(r.num_computed < len(r.prompt) for r in list(eng.running) + list(eng.waiting)):
@@ -162,7 +162,7 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
         d2d.append(time.perf_counter() - t)
     res["weight_load_s"], res["d2d_s"] = min(load), min(d2d)
     rng = np.random.default_rng(1)
-    eng.add_request(rng.integers(0, eng.cfg.vocab_size, tokens).tolist(),  # runs on after its prefill
+    eng.add_request(rng.integers(0, eng.model.cfg.vocab_size, tokens).tolist(),  # runs on after its prefill
                     SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     req = next(iter(eng.requests.values()))
     while req.num_computed < tokens:
@@ -213,7 +213,7 @@ def start_synthetic_decode(eng, batch: int, context: int, max_tokens: int, seed:
 
     rng = np.random.default_rng(seed)
     for _ in range(batch):
-        rid = eng.add_request(rng.integers(0, eng.cfg.vocab_size, context).tolist(),
+        rid = eng.add_request(rng.integers(0, eng.model.cfg.vocab_size, context).tolist(),
                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         req = eng.requests[rid]
         req.seq.grow(eng.allocator, context)

@@ -171,42 +171,41 @@ class Engine:
             raise ValueError(f"EngineConfig.max_model_len ({config.max_model_len}) exceeds {model.cfg.name}'s "
                              f"max_position ({model.cfg.max_position})")
         self.model, self.config = model, config
-        self.cfg = model.cfg
         self.before_step: Callable[[StepPlan], None] | None = None
         self.tokenizer = tokenizer or ByteTokenizer()
         if arena is None:
             num_pages = config.num_pages
             if num_pages is None and config.kv_memory_bytes_per_device is None:
                 num_pages = config.max_seqs * -(-config.max_model_len // config.page_size)
-            arena = KVArena.for_models([self.cfg], model.mesh, config.page_size, num_pages=num_pages,
+            arena = KVArena.for_models([self.model.cfg], model.mesh, config.page_size, num_pages=num_pages,
                                        memory_bytes_per_device=config.kv_memory_bytes_per_device)
         elif config.num_pages is not None or config.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig.num_pages and kv_memory_bytes_per_device must be unset with a shared "
                              "arena: the arena sizes the pool")
         elif arena.mesh != model.mesh:  # another mesh would reshard (copy) the arena at every step
-            raise ValueError(f"the KV arena is on mesh {arena.mesh}, {self.cfg.name} on {model.mesh}")
-        self.arena, self.pool_spec = arena, arena.spec_for(self.cfg)
+            raise ValueError(f"the KV arena is on mesh {arena.mesh}, {self.model.cfg.name} on {model.mesh}")
+        self.arena, self.pool_spec = arena, arena.spec_for(self.model.cfg)
         self.page_size = self.pool_spec.page_size  # tokens per page: config.page_size unless the arena is shared
         self.max_pages_per_seq = max_pages_per_seq = -(-config.max_model_len // self.page_size)
         self.allocator = arena.allocator
         self.prefix_cache = PrefixCache(self.allocator, self.page_size) if config.prefix_cache else None
-        self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.cfg.name, weights=model.fingerprint)
+        self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.model.cfg.name, weights=model.fingerprint)
         spec = config.speculation
         self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
                              pages_per_block=config.pages_per_block, query_tile=config.query_tile,
                              attention=attention_kind(config.attention, model.mesh, self.pool_spec,
-                                                      self.cfg.attention_sinks),
+                                                      self.model.cfg.attention_sinks),
                              draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
                              compiler_options=config.compiler_options)
         self.scheduler = EngineScheduler(
             Limits(config.max_seqs, config.max_tokens_per_step, config.max_model_len, config.seed), self.allocator,
             self.page_size, prefix_cache=self.prefix_cache, host=_HostCopies(self),
-            drafter=SuffixDrafter(spec) if spec is not None else None, eos_ids=tuple(self.cfg.eos_ids),
+            drafter=SuffixDrafter(spec) if spec is not None else None, eos_ids=tuple(self.model.cfg.eos_ids),
             prefix_key=self.prefix_key, caches=lambda: list(arena.prefix_caches))
         self._arena_generation = arena.generation
         # grammar-constrained requests' masks (llguidance's view of the tokenizer, built at the first)
-        self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, tuple(self.cfg.eos_ids))
+        self.grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, tuple(self.model.cfg.eos_ids))
         self._last = StepReport()  # what the last step computed (run_step reports it)
         # add_request requests with progress step() has not handed out yet, in the order they made it
         self._unreported: dict[Request, None] = {}
@@ -345,18 +344,19 @@ class Engine:
         ids = self._prompt_ids(prompt)
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate(self.cfg.vocab_size)
+        vocab = self.model.cfg.vocab_size
+        params.validate(vocab)
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a str or None, got {type(request_id).__name__}")
         if not ids:
             raise RequestError("prompt is empty")
         arr = _token_array(ids)  # checked at once; the loop below only names the first bad token
-        if arr is None or np.any((arr < 0) | (arr >= self.cfg.vocab_size)):
+        if arr is None or np.any((arr < 0) | (arr >= vocab)):
             for i, t in enumerate(ids):
                 if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
                     raise RequestError(f"prompt token {i} is {t!r}, not an integer token id")
-                if not 0 <= t < self.cfg.vocab_size:
-                    raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.cfg.vocab_size})")
+                if not 0 <= t < vocab:
+                    raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
         limit = min(self.config.max_model_len, self.pool_spec.num_slots)
         if len(ids) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -423,7 +423,7 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------------
     def prefix_key(self, cache_salt: str | None = None) -> tuple:
         """The prefix-cache key of this engine's requests with `cache_salt` (model, weights, tenant)."""
-        return self.cfg.name, self.model.fingerprint, cache_salt
+        return self.model.cfg.name, self.model.fingerprint, cache_salt
 
     def run_step(self) -> StepReport:
         """`step()`, with what the step computed: prompt tokens prefilled, tokens decoded, prefix tokens
