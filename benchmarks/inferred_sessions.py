@@ -2,17 +2,20 @@
 (`make demo`'s cluster: two local instance servers hosting SmolLM2-135M-Instruct and two tiny
 models, behind the gateway under talaria) sent once with `x-session-id` on every call and once with
 no session named at all (the gateway infers each call's session from its prompt's token ids), the
-two interleaved (each pass's first mode alternates), best of `--repeats` each. Prints SCT p50 and p90, the prompt tokens read from the
-prefix cache, the sessions the gateway saw, and inferred/named ratios.
+two interleaved (each pass's first mode alternates), `--repeats` runs each after warm-up passes that
+stop once one compiles (almost) nothing. Prints each run and, per mode, the medians over its runs and
+its run of the best p50: SCT p50 and p90, the prompt tokens read from the prefix cache, the sessions
+the gateway saw, the seconds spent compiling step shapes first met in the run (the instances run in
+this process), and inferred/named ratios.
 
-  python benchmarks/inferred_sessions.py --sessions=12 --calls=4 --repeats=2
+  python benchmarks/inferred_sessions.py --sessions=12 --calls=4 --repeats=3
 
-A first, unmeasured pass compiles the step shapes the load meets.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 
 from absl import app, flags, logging
 
@@ -20,13 +23,16 @@ from talaria_jax.launch import demo  # its flags (--sessions, --calls, ...), wit
 
 for name, default in (("sessions", 12), ("calls", 4), ("max_tokens", 32), ("start_gap_s", 0.25)):
     flags.FLAGS.set_default(name, default)
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Runs of each mode (interleaved); the best SCT p50 is kept.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Measured runs of each mode (interleaved).")
+_WARMUPS = flags.DEFINE_integer("warmups", 3, "Unmeasured passes of both modes at most, until one compiles under "
+                                "a second.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    from talaria_jax.engine.compile_cache import compile_seconds
     from talaria_jax.scheduler.policies import get_policy
     from talaria_jax.serve.load import run_sessions, summarize
     from talaria_jax.serve.local_cluster import KEY, demo_cluster, demo_sessions
@@ -35,34 +41,47 @@ def main(argv):
     policy = get_policy("talaria")
     script = demo_sessions(demo._SESSIONS.value, demo._CALLS.value, max_tokens=demo._MAX_TOKENS.value,
                            tool_gap_s=demo._TOOL_GAP.value, seed=demo._SEED.value)
-    best: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {"named": [], "inferred": []}
+
+    def run(mode: str) -> dict:
+        compiled = compile_seconds()
+        with cluster.gateway(policy) as url:
+            res = run_sessions(url, KEY, script, start_gap_s=demo._START_GAP.value, progress=True,
+                               named=mode == "named")
+            sessions = len(cluster.router.state.sessions)
+        return summarize(res) | {"cached_tokens": sum(c.cached_tokens for r in res for c in r.calls),
+                                 "gateway_sessions": sessions, "compile_s": compile_seconds() - compiled}
     with demo_cluster("talaria") as cluster:
-        for rep in range(_REPEATS.value + 1):
+        for k in range(_WARMUPS.value):  # step shapes first met in a run compile inside it, delaying every session
+            compiled = sum(run(mode)["compile_s"] for mode in ("inferred", "named"))
+            print(f"warm-up pass {k + 1}: {compiled:.1f} s compiling", flush=True)
+            if compiled < 1.0:
+                break
+        for rep in range(_REPEATS.value):
             for mode in ("named", "inferred") if rep % 2 else ("inferred", "named"):  # each first in turn
-                with cluster.gateway(policy) as url:
-                    res = run_sessions(url, KEY, script, start_gap_s=demo._START_GAP.value, progress=True,
-                                       named=mode == "named")
-                    sessions = len(cluster.router.state.sessions)
-                if rep == 0:
-                    continue  # the warm-up pass
-                s = summarize(res) | {"cached_tokens": sum(c.cached_tokens for r in res for c in r.calls),
-                                      "gateway_sessions": sessions}
-                print(f"run {rep} {mode}: SCT p50 {s['sct_p50_s']:.3f} s, p90 {s['sct_p90_s']:.3f} s, "
-                      f"{s['cached_tokens']} cached prompt tokens, {sessions} sessions, {s['errors']} errors",
-                      flush=True)
-                if mode not in best or s["sct_p50_s"] < best[mode]["sct_p50_s"]:
-                    best[mode] = s
-    print(f"\n{demo._SESSIONS.value} sessions x {demo._CALLS.value} calls, 2 instances, talaria, best of "
-          f"{_REPEATS.value}; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+                s = run(mode)
+                runs[mode].append(s)
+                print(f"run {rep + 1} {mode}: SCT p50 {s['sct_p50_s']:.3f} s, p90 {s['sct_p90_s']:.3f} s, "
+                      f"{s['cached_tokens']} cached prompt tokens, {s['gateway_sessions']} sessions, "
+                      f"{s['errors']} errors, {s['compile_s']:.1f} s compiling, load average "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
+    print(f"\n{demo._SESSIONS.value} sessions x {demo._CALLS.value} calls, 2 instances, talaria, "
+          f"{_REPEATS.value} runs each; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     print("| metric | named | inferred | inferred / named |")
     print("|---|---|---|---|")
-    for key in ("errors", "sct_p50_s", "sct_p90_s", "cached_tokens", "gateway_sessions"):
-        a, b = best["named"][key], best["inferred"][key]
-        cell = (lambda v: f"{v:.3f}") if isinstance(a, float) else str
-        print(f"| {key} | {cell(a)} | {cell(b)} | {b / a:.3f} |" if a else f"| {key} | {cell(a)} | {cell(b)} | - |")
+    keys = ("errors", "sct_p50_s", "sct_p90_s", "cached_tokens", "gateway_sessions", "compile_s")
+    for stat, pick in (("median", statistics.median), ("best p50", None)):
+        for key in keys:
+            if pick is None and key not in ("sct_p50_s", "sct_p90_s", "compile_s"):
+                continue
+            a, b = ((pick([r[key] for r in runs[m]]) if pick else min(runs[m], key=lambda r: r["sct_p50_s"])[key])
+                    for m in ("named", "inferred"))
+            cell = (lambda v: f"{v:.3f}") if isinstance(a, float) else str
+            ratio = f"{b / a:.3f}" if a else "-"
+            print(f"| {key} ({stat}) | {cell(a)} | {cell(b)} | {ratio} |")
     if _JSON.value:
         with open(_JSON.value, "w") as f:
-            json.dump(best, f, indent=1)
+            json.dump(runs, f, indent=1)
 
 
 if __name__ == "__main__":
