@@ -1,7 +1,7 @@
 """Dependencies point one way: every import in the package, at module level or inside a function, goes
 from a layer to one below it, in the order docs/ARCHITECTURE.md gives, and no modules of one layer
-import each other in a cycle. And a module uses only what others make public: it reads no private
-(`_name`) attribute that it does not define itself, and imports no private name."""
+import each other in a cycle. And a module uses only what others make public: it reads or writes no
+private (`_name`) attribute that it does not define itself, and imports no private name."""
 import ast
 import pathlib
 import re
@@ -98,26 +98,29 @@ def violations(packages: dict[str, pathlib.Path], layers: list[list[str]]) -> li
     return found
 
 
+NAMEDTUPLE = {"_replace", "_asdict", "_fields", "_make"}  # namedtuple's public methods, underscored
+
+
 def private_reads(packages: dict[str, pathlib.Path]) -> list[str]:
-    """Each read of another module's private name: `x._name` where `x` is not `self` or `cls` and the
-    module defines no `_name` itself (as a function, class, variable or attribute), and each
-    `from m import _name`."""
+    """Each use of another module's private name: `x._name` (read or written) where `x` is not `self`
+    or `cls` and the module defines no `_name` itself (as a function, class, variable, or attribute
+    of `self` / `cls`), and each `from m import _name`."""
     found = []
     for name, path in modules(packages).items():
         tree = ast.parse(path.read_text())
-        own = set()
+        own = set(NAMEDTUPLE)
+        mine = lambda n: isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")  # noqa: E731
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 own.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and mine(node):
                 own.add(node.attr)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 own.add(node.id)
         for node in ast.walk(tree):
             private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
-            if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own and not (
-                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                found.append(f"{name}:{node.lineno} reads {ast.unparse(node)}")
+            if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own and not mine(node):
+                found.append(f"{name}:{node.lineno} uses {ast.unparse(node)}")
             elif isinstance(node, ast.ImportFrom):
                 found += [f"{name}:{node.lineno} imports {a.name} from {node.module}" for a in node.names
                           if private(a.name)]
@@ -156,9 +159,10 @@ def test_a_planted_upward_import_or_cycle_is_found(tmp_path, plant, expect):
 
 
 @pytest.mark.parametrize("plant, expect", [
-    ("from pkg.low.b import Pool\n\ndef f(pool: Pool):\n    return pool._free\n", "pkg.high.a:4 reads pool._free"),
+    ("from pkg.low.b import Pool\n\ndef f(pool: Pool):\n    return pool._free\n", "pkg.high.a:4 uses pool._free"),
     ("from pkg.low.b import _helper\n", "pkg.high.a:1 imports _helper from pkg.low.b"),
-    ("import pkg.low.b\n\nx = pkg.low.b._helper()\n", "pkg.high.a:3 reads pkg.low.b._helper"),
+    ("import pkg.low.b\n\nx = pkg.low.b._helper()\n", "pkg.high.a:3 uses pkg.low.b._helper"),
+    ("from pkg.low.b import Pool\n\ndef f(pool: Pool):\n    pool._free = []\n", "pkg.high.a:4 uses pool._free"),
 ])
 def test_a_planted_private_read_is_found(tmp_path, plant, expect):
     base = {"pkg/__init__.py": "", "pkg/high/__init__.py": "", "pkg/high/a.py": "from pkg.low.b import Pool\n",

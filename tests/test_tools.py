@@ -320,9 +320,10 @@ def test_one_answers_tool_results_render_as_one_message():
 @pytest.mark.parametrize("cut", [1, 7, 13])
 def test_a_stream_is_read_as_its_events_however_it_is_cut(cut):
     """The server-sent events of a chat stream (what the Messages and Responses APIs translate), cut
-    anywhere, a multi-byte character included: the same events in order, None for [DONE]."""
+    anywhere, a multi-byte character included, the last line without its newline: the same events in
+    order, None for [DONE]."""
     events = [{"choices": [{"delta": {"content": "Grüße, 世界"}}]}, {"choices": [{"delta": {}, "finish_reason": "stop"}]}]
-    raw = ("".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+    raw = ("".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events) + "data: [DONE]").encode()
 
     async def chunks():
         for k in range(0, len(raw), cut):

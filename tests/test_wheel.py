@@ -14,12 +14,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LEFT_OUT = (".git", ".venv", "site", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "tests", "docs")
 
 
-def run(args, cwd, timeout=900) -> str:
+def run(args, cwd, timeout=600) -> subprocess.CompletedProcess:
     p = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return p.stdout + p.stderr
+    return p
 
 
+@pytest.mark.timeout(1500)  # (the install of jax, flax, orbax and the rest, from pip's cache or the index)
 def test_the_wheel_installed_outside_the_checkout_runs_replay_and_generate(tmp_path):
     src = tmp_path / "src"  # (a copy: the build writes its folders beside the sources)
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*LEFT_OUT))
@@ -32,10 +33,12 @@ def test_the_wheel_installed_outside_the_checkout_runs_replay_and_generate(tmp_p
     away = tmp_path / "elsewhere"
     away.mkdir()
     where = run([venv / "bin" / "python", "-c", "import talaria_jax.config_io as c; print(c.CONFIG_DIR)"], away)
-    assert pathlib.Path(where.strip()).is_relative_to(venv)  # the installed copy, not the checkout
+    assert pathlib.Path(where.stdout.strip()).is_relative_to(venv)  # the installed copy, not the checkout
 
-    out = run([venv / "bin" / "talaria-replay", "--policies=talaria,round", "--seeds=0"], away)
+    p = run([venv / "bin" / "talaria-replay", "--policies=talaria,round", "--seeds=0"], away)
+    out = p.stdout + p.stderr
     assert "talaria" in out and "round" in out and "sct" in out.lower(), out[-2000:]
-    out = run([venv / "bin" / "talaria-generate", "--model=tiny-dense", "--prompt=Hello, agent", "--max_tokens=4",
-               "--max_model_len=64"], away)
+    p = run([venv / "bin" / "talaria-generate", "--model=tiny-dense", "--prompt=Hello, agent", "--max_tokens=4",
+             "--max_model_len=64"], away)
+    out = p.stdout + p.stderr
     assert "Hello, agent" in out, out[-2000:]

@@ -388,10 +388,11 @@ class Gateway:
         """The best instance for the call under the policy's router, after probing every accepting
         instance that serves the model (and has not failed this call), and the id its probe kept the
         checked request under. The request is rendered and tokenized once: the first instance probed
-        (the session's last, if it is a candidate; the next if it fails) answers the prompt's token
-        ids, and the others are probed with them. Instances whose probe refuses the request (a 4xx: their own limits)
-        are passed over; if all do, the first refusal is the caller's answer. An instance that fails
-        its probe (5xx, no answer) is skipped."""
+        (the session's last, if it is a candidate) answers the prompt's token ids, and the others are
+        probed with them; if it fails, the others are probed at once, each rendering the prompt.
+        Instances whose probe refuses the request (a 4xx: their own limits) are passed over; if all
+        do, the first refusal is the caller's answer. An instance that fails its probe (5xx, no
+        answer) is skipped."""
         ups = self.upstreams
         if not any(call.model in up.models for up in ups):
             served = sorted({m for up in ups for m in up.models})
@@ -408,22 +409,25 @@ class Gateway:
         infer = call.sid is None and self.inference is not None
         if len(cands) > 1 or infer:
             first = await self._probe(call, cands[0], call.raw, tokens=True)
-            while _failed(first[1]) and len(cands) > 1:  # the ids (and the session) from the next that answers
-                answers.append(first)
-                cands = cands[1:]
-                first = await self._probe(call, cands[0], call.raw, tokens=True)
-            ids = first[2].pop("prompt_token_ids", None) if first[2] is not None else None
+            if _failed(first[1]) and len(cands) > 1:  # the others at once, each rendering the prompt itself
+                answers = [first, *await asyncio.gather(*(self._probe(call, up, call.raw, tokens=True)
+                                                          for up in cands[1:]))]
+                rest = []
+            else:
+                answers, rest = [first], cands[1:]
+            ids = None
+            for a in answers:  # the ids of the first that answered them (the router takes none)
+                got = a[2].pop("prompt_token_ids", None) if a[2] is not None else None
+                ids = got if ids is None else ids
             content = call.raw if ids is None else _with_ids(call.body, ids)
-            rest = cands[1:]
-            again = None
+            again = []
             if infer and ids is not None:
                 last = self.identify(call, ids)
-                if len(cands) > 1 and last == cands[0].name:  # its answer left out the session's KV on host:
-                    again = self._probe(call, cands[0], content, kept=first[2]["probe"])  # asked again, by its id
-                    first = None  # (a single candidate is not ranked: the forward names the session)
-            answers += [first] if first is not None else []
-            answers += await asyncio.gather(*([again] if again is not None else []),
-                                            *(self._probe(call, up, content) for up in rest))
+                k = next((k for k, a in enumerate(answers) if a[0].name == last and a[2] is not None), None)
+                if k is not None and len(cands) > 1:  # (one candidate is not ranked: the forward names the session)
+                    up, _, answer = answers.pop(k)  # its answer left out the session's KV on host: asked again,
+                    again = [self._probe(call, up, content, kept=answer.get("probe"))]  # by the id it kept
+            answers += await asyncio.gather(*again, *(self._probe(call, up, content) for up in rest))
         else:
             answers.append(await self._probe(call, cands[0], call.raw))
         snaps, bad = [], None

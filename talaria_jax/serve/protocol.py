@@ -468,3 +468,6 @@ async def stream_data(chunks: AsyncIterator[str | bytes]) -> AsyncIterator[dict 
         for line in lines:
             if line.startswith("data: "):
                 yield None if line[6:].strip() == "[DONE]" else json.loads(line[6:])
+    rest += utf8.decode(b"", final=True)
+    if rest.startswith("data: "):  # a last line with no newline after it
+        yield None if rest[6:].strip() == "[DONE]" else json.loads(rest[6:])
