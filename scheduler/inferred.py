@@ -14,6 +14,11 @@ An agent's next prompt is its last prompt, the answer it got and what its tools 
   summary, which extends no earlier prompt), or the same prompt sent again after it was answered.
 A call is kept only once answered, so a retry of a call that failed continues its session.
 
+Tool-call ids decide before the content does: an answer's tool calls carry ids the server made up
+(`call_...`), which agents send back with the tool's result. A call that brings back the ids of an
+earlier call's tool calls is that call's continuation, even where two runs' prompts and answers are
+alike to the token (their ids never are).
+
 Prompts are matched at block granularity. Each call is kept under a hash of its prompt's prefix up
 to the last multiple of `block` tokens, with the few tokens past it; a new prompt hashes all its
 prefixes at once (a polynomial hash as a numpy cumulative sum) and looks up its block boundaries,
@@ -49,6 +54,7 @@ class _Kept:
     tail: bytes  # the matched prompt's tokens past its last full block
     order: int
     output: np.ndarray = dataclasses.field(default_factory=lambda: _NONE)
+    tool_ids: tuple[str, ...] = ()  # the ids of its answer's tool calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +80,7 @@ class SessionInference:
         self._by_key: dict[tuple, dict[int, dict[bytes, list[_Kept]]]] = {}
         self._lru: collections.OrderedDict[_Kept, None] = collections.OrderedDict()
         self._latest: dict[str, _Kept] = {}  # session -> its latest call
+        self._by_tool_id: dict[tuple[str, str], _Kept] = {}  # (tenant, tool-call id) -> the call that answered it
         self._order = itertools.count()
         self._prefix = secrets.token_hex(4)
         self._mu = threading.Lock()
@@ -92,9 +99,10 @@ class SessionInference:
         with np.errstate(over="ignore"):
             return np.concatenate([np.zeros(1, np.uint64), np.cumsum((ids + np.uint64(1)) * self._powers[:n])])
 
-    def identify(self, tenant: str, prompt: Sequence[int]) -> Identified:
-        """The session of a call with `prompt` from `tenant`. The call is kept once it has been
-        answered (`finished`): a call that fails leaves nothing, so its retry continues the same session.
+    def identify(self, tenant: str, prompt: Sequence[int], tool_ids: Sequence[str] = ()) -> Identified:
+        """The session of a call with `prompt` from `tenant`; `tool_ids`: the tool-call ids the call
+        brings back (its latest assistant turn's). The call is kept once it has been answered
+        (`finished`): a call that fails leaves nothing, so its retry continues the same session.
 
         Raises:
             ValueError: a token id that is not an integer of 64 bits.
@@ -116,7 +124,8 @@ class SessionInference:
                         longest = max(c.length for c in found)
                         found = [c for c in found if c.length == longest]
                         break
-            parent = self._pick(found, ids)
+            parent = next((c for c in (self._by_tool_id.get((tenant, t)) for t in tool_ids)
+                           if c is not None and c.length < n), None) or self._pick(found, ids)
             if parent is not None and self._latest.get(parent.session) is parent:
                 session, how = parent.session, "continued"
             else:
@@ -139,14 +148,18 @@ class SessionInference:
             return int(differ[0]) if len(differ) else len(rest)
         return max(latest, key=lambda c: (repeated(c), -c.order))
 
-    def finished(self, identified: Identified, output: Sequence[int]) -> None:
-        """The call was answered with `output` (token ids; the leading ones are kept): it is kept, the
-        latest of its session. Of the calls with one same prompt, the `alike` most recent are kept."""
+    def finished(self, identified: Identified, output: Sequence[int], tool_ids: Sequence[str] = ()) -> None:
+        """The call was answered with `output` (token ids; the leading ones are kept) and tool calls
+        with `tool_ids`: it is kept, the latest of its session. Of the calls with one same prompt,
+        the `alike` most recent are kept."""
         call = identified.call
         call.output = np.asarray(list(output[:OUTPUT_KEPT]), dtype=np.int64).astype(np.uint64)
         with self._mu:
             if call in self._lru:
                 return
+            call.tool_ids = tuple(t for t in tool_ids if isinstance(t, str))
+            for t in call.tool_ids:
+                self._by_tool_id[(call.key[0], t)] = call
             same = self._by_key.setdefault(call.key, {}).setdefault(len(call.tail) // 8, {}).setdefault(call.tail, [])
             same.append(call)
             self._lru[call] = None
@@ -169,4 +182,7 @@ class SessionInference:
                     del self._by_key[call.key]
         if self._latest.get(call.session) is call:
             del self._latest[call.session]
+        for t in call.tool_ids:
+            if self._by_tool_id.get((call.key[0], t)) is call:
+                del self._by_tool_id[(call.key[0], t)]
         self.forgotten += 1

@@ -197,3 +197,29 @@ def test_two_tenants_with_the_same_prompts_share_no_session_and_no_kv(gateway):
     assert mine == first and theirs not in (first, mine)
     assert mine_answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert their_answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_runs_alike_to_the_token_keep_their_sessions_by_their_tool_call_ids(gateway):
+    """Two runs send the same prompt and, greedy, get the same tool call: only the ids the server made
+    up differ. Each run's next call (the same prompt again), sent in the opposite order, continues its
+    own session."""
+    url, _ = gateway
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "What is the weather in Bern?"}]
+
+    def chat(messages):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=600, headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "smol", "messages": messages, "tools": tools, "tool_choice": "required",
+                             "max_tokens": 40, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.headers["x-talaria-session"], r.json()["choices"][0]["message"]
+
+    def then(message):
+        return ask + [{"role": "assistant", "content": None, "tool_calls": message["tool_calls"]}] + [
+            {"role": "tool", "tool_call_id": c["id"], "content": "12 degrees, clear sky."} for c in message["tool_calls"]]
+    (s1, m1), (s2, m2) = chat(ask), chat(ask)
+    assert s1 != s2 and [c["function"] for c in m1["tool_calls"]] == [c["function"] for c in m2["tool_calls"]]
+    second, _ = chat(then(m2))
+    first, _ = chat(then(m1))
+    assert (first, second) == (s1, s2)

@@ -112,3 +112,21 @@ def test_bounded_memory_forgets_least_recent_and_keeps_few_alike():
         SessionInference(max_calls=0)
     with pytest.raises(ValueError, match="64-bit"):
         SessionInference().identify("t", [1, 2**70])
+
+
+def test_runs_alike_to_the_token_are_told_apart_by_the_tool_call_ids_they_send_back():
+    """Two runs with the same prompt and the same answer differ only in the ids of their tool calls;
+    each next call, in whatever order, continues the run whose ids it brings back (another tenant's
+    ids name nothing)."""
+    rng = random.Random(3)
+    idx = SessionInference(block=16)
+    prompt, out = _turn(rng, 40), _turn(rng, 10)
+    first = [idx.identify("t", prompt) for _ in range(2)]
+    for got, tid in zip(first, ("call_a", "call_b")):
+        idx.finished(got, out, [tid])
+    assert first[0].session != first[1].session
+    nxt = prompt + out + _turn(random.Random(4), 20)  # the same tool result for both
+    b = idx.identify("t", nxt, ["call_b"])  # the second run's call first
+    a = idx.identify("t", nxt, ["call_a"])
+    assert (a.session, b.session) == (first[0].session, first[1].session) and a.how == b.how == "continued"
+    assert idx.identify("u", nxt, ["call_a"]).how == "new"

@@ -366,11 +366,11 @@ class Gateway:
             await asyncio.sleep(self.probe_interval_s)
 
     # --- placing one call --------------------------------------------------------------------------
-    def served(self, call: _Call, up: Upstream, output_ids: list[int] | None) -> None:
-        """The call was answered by `up` (with `output_ids`, its leading output tokens, for the
-        inference): where its session ran last."""
+    def served(self, call: _Call, up: Upstream, output_ids: list[int] | None, tool_ids: list[str] = ()) -> None:
+        """The call was answered by `up` (with `output_ids`, its leading output tokens, and the ids of
+        its tool calls, for the inference): where its session ran last."""
         if call.inferred is not None:
-            self.inference.finished(call.inferred, output_ids or [])
+            self.inference.finished(call.inferred, output_ids or [], tool_ids)
         if call.session_key is not None:
             if self.sessions.pop(call.session_key, None) is None:
                 self.m_sessions.labels(call.how).inc()
@@ -456,7 +456,7 @@ class Gateway:
     def identify(self, call: _Call, prompt_ids: list[int]) -> str | None:
         """Puts a call that names no session in one inferred from its prompt's token ids (named to the
         instances by `x-session-id`); the instance its session ran on last, if any."""
-        call.inferred = self.inference.identify(call.tenant, prompt_ids)
+        call.inferred = self.inference.identify(call.tenant, prompt_ids, _tool_ids_sent(call.body))
         call.sid, call.how = call.inferred.session, "inferred"
         call.headers |= {"x-session-id": call.sid, "x-talaria-identified": "inferred", "x-talaria-output-ids": "1"}
         return self.sessions.get(call.session_key)
@@ -527,7 +527,7 @@ class Gateway:
             if r.status_code != 200:
                 raise _Relayed(r)  # the instance's refusal, as it wrote it (JSON or not)
             body = r.json()
-            self.served(call, up, _output_ids(body))
+            self.served(call, up, _output_ids(body), _tool_ids(body, "message"))
             self.m_e2e.observe(time.perf_counter() - t0)
             return JSONResponse(body, headers=_named(call))
 
@@ -571,6 +571,7 @@ class Gateway:
         stream, which aborts the call there."""
         relay = _Relay(call.chat)
         output = None  # the output's leading token ids, from the instance that answered (for the inference)
+        tool_ids: list[str] = []  # and the ids of its tool calls
         while True:
             cur = box[0]
             try:
@@ -583,12 +584,13 @@ class Gateway:
                     if not line.startswith("data: "):
                         continue
                     if line[6:] == "[DONE]":
-                        self.served(call, cur.up, output)
+                        self.served(call, cur.up, output, tool_ids)
                         self.m_e2e.observe(time.perf_counter() - t0)
                         yield "data: [DONE]\n\n"
                         return
                     event = json.loads(line[6:])
                     output = _output_ids(event) or output
+                    tool_ids += _tool_ids(event, "delta")
                     out = relay.feed(event)
                     if out is not None:
                         yield f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
@@ -767,6 +769,23 @@ def _output_ids(body: dict) -> list[int] | None:
     that the gateway asked for (`x-talaria-output-ids`), if they are there."""
     choices = body.get("choices") or []
     return choices[0].pop("talaria_output_token_ids", None) if choices and isinstance(choices[0], dict) else None
+
+
+def _tool_ids(body: dict, part: str) -> list[str]:
+    """The ids of the tool calls in the first choice of an answer (`part` "message") or of a stream
+    event ("delta"): what the client sends back, naming the call that made them."""
+    choices = body.get("choices") or []
+    first = choices[0].get(part) if choices and isinstance(choices[0], dict) else None
+    calls = first.get("tool_calls") if isinstance(first, dict) else None
+    return [c["id"] for c in calls or () if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+
+def _tool_ids_sent(body: dict) -> list[str]:
+    """The ids of the tool calls of the latest assistant message a chat request brings back."""
+    for m in reversed(body.get("messages") or []):
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            return [c["id"] for c in m.get("tool_calls") or () if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    return []
 
 
 def _with_ids(body: dict, ids: list[int]) -> bytes:
