@@ -77,9 +77,10 @@ def weather(city: str) -> str:
     return f"{abs(hash(city)) % 30} degrees in {city}, clear sky."
 
 
-def agents_run(url: str, run: str, city: str, responses: bool, seed: int | None = None) -> None:
+def agents_run(url: str, run: str, city: str, responses: bool, seed: int | None = None) -> bool:
     """The openai-agents SDK: one agent with a function tool, its default model (Responses) or its
-    Chat Completions model, at most 3 turns."""
+    Chat Completions model, at most 3 turns. True when the SDK ended the run at an answer cut at
+    `max_tokens` (a Responses answer `incomplete`, or tool arguments that are not whole JSON)."""
     import agents
     from openai import AsyncOpenAI
 
@@ -99,8 +100,11 @@ def agents_run(url: str, run: str, city: str, responses: bool, seed: int | None 
                          model=model, model_settings=settings)
     try:
         asyncio.run(agents.Runner.run(agent, f"What is the weather in {city}?", max_turns=3))
-    except (agents.MaxTurnsExceeded, agents.ModelBehaviorError):  # out of turns, or an answer cut at max_tokens
+    except agents.MaxTurnsExceeded:
         pass
+    except agents.ModelBehaviorError:
+        return True
+    return False
 
 
 def claude_run(url: str, run: str, city: str) -> None:
@@ -159,20 +163,24 @@ def test_real_clients_without_a_session_header_get_their_true_sessions(gateway, 
     jobs += [lambda i=i: swe_run(url, f"swe-{i}", i, tmp_path) for i in range(4)]
     assert len(jobs) >= 20
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        for f in [pool.submit(job) for job in jobs]:
-            f.result()
+        ended_at_a_cut_answer = sum(bool(f.result()) for f in [pool.submit(job) for job in jobs])
     answered = [c for c in recorder.calls if c[2] in ("/v1/responses", "/v1/chat/completions", "/v1/messages")]
     refused = [c for c in answered if c[3] != 200]  # (a client's own bad request: a context overflow, say)
     print(f"refused: {refused}")
     assert len(refused) <= len(answered) // 10, refused
     cut = {c[0] for c in refused}  # runs that a refused call ended early (the client raises)
+    print(f"runs ended by an answer cut at max_tokens: {ended_at_a_cut_answer}")
     calls = [c[:3] for c in answered if c[3] == 200]
     assert all(session for _, session, _ in calls), [c for c in calls if not c[1]]  # every answer names its session
     runs = {run for run, _, _ in calls}
     assert len(runs | cut) == len(jobs)
     assert {path for _, _, path in calls} == {"/v1/responses", "/v1/chat/completions", "/v1/messages"}
     per_run = {run: [c for c in calls if c[0] == run] for run in runs}
-    assert all(len(c) >= 2 for r, c in per_run.items() if r not in cut), {r: len(c) for r, c in per_run.items()}
+    # each run makes two calls or more, but for those its client ended early (a refused call, an answer
+    # cut at max_tokens); most runs make two or more
+    short = {r for r, c in per_run.items() if len(c) < 2}
+    assert len(short - cut) <= ended_at_a_cut_answer, {r: len(c) for r, c in per_run.items()}
+    assert len(short) <= len(jobs) // 3, {r: len(c) for r, c in per_run.items()}
     tp, fp, fn = _pairs(calls)
     precision, recall = tp / (tp + fp), tp / (tp + fn)
     print(f"{len(calls)} calls of {len(runs)} runs: precision {precision:.3f}, recall {recall:.3f}")
