@@ -40,6 +40,7 @@ script runs on a CPU in seconds (tests/test_device_check.py keeps it from rottin
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -258,7 +259,7 @@ def kernel_speedup(small: bool, batches: list[int], reps: int) -> list[dict]:
     import numpy as np
 
     from talaria_jax.engine.kernels import on_gpu, ragged_paged_attention as kernel
-    from talaria_jax.engine.paged_attention import ragged_paged_attention as reference
+    from talaria_jax.engine.paged_attention import AttentionMetadata, ragged_paged_attention as reference
     from talaria_jax.engine.runner import query_tiles, reference_blocks, seq_runs
     from talaria_jax.kvcache.pool import PoolSpec, arena_sharding, page_words, read_kv
     from talaria_jax.sharding import make_mesh
@@ -279,15 +280,17 @@ def kernel_speedup(small: bool, batches: list[int], reps: int) -> list[dict]:
         runs = seq_runs(seq, t)
         tiles = query_tiles(runs, t, tile, sum(-(-(e - a) // tile) for _, a, e in runs))
         q = jnp.asarray(rng.randn(t, cfg.num_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
-        args = (jnp.asarray(tables), jnp.asarray(pos), *map(jnp.asarray, tiles),
-                jnp.int32(int(pos.max()) // (ps * ppb) + 1))
-        fns = {"pallas": jax.jit(lambda arena, q, *a: kernel(q, arena, spec, mesh, 0, *a, ppb)),
-               "reference": jax.jit(lambda arena, q, *a: reference(  # with the blocks the engine's runner uses
-                   q, functools.partial(read_kv, arena, spec, mesh, 0), spec.kv_heads, ps, *a[:-1],
-                   *reference_blocks(tile, a[-1], ppb)))}
+        meta = AttentionMetadata(jnp.asarray(tables), jnp.asarray(pos), *map(jnp.asarray, tiles),
+                                 jnp.int32(int(pos.max()) // (ps * ppb) + 1))
+
+        def ref(arena, q, m):  # with the blocks the engine's runner uses
+            blocks, pages_per_block = reference_blocks(tile, m.num_blocks, ppb)
+            return reference(q, functools.partial(read_kv, arena, spec, mesh, 0), spec.kv_heads, ps,
+                             dataclasses.replace(m, num_blocks=blocks), pages_per_block)
+        fns = {"pallas": jax.jit(lambda arena, q, m: kernel(q, arena, spec, mesh, 0, m, ppb)), "reference": jax.jit(ref)}
         with jax.set_mesh(mesh):
-            outs = {k: f(arena, q, *args) for k, f in fns.items()}
-            ms = {k: 1e3 * common.best_time(lambda f=f: [f(arena, q, *args) for _ in range(calls)][-1], reps) / calls
+            outs = {k: f(arena, q, meta) for k, f in fns.items()}
+            ms = {k: 1e3 * common.best_time(lambda f=f: [f(arena, q, meta) for _ in range(calls)][-1], reps) / calls
                   for k, f in fns.items()}
         diff = float(jnp.max(jnp.abs(outs["pallas"].astype(jnp.float32) - outs["reference"].astype(jnp.float32))))
         return dict(kind=kind, batch=batch, context=ctx, tokens=t, tile=tile, pallas_ms=ms["pallas"],

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from talaria_jax.engine.paged_attention import ragged_paged_attention
+from talaria_jax.engine.paged_attention import AttentionMetadata, ragged_paged_attention
 from talaria_jax.engine.runner import query_tiles, seq_runs, single_token_tiles
 
 
@@ -37,8 +37,8 @@ def test_any_tile_size_gives_the_same_attention(window):
     outs = []
     for tile, n in [(1, 14), (3, 6), (4, 5), (7, 3)]:
         tt, ts, slot = query_tiles(runs, len(seq), tile, n)
-        outs.append(np.asarray(ragged_paged_attention(q, lambda p: (pool_k[p], pool_v[p]), kvh, ps, page_tables, pos, jnp.asarray(tt),
-                                                      jnp.asarray(ts), jnp.asarray(slot), jnp.int32(2), 2, window)))
+        meta = AttentionMetadata(page_tables, pos, jnp.asarray(tt), jnp.asarray(ts), jnp.asarray(slot), jnp.int32(2))
+        outs.append(np.asarray(ragged_paged_attention(q, lambda p: (pool_k[p], pool_v[p]), kvh, ps, meta, 2, window)))
     # a direct softmax for one token: seq 1 at position 12 sees keys 0..12 of its pages (5, 2, 9, 11)
     keys = np.asarray(pool_k)[[5, 2, 9, 11]].reshape(16, kvh, d)[:13]
     vals = np.asarray(pool_v)[[5, 2, 9, 11]].reshape(16, kvh, d)[:13]

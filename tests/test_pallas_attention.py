@@ -12,7 +12,7 @@ import pytest
 from talaria_jax.engine import kernels
 from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.kernels import check_shapes, ragged_paged_attention as kernel_attention
-from talaria_jax.engine.paged_attention import ragged_paged_attention as reference_attention
+from talaria_jax.engine.paged_attention import AttentionMetadata, ragged_paged_attention as reference_attention
 from talaria_jax.engine.runner import NO_TREE, attention_kind, query_tiles, seq_runs
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, read_kv, write_kv
@@ -58,14 +58,14 @@ def _both(mesh, *, kvh=2, g=2, d=16, ps=4, ppb=2, tile=4, window=0, dtype="float
     spec = PoolSpec(2, pages.size, ps, kvh, d, dtype)
     arena = _arena(mesh, spec)
     q = jnp.asarray(np.random.RandomState(2).randn(len(seq), kvh * g, d), jnp.float32)
-    args = (jnp.asarray(pages), jnp.asarray(pos), jnp.asarray(tile_tok), jnp.asarray(tile_seq), jnp.asarray(tok_slot),
-            jnp.int32(num_blocks), ppb, window, tree)
+    meta = AttentionMetadata(jnp.asarray(pages), jnp.asarray(pos), jnp.asarray(tile_tok), jnp.asarray(tile_seq),
+                             jnp.asarray(tok_slot), jnp.int32(num_blocks), tree)
 
     @jax.jit
     def run(arena, q):
         read = functools.partial(read_kv, arena, spec, mesh, layer)
-        return (kernel_attention(q, arena, spec, mesh, layer, *args),
-                reference_attention(q, read, kvh, ps, *args))
+        return (kernel_attention(q, arena, spec, mesh, layer, meta, ppb, window),
+                reference_attention(q, read, kvh, ps, meta, ppb, window))
 
     with jax.set_mesh(mesh):
         out, ref = run(arena, q)
@@ -133,8 +133,8 @@ def test_kernel_lowers_to_triton(tile, g, window, tree, dtype):
     i32 = functools.partial(a, dtype=jnp.int32)
 
     def f(arena, q, pages, pos, tile_tok, tile_seq, tok_slot, num_blocks, *tree):
-        return kernel_attention(q, arena, spec, mesh, 1, pages, pos, tile_tok, tile_seq, tok_slot, num_blocks, 4,
-                                window, tree or None, interpret=False)
+        meta = AttentionMetadata(pages, pos, tile_tok, tile_seq, tok_slot, num_blocks, tree or None)
+        return kernel_attention(q, arena, spec, mesh, 1, meta, 4, window, interpret=False)
 
     args = [a((1, 64, spec.rows * 2 * 64), jnp.dtype(dtype)), a((t, 2 * g, 64), jnp.bfloat16), i32((4, 8)), i32((t,)),
             i32((nt, tile)), i32((nt,)), i32((t,)), i32(())] + [i32((t,)), i32((t,))] * tree

@@ -7,9 +7,11 @@ tables), so each page block is gathered once per tile rather than once per token
 of 512 tokens in tiles of 16 reads its context 32 times, not 512. Decode steps use tiles of one.
 Keys are read page block by page block with an online softmax, so memory stays O(tiles x block)
 whatever the context length, and the loop runs only as many blocks as the longest sequence needs.
+Where each token sits (pages, positions, tiles, draft trees) travels as one `AttentionMetadata`.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -18,22 +20,38 @@ import jax.numpy as jnp
 _NEG = -1e30  # finite "minus infinity": a fully masked block then contributes exp(0) that a later max wipes out
 
 
-def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_size: int, page_tables: jax.Array,
-                           pos: jax.Array, tile_tok: jax.Array, tile_seq: jax.Array, tok_slot: jax.Array,
-                           num_blocks: jax.Array, pages_per_block: int, window: int = 0,
-                           tree: tuple[jax.Array, jax.Array] | None = None,
-                           sinks: jax.Array | None = None) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's T tokens sit in the paged KV, for every attention layer of the step: one record
+    (as vLLM's `CommonAttentionMetadata`), a pytree of int32 arrays.
+
+    tree: draft trees (speculative decoding), (base [T], anc [T]): a token sees the keys below position
+    base[t] as usual, and of the keys from base[t] on only those whose bit (key - base) is set in
+    anc[t] (its ancestors and itself in its draft tree; a tree's nodes sit at positions base, base + 1,
+    ... in depth-first order); base past every position for tokens outside a tree. Not with a sliding
+    window (pos is then the slot order, not the depth)."""
+    page_tables: jax.Array  # [B, MP], each sequence's pages (MP a multiple of pages_per_block)
+    pos: jax.Array          # [T], each token's position in its sequence's pages (it sees keys up to it)
+    tile_tok: jax.Array     # [NT, Q], the token in each query-tile slot (T for an empty slot)
+    tile_seq: jax.Array     # [NT], each tile's sequence (its page-table row)
+    tok_slot: jax.Array     # [T], each token's flat tile slot (NT x Q for a padding token: output zero)
+    num_blocks: jax.Array   # scalar, blocks of pages the longest sequence needs
+    tree: tuple[jax.Array, jax.Array] | None = None
+
+
+jax.tree_util.register_dataclass(AttentionMetadata,
+                                 data_fields=[f.name for f in dataclasses.fields(AttentionMetadata)], meta_fields=[])
+
+
+def ragged_paged_attention(q: jax.Array, read: Callable, kv_heads: int, page_size: int, meta: AttentionMetadata,
+                           pages_per_block: int, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """q: [T, H, D]; read(pages [NT, n]) -> K, V [NT, n, page_size, kv_heads, D] of those pages (one layer's,
-    e.g. `talaria_jax.kvcache.pool.read_kv`); page_tables: [B, MP] (MP a multiple of pages_per_block);
-    pos: [T]; tile_tok: [NT, Q], the token in each tile slot (T for an empty slot); tile_seq: [NT];
-    tok_slot: [T], each token's flat tile slot (NT x Q for a padding token, whose output is zero);
-    num_blocks: scalar, blocks of pages to visit. tree: draft trees (speculative decoding), (base [T],
-    anc [T]): a token sees the keys below position base[t] as usual, and of the keys from base[t] on
-    only those whose bit (key - base) is set in anc[t] (its ancestors and itself in its draft tree;
-    a tree's nodes sit at positions base, base + 1, ... in depth-first order); base past every
-    position for tokens outside a tree. Not with a sliding window (pos is then the slot order, not
-    the depth). sinks: [H] logits in every query's softmax with no value (gpt-oss), or None: the online
-    softmax starts from them (running max = sink, sum = 1) instead of from nothing. Returns [T, H, D]."""
+    e.g. `talaria_jax.kvcache.pool.read_kv`); `meta`: where the tokens sit, its `num_blocks` blocks of
+    `pages_per_block` pages visited. sinks: [H] logits in every query's softmax with no value (gpt-oss),
+    or None: the online softmax starts from them (running max = sink, sum = 1) instead of from nothing.
+    Returns [T, H, D]."""
+    page_tables, pos, tile_tok, tile_seq, tok_slot, num_blocks, tree = (
+        meta.page_tables, meta.pos, meta.tile_tok, meta.tile_seq, meta.tok_slot, meta.num_blocks, meta.tree)
     t, h, d = q.shape
     nt, qt = tile_tok.shape
     ps, kvh = page_size, kv_heads

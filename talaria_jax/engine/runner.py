@@ -26,7 +26,7 @@ from flax import nnx
 from talaria_jax.engine import kernels
 from talaria_jax.engine.grammar import mask_words
 from talaria_jax.engine.memory_maps import MapBudget
-from talaria_jax.engine.paged_attention import ragged_paged_attention
+from talaria_jax.engine.paged_attention import AttentionMetadata, ragged_paged_attention
 from talaria_jax.engine.plan import Drawn, StepPlan, StepResult
 from talaria_jax.engine.sampling import SamplingBatch, constrain, sample
 from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
@@ -81,12 +81,8 @@ class StepInputs:
     """Everything a step's jitted function takes besides the weights and the pool: one pytree."""
     tokens: np.ndarray
     positions: np.ndarray
-    tile_tok: np.ndarray
-    tile_seq: np.ndarray
-    tok_slot: np.ndarray
+    attn: AttentionMetadata  # (a verifying step replaces its pos and tree with the DraftBatch's)
     slots: np.ndarray
-    page_tables: np.ndarray
-    num_blocks: np.ndarray   # i32 scalar
     seq: np.ndarray
     logits_idx: np.ndarray
     sampling: SamplingBatch
@@ -343,10 +339,9 @@ class Runner:
             verify[t] = _best_time(lambda: self.verify_step(b, d), reps)
         return plain, verify
 
-    def _forward(self, graphdef, params, kv, tokens, positions, mask_pos, tree, tile_tok, tile_seq, tok_slot, slots,
-                 page_tables, num_blocks, layout):
+    def _forward(self, graphdef, params, kv, tokens, positions, meta: AttentionMetadata, slots, layout):
         """The model over the step's tokens: (model, hidden states [T, hidden], kv). RoPE uses
-        `positions`, the attention mask `mask_pos` and `tree` (see ragged_paged_attention)."""
+        `positions`, the attention mask `meta` (its pos and tree)."""
         self.compilations += 1  # runs at trace time only
         if layout is not None:  # params is a weight slot's flat buffer
             from talaria_jax.weights.slot import carve
@@ -361,29 +356,27 @@ class Runner:
         def attn(layer, q, k, v, arena, sinks=None):
             arena = write_kv(arena, spec, mesh, layer, k, v, slots)
             if self.attention == "pallas":  # reads the pages straight from the arena (no sinks: attention_kind)
-                out = kernels.ragged_paged_attention(q, arena, spec, mesh, layer, page_tables, mask_pos, tile_tok,
-                                                     tile_seq, tok_slot, num_blocks, ppb, cfg.window(layer), tree)
-                return out, arena
+                return kernels.ragged_paged_attention(q, arena, spec, mesh, layer, meta, ppb, cfg.window(layer)), arena
             read = functools.partial(read_kv, arena, spec, mesh, layer)
-            out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size, page_tables, mask_pos, tile_tok,
-                                         tile_seq, tok_slot, *reference_blocks(tile_tok.shape[1], num_blocks, ppb),
-                                         cfg.window(layer), tree, sinks)
+            blocks, pages_per_block = reference_blocks(meta.tile_tok.shape[1], meta.num_blocks, ppb)
+            out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size,
+                                         dataclasses.replace(meta, num_blocks=blocks), pages_per_block,
+                                         cfg.window(layer), sinks)
             return out, arena
 
         h, kv = model.hidden(tokens, positions, attn, kv)
         return model, h, kv
 
     def _step_fn(self, graphdef, params, kv, x: StepInputs, layout=None):
-        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, x.positions, None, x.tile_tok,
-                                     x.tile_seq, x.tok_slot, x.slots, x.page_tables, x.num_blocks, layout)
+        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, x.attn, x.slots, layout)
         logits = model.logits(h[x.logits_idx])
         s = x.sampling
         drawn_from = constrain(logits, jnp.arange(logits.shape[0]), s.bias_ids, s.bias, x.allowed, x.allowed_at)
         return (kv, *sample(logits, s.temperature, s.top_k, s.top_p, s.seed, s.step, drawn_from), logits)
 
     def _verify_fn(self, graphdef, params, kv, x: StepInputs, d: DraftBatch, layout=None):
-        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, d.mask_pos, (d.base, d.anc),
-                                     x.tile_tok, x.tile_seq, x.tok_slot, x.slots, x.page_tables, x.num_blocks, layout)
+        meta = dataclasses.replace(x.attn, pos=d.mask_pos, tree=(d.base, d.anc))
+        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, meta, x.slots, layout)
         logits = model.logits(h)  # every token's: each draft node is verified
         s = x.sampling
         drawn_from = constrain(logits, x.seq, s.bias_ids, s.bias, x.allowed, x.allowed_at)
@@ -405,8 +398,9 @@ class Runner:
     def inputs(self, b: StepBatch, tiles=None) -> StepInputs:
         """The jitted step's inputs for `b` (its query tiles: `tiling(b)` unless given)."""
         tile_tok, tile_seq, tok_slot = tiles if tiles is not None else self.tiling(b)
-        return StepInputs(b.tokens, b.positions, tile_tok, tile_seq, tok_slot, b.slots, b.page_tables,
-                          np.int32(b.num_blocks), b.seq, b.logits_idx, b.sampling, b.allowed, b.allowed_at)
+        meta = AttentionMetadata(b.page_tables, b.positions, tile_tok, tile_seq, tok_slot, np.int32(b.num_blocks))
+        return StepInputs(b.tokens, b.positions, meta, b.slots, b.seq, b.logits_idx, b.sampling, b.allowed,
+                          b.allowed_at)
 
     def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
         params = self.model.state if self.slot is None else self.slot.array

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import Mesh, PartitionSpec as P
 
+from talaria_jax.engine.paged_attention import AttentionMetadata
 from talaria_jax.kvcache.pool import PoolSpec, on_each_device, local_view, arena_sharding, view_sharding
 from talaria_jax.sharding import mesh_platform, spec_for
 
@@ -125,14 +126,14 @@ def _kernel(nb_ref, pages_ref, kvg_ref, kv_ref, q_ref, qpos_ref, *rest, page_siz
 
 
 def ragged_paged_attention(q: jax.Array, arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int,
-                           page_tables: jax.Array, pos: jax.Array, tile_tok: jax.Array, tile_seq: jax.Array,
-                           tok_slot: jax.Array, num_blocks: jax.Array, pages_per_block: int, window: int = 0,
-                           tree: tuple[jax.Array, jax.Array] | None = None, *, interpret: bool | None = None,
-                           num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                           meta: AttentionMetadata, pages_per_block: int, window: int = 0, *,
+                           interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """The reference's attention with layer `layer`'s K/V read by the kernel from `arena` (viewed as
     `spec` on `mesh`) instead of through a `read` function; the other arguments and the result as in
     `talaria_jax.engine.paged_attention.ragged_paged_attention`. interpret: run the Pallas
     interpreter (None: unless the mesh's devices are GPUs)."""
+    page_tables, pos, tile_tok, tile_seq, tok_slot, num_blocks, tree = (
+        meta.page_tables, meta.pos, meta.tile_tok, meta.tile_seq, meta.tok_slot, meta.num_blocks, meta.tree)
     gpu = on_gpu(mesh)
     check_shapes(spec.page_size, spec.head_dim, gpu)
     if interpret is None:
