@@ -389,7 +389,7 @@ def run_tests(files: dict[str, str], task: Task) -> tuple[str, bool]:
 # ---- the environment ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class StepResult:
+class EnvStep:
     output: str
     reward: float  # 1.0 when every test passes on the current files
     done: bool
@@ -402,7 +402,7 @@ class AgentEnv:
         self.task = task
         self.files = dict(task.files)
 
-    def step(self, command: str) -> StepResult:
+    def step(self, command: str) -> EnvStep:
         """Runs one tool command; anything malformed gets a one-line message, never an exception."""
         words = command.split()
         name = words[0] if words else ""
@@ -419,7 +419,7 @@ class AgentEnv:
         else:
             output = f"{name or '(empty)'}: command not found; {USAGE}"
         reward = float(run_tests(self.files, self.task)[1])
-        return StepResult(output, reward, reward == 1.0)
+        return EnvStep(output, reward, reward == 1.0)
 
     def cat(self, name: str) -> str:
         if name not in self.files:

@@ -82,15 +82,14 @@ def child_path(k: int, calls: int, model: str, named: bool = True) -> dict:
     from talaria_jax.scheduler.policies import get_policy
     from talaria_jax.serve.app import serve_in_thread
     from talaria_jax.serve.gateway import build_gateway
+    from talaria_jax.serve.config import InstanceConfig, ServerConfig
     from talaria_jax.serve.local_cluster import instance_apps
-    from talaria_jax.sim.hardware import load_hardware
 
     policy = get_policy("talaria")
     # few step shapes (buckets up to 128 tokens, query tiles of one token): 16 instances' programs in one
     # process stay under vm.max_map_count (XLA:CPU maps ~3 regions per compiled kernel)
     cfg = EngineConfig(page_size=16, max_seqs=2, max_tokens_per_step=128, query_tile=1, max_model_len=MAX_LEN)
-    apps = instance_apps({"m": model}, load_hardware("cpu"), policy, instances=k, devices_per_instance=1,
-                         engine_config=cfg, kv_bytes_per_device=None, api_keys=[KEY])
+    apps = instance_apps(InstanceConfig({"m": model}, ServerConfig((KEY,)), cfg, hardware="cpu"), instances=k)
     servers = [serve_in_thread(a) for a in apps]
     url, gw = serve_in_thread(build_gateway([u for u, _ in servers], api_keys=[KEY], policy=policy))
     client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600)

@@ -247,7 +247,7 @@ def main(argv):
     del argv
     from absl import logging
 
-    from talaria_jax.local import simulate_cpu_devices
+    from talaria_jax.sharding import simulate_cpu_devices
 
     simulate_cpu_devices(_REPLICAS.value * _DEVICES.value)  # one simulated device per replica rank
 

@@ -65,7 +65,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
 
     from talaria_jax.engine import SamplingParams, enable_compilation_cache
-    from talaria_jax.local import load_local_model
+    from talaria_jax.weights import load_model
     from talaria_jax.engine.spec.suffix import SpecConfig, SuffixDrafter
     from talaria_jax.sharding import make_mesh
 
@@ -74,7 +74,7 @@ def main(argv):
     temperature = _TEMPERATURE.value
     reqs = requests(data)
     batches = [int(b) for b in _BATCHES.value]
-    lm = load_local_model(agent_env.MODEL, make_mesh(jax.devices()[:1]), dtype="float32")
+    lm = load_model(agent_env.MODEL, mesh=make_mesh(jax.devices()[:1]), dtype="float32")
     cfg = {"always": SpecConfig(max_spec_tokens=_SPEC.value, tree=_TREE.value, policy="always"),
            "auto": SpecConfig(max_spec_tokens=_SPEC.value, tree=_TREE.value)}
     print(f"load average before: {os.getloadavg()[0]:.2f}; {len(reqs)} recorded requests; building 3 engines "

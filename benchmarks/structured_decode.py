@@ -42,12 +42,12 @@ def main(argv):
 
     logging.set_verbosity(logging.WARNING)
     from talaria_jax.engine import Engine, EngineConfig, SamplingParams, enable_compilation_cache, grammar
-    from talaria_jax.local import load_local_model
+    from talaria_jax.weights import load_model
     from talaria_jax.sharding import make_mesh
 
     enable_compilation_cache()
     batches = [int(b) for b in _BATCHES.value]
-    lm = load_local_model("smollm2-135m-instruct", make_mesh(jax.devices()[:1]), dtype="float32")
+    lm = load_model("smollm2-135m-instruct", mesh=make_mesh(jax.devices()[:1]), dtype="float32")
     tok = lm.tokenizer
     machine = common.Machine.start(threads=os.cpu_count())
     eng = Engine(lm.model, EngineConfig(max_seqs=max(batches), max_tokens_per_step=256, max_model_len=1024,

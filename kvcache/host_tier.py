@@ -58,6 +58,10 @@ class KVSource:
     head_dim: int
     dtype: str
 
+    def prefix_key(self, tenant: str | None = None) -> tuple:
+        """The prefix-cache key of this KV for `tenant` (a cache salt): model, weights, tenant."""
+        return self.model, self.weights, tenant
+
     def differences(self, other: "KVSource") -> list[str]:
         """'field: ours vs theirs' for each field that differs."""
         return [f"{f.name} {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}" for f in dataclasses.fields(self)

@@ -42,7 +42,7 @@ from talaria_jax.rollout.placement import PlacementRequest, PrefixIndex, Replica
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 
-__all__ = ["ReplicaShape", "StepResult", "TrajectoryRecord", "TurnRecord", "read_jsonl", "records_of",
+__all__ = ["ReplicaShape", "ReplayedStep", "TrajectoryRecord", "TurnRecord", "read_jsonl", "records_of",
            "replay_step", "synthetic_step", "write_jsonl"]
 
 
@@ -117,7 +117,7 @@ class ReplicaShape:
 
 
 @dataclasses.dataclass
-class StepResult:
+class ReplayedStep:
     """What a replayed step took: its time, its tokens, its steps and drafts, and each replica's
     busy time and steps."""
     step_s: float  # the last trajectory's end
@@ -230,7 +230,7 @@ class _Host:
 
 def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, replicas: int,
                 placement: str = "cache_aware", spec: SpecConfig | None = None,
-                replicas_per_host: int = 1) -> StepResult:
+                replicas_per_host: int = 1) -> ReplayedStep:
     """Replays one synchronous step of `trajectories` on `replicas` replicas of `shape`, placed by
     `placement` (`rollout.placement.PLACEMENTS`), with suffix speculation when `spec` is given.
 
@@ -270,7 +270,7 @@ class _StepReplay:
         self.cost = CostModel(shape.hardware)
         self.place = make_placement(placement, replicas, shape.page_size, max(1, self.kv_cap // shape.page_size))
         self.reps = [_Replica(shape, spec) for _ in range(replicas)]
-        self.res = StepResult(0.0, 0, 0, 0, 0, 0, 0, [0.0] * replicas, [[] for _ in range(replicas)])
+        self.res = ReplayedStep(0.0, 0, 0, 0, 0, 0, 0, [0.0] * replicas, [[] for _ in range(replicas)])
         self.events: list[_Event] = []
         self.order = itertools.count()
         self.arrivals = itertools.count()
@@ -281,7 +281,7 @@ class _StepReplay:
     def push(self, time: float, what: _Arrive | _Free | _Start) -> None:
         heapq.heappush(self.events, _Event(time, next(self.order), what))
 
-    def run(self, trajectories: Sequence[TrajectoryRecord]) -> StepResult:
+    def run(self, trajectories: Sequence[TrajectoryRecord]) -> ReplayedStep:
         for t in trajectories:
             self.push(0.0, _Arrive(t, 0, ()))
         while self.events:

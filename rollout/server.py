@@ -15,17 +15,21 @@
     GET  /health
 
 A multi-turn client sends each turn's context with the trajectory's id and turn number, so cache-
-aware placement keeps it where its earlier turns' KV is. Bad input is a 400 naming the field;
-with `api_keys` every route but /health wants `Authorization: Bearer KEY`.
+aware placement keeps it where its earlier turns' KV is. Bad input is a 400 with OpenAI's error
+body, naming the field; with `api_keys` every route but /health wants `Authorization: Bearer KEY`.
+The routes are module-level and read the app's state, as the instance server's are.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import functools
-import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from fastapi import APIRouter, FastAPI, Request
+
+from talaria_jax import web
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.rollout.replica import Completion, Partial
@@ -45,7 +49,10 @@ def sampling_params(body: dict | None) -> SamplingParams:
         raise RequestError(f"sampling: unknown fields {unknown}; known: {sorted(_SAMPLING)}")
     if isinstance(body.get("stop_token_ids"), list):
         body = dict(body, stop_token_ids=tuple(body["stop_token_ids"]))
-    return SamplingParams(**body)
+    try:
+        return SamplingParams(**body)
+    except TypeError as e:  # a field of the wrong type
+        raise RequestError(f"sampling: {e}") from None
 
 
 def sampling_json(params: SamplingParams) -> dict:
@@ -66,57 +73,89 @@ def partial_from_json(body) -> Partial:
     return Partial(**dict(body, params=sampling_params(body["params"])))
 
 
-def make_app(service, api_keys: Sequence[str] = ()):
-    """A FastAPI app over `service` (a RolloutService). Handlers are sync: each generate call waits in
-    its own worker thread while the service's replica threads do the work."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+def make_app(service, api_keys: Sequence[str] = (), *, max_body_bytes: int = 256 << 20):
+    """A FastAPI app over `service` (a RolloutService); `app.state.rollout` is what the routes read.
+    With `api_keys`, every route but /health wants one of them (``web.key_checker``); errors are
+    OpenAI's error body (``web.json_errors``): a bad request is a 400 naming the field. A body is
+    read up to `max_body_bytes` (a batch of long prompts is large)."""
+    app = FastAPI(title="talaria-rollout")
+    app.state.rollout = _Rollout(service, web.key_checker(api_keys) if api_keys else None, max_body_bytes)
+    web.json_errors(app)
+    app.include_router(routes)
+    return app
 
-    api = FastAPI(title="talaria-rollout")
-    keys = list(api_keys)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
+@dataclasses.dataclass(frozen=True)
+class _Rollout:
+    """What the rollout server's routes read (`app.state.rollout`)."""
+    service: Any  # a RolloutService
+    caller: Callable | None  # the request's API key, or ApiError 401; None: no keys asked
+    max_body_bytes: int
 
-    @api.middleware("http")
-    async def auth(request: Request, call_next):
-        if keys and request.url.path != "/health":
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not any(secrets.compare_digest(given, k) for k in keys):
-                return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
-        return await call_next(request)
 
-    @api.exception_handler(RequestError)
-    async def bad_request(request, e: RequestError):
-        return error(400, str(e))
+def _service(request: Request) -> Any:
+    """The service, once the caller is checked."""
+    r: _Rollout = request.app.state.rollout
+    if r.caller is not None:
+        r.caller(request)
+    return r.service
 
-    @api.exception_handler(TypeError)  # SamplingParams(**body) with a wrong argument
-    async def bad_type(request, e: TypeError):
-        return error(400, str(e))
 
-    @api.get("/health")
-    def health():
-        return {"status": "ok"}
+async def _checked(request: Request, fields: set[str]) -> tuple[Any, dict]:
+    """The service, and the request's body (a JSON object of `fields` at most; none is {}), once the
+    caller is checked."""
+    service = _service(request)
+    body = await web.read_json(request, request.app.state.rollout.max_body_bytes, empty={})
+    if not isinstance(body, dict):
+        raise web.ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(body.keys() - fields)
+    if unknown:
+        raise web.ApiError(400, f"unknown fields {unknown}; known: {sorted(fields)}", unknown[0], "unknown_field")
+    return service, body
 
-    @api.post("/v1/generate")
-    async def generate(body: dict):  # awaits its futures: no thread held while the replicas work
-        unknown = sorted(body.keys() - {"prompts", "n", "sampling", "trajectory_ids", "turns", "request_ids",
-                                        "cache_salt"})
-        if unknown:
-            raise RequestError(f"unknown fields {unknown}")
+
+def _string(body: dict, field: str, what: str) -> str:
+    """body[field], or a 400 naming it unless it is a str."""
+    value = body.get(field)
+    if not isinstance(value, str):
+        raise web.ApiError(400, f"{field} ({what}) is required", field)
+    return value
+
+
+def _invalid(e: Exception) -> web.ApiError:
+    """A RequestError (or a TypeError: a field of the wrong type) as a 400."""
+    return web.ApiError(400, str(e), code="invalid_request")
+
+
+routes = APIRouter()
+
+
+@routes.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@routes.post("/v1/generate")
+async def generate(request: Request):  # awaits its futures: no thread held while the replicas work
+    service, body = await _checked(request, {"prompts", "n", "sampling", "trajectory_ids", "turns", "request_ids",
+                                             "cache_salt"})
+    try:
         if "prompts" not in body:
             raise RequestError("prompts is required (a list of token-id lists)")
         futures = service.submit(body["prompts"], sampling_params(body.get("sampling")), body.get("n", 1),
                                  trajectory_ids=body.get("trajectory_ids"), turns=body.get("turns"),
                                  request_ids=body.get("request_ids"), cache_salt=body.get("cache_salt"))
-        out = [[await asyncio.wrap_future(f) for f in group] for group in futures]
-        return {"outputs": [[dataclasses.asdict(c) for c in group] for group in out]}
+    except (RequestError, TypeError) as e:
+        raise _invalid(e) from None
+    out = [[await asyncio.wrap_future(f) for f in group] for group in futures]
+    return {"outputs": [[dataclasses.asdict(c) for c in group] for group in out]}
 
-    @api.post("/v1/generate_until")
-    async def generate_until(body: dict):
-        unknown = sorted(body.keys() - {"prompts", "n", "sampling", "target", "resume", "request_ids", "cache_salt"})
-        if unknown:
-            raise RequestError(f"unknown fields {unknown}")
+
+@routes.post("/v1/generate_until")
+async def generate_until(request: Request):
+    service, body = await _checked(request, {"prompts", "n", "sampling", "target", "resume", "request_ids",
+                                             "cache_salt"})
+    try:
         resume = body.get("resume") or []
         if not isinstance(resume, list):
             raise RequestError("resume must be a list of partials")
@@ -125,61 +164,72 @@ def make_app(service, api_keys: Sequence[str] = ()):
                                  resume=[partial_from_json(p) for p in resume],
                                  request_ids=body.get("request_ids"), cache_salt=body.get("cache_salt"))
         finished, unfinished = await asyncio.to_thread(call)
-        return {"finished": [dataclasses.asdict(c) for c in finished],
-                "unfinished": [partial_to_json(p) for p in unfinished]}
+    except (RequestError, TypeError) as e:
+        raise _invalid(e) from None
+    return {"finished": [dataclasses.asdict(c) for c in finished],
+            "unfinished": [partial_to_json(p) for p in unfinished]}
 
-    @api.post("/v1/abort_group")
-    def abort_group(body: dict):
-        group = body.get("group")
-        if not isinstance(group, str):
-            raise RequestError("group (a str) is required")
-        return {"outputs": [dataclasses.asdict(c) for c in service.abort_group(group)]}
 
-    @api.post("/v1/pause")
-    def pause(body: dict | None = None):
-        mode = (body or {}).get("mode", "keep")
-        service.pause(mode)
-        return {"status": "ok", "paused": mode}
+@routes.post("/v1/abort_group")
+async def abort_group(request: Request):
+    service, body = await _checked(request, {"group"})
+    group = _string(body, "group", "a str")
+    return {"outputs": [dataclasses.asdict(c) for c in await asyncio.to_thread(service.abort_group, group)]}
 
-    @api.post("/v1/resume")
-    def resume():
-        service.resume()
-        return {"status": "ok"}
 
-    @api.post("/v1/abort")
-    def abort(body: dict):
-        rid = body.get("request_id")
-        if not isinstance(rid, str):
-            raise RequestError("request_id (a str) is required")
-        c = service.abort(rid)
-        return {"output": dataclasses.asdict(c) if c is not None else None}
+@routes.post("/v1/pause")
+async def pause(request: Request):
+    service, body = await _checked(request, {"mode"})
+    mode = body.get("mode", "keep")
+    try:
+        await asyncio.to_thread(service.pause, mode)  # returns once no replica holds a request
+    except RequestError as e:
+        raise web.ApiError(400, str(e), "mode") from None
+    return {"status": "ok", "paused": mode}
 
-    @api.post("/v1/update_weights")
-    def update_weights(body: dict):
-        path = body.get("checkpoint")
-        if not isinstance(path, str):
-            raise RequestError("checkpoint (an Orbax checkpoint folder) is required")
-        from talaria_jax.weights import checkpoint
 
-        import jax
+@routes.post("/v1/resume")
+async def resume(request: Request):
+    service, _ = await _checked(request, set())
+    service.resume()
+    return {"status": "ok"}
 
-        from talaria_jax.sharding import make_mesh
 
-        try:  # into host memory (the CPU device), whatever the replicas' devices
-            model = checkpoint.restore(path, make_mesh(jax.devices("cpu")[:1]))
-        except (OSError, ValueError) as e:
-            raise RequestError(f"checkpoint {path!r}: {e}") from None
-        try:
-            service.update_weights(model.state)
-        except ValueError as e:  # with_params names a missing or misshapen parameter
-            raise RequestError(str(e)) from None
-        return {"status": "ok"}
+@routes.post("/v1/abort")
+async def abort(request: Request):
+    service, body = await _checked(request, {"request_id"})
+    rid = _string(body, "request_id", "a str")
+    c = await asyncio.to_thread(service.abort, rid)
+    return {"output": dataclasses.asdict(c) if c is not None else None}
 
-    @api.get("/v1/stats")
-    def stats():
-        return service.stats()
 
-    return api
+@routes.post("/v1/update_weights")
+async def update_weights(request: Request):
+    service, body = await _checked(request, {"checkpoint"})
+    path = _string(body, "checkpoint", "an Orbax checkpoint folder")
+    await asyncio.to_thread(_update_weights, service, path)
+    return {"status": "ok"}
+
+
+def _update_weights(service, path: str) -> None:
+    import jax
+
+    from talaria_jax.sharding import make_mesh
+    from talaria_jax.weights import checkpoint
+
+    try:  # into host memory (the CPU device), whatever the replicas' devices
+        model = checkpoint.restore(path, make_mesh(jax.devices("cpu")[:1]))
+    except (OSError, ValueError) as e:
+        raise web.ApiError(400, f"checkpoint {path!r}: {e}", "checkpoint") from None
+    try:
+        service.update_weights(model.state)
+    except ValueError as e:  # with_params names a missing or misshapen parameter
+        raise web.ApiError(400, str(e), "checkpoint") from None
+
+
+@routes.get("/v1/stats")
+async def stats(request: Request):
+    return await asyncio.to_thread(_service(request).stats)
 
 
 class RolloutClient:

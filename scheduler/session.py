@@ -76,10 +76,17 @@ class Call:
     start_s: float | None = None  # session arrival, on turn 0 only
     prefix_tokens: int | None = None  # reusable prefix when the context was compacted; None: all of it
     hints: Hints = NO_HINTS  # what the agent said about this call's session (Hints)
+    request_id: str | None = None  # the live request it serves (its one id, from the server's front door)
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.session, self.turn)
+
+    @property
+    def id(self) -> str:
+        """The engine's request id of the call: its live request's id, else (a replayed trace's call)
+        `session/turn`."""
+        return self.request_id if self.request_id is not None else f"{self.session}/{self.turn}"
 
     @property
     def is_continuation(self) -> bool:

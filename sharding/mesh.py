@@ -5,6 +5,7 @@ Two instances can split one server: `make_mesh(jax.devices()[:4], tp=4)` and
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import jax
@@ -33,3 +34,11 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, tp: int | None = None
 def mesh_platform(mesh: Mesh) -> str:
     """The platform of the mesh's devices: "cpu", "gpu" or "tpu" (a mesh never mixes them)."""
     return mesh.devices.flat[0].platform
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """On the CPU backend, at least `n` (and 8) simulated devices, one per instance rank, unless XLA_FLAGS
+    already sets a count. Call it before anything touches a device (the count is read once)."""
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(n, 8)}".strip()

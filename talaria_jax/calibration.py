@@ -75,8 +75,7 @@ def measure_engine(eng, model: str, *, batches=(1, 4), contexts=(64, 512), promp
     for b in batches:
         for c in contexts:
             out.append(Point(model, "decode", b, c, float(np.median(decode_step_times(eng, b, c, steps)[0]))))
-    if eng.prefix_cache is not None:
-        eng.prefix_cache.clear()
+    eng.clear_prefix_cache()
     return out
 
 
@@ -109,7 +108,7 @@ def measure_verify(eng, model: str, *, batches=(1, 4, 8), context: int = 1024, s
                 drafted.append((eng.stats.draft_tokens - tokens) / b)
         for rid in list(eng.requests):
             eng.abort(rid)
-        eng.prefix_cache.clear()
+        eng.clear_prefix_cache()
         if len(times) < 2:
             raise RuntimeError(f"measure_verify: {len(times)} verifying steps at batch {b}")
         out.append(Point(model, "verify", b, context, float(np.median(times[1:])), float(np.mean(drafted[1:]))))
@@ -179,7 +178,7 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
         on.append(time.perf_counter() - t)
         eng.host_tier.release(kv)
     _drain(eng)
-    eng.prefix_cache.clear()
+    eng.clear_prefix_cache()
     res["kv_bytes"] = float(kv.nbytes)
     res["kv_offload_s"], res["kv_restore_s"] = min(off), min(on)
     return res
@@ -254,8 +253,7 @@ def decode_step_times(eng, batch: int, context: int, steps: int, keep: KeepStagi
             keep.settle()
         for rid in list(eng.requests):
             eng.abort(rid)
-        if eng.prefix_cache is not None:  # the synthetic prefixes' pages must not be matched later
-            eng.prefix_cache.clear()
+        eng.clear_prefix_cache()  # the synthetic prefixes' pages must not be matched later
     return idle, staging
 
 
@@ -274,7 +272,7 @@ def measure_staging(inst: Instance, model: str, staged: str, *, batch: int = 4, 
         i, b = decode_step_times(s.engine, batch, context, steps, keep, seed=r)
         idle += i
         staging += b
-    s.engine.prefix_cache.clear()
+    s.engine.clear_prefix_cache()
     res = {"step_idle_s": float(np.median(idle)), "step_staging_s": float(np.median(staging)),
            "staging_copies": float(keep.copies)}
     res["slowdown"] = res["step_staging_s"] / res["step_idle_s"]

@@ -34,25 +34,29 @@ import dataclasses
 import hashlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
+import jax
 
 from talaria_jax.engine.compile_cache import compile_seconds
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.kvcache.host_tier import HostBudget, HostKV
 from talaria_jax.kvcache.pool import KVArena
+from talaria_jax.kvcache.session_kv import SessionKV
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.scheduler.api import DerivedQueries, InstanceStats, PrefixLocation, WeightState
 from talaria_jax.scheduler.session import Call
+from talaria_jax.sharding import make_mesh
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 from talaria_jax.sim.instance import Switch
 from talaria_jax.tokenizer import Tokenizer
+from talaria_jax.weights.named import load_model
 from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights, word_for
 
-__all__ = ["Instance", "LiveTokens", "SessionTokens"]
+__all__ = ["LOCAL_KV_BYTES", "Instance", "LiveTokens", "SessionTokens", "build_instances", "shapes_of"]
+
+LOCAL_KV_BYTES = 512 * 2**20  # an instance's KV arena per device, all models: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
 
 
 class SessionTokens:
@@ -181,7 +185,7 @@ class Instance(DerivedQueries):
     session's tenant (the prefix-cache salt) and whether it returns.
     `kv_bytes_per_device` sizes the shared KV arena in bytes per device (None: as engine_config says,
     its default room for max_seqs sequences of max_model_len at page_size tokens a page).
-    `host_kv_bytes` bounds the host memory of all models' session KV copies together (`host_budget`;
+    `host_kv_bytes` bounds the host memory of all models' session KV copies together (`kv.budget`;
     None: unbounded): past it the least recently used copies are evicted, and a copy that does not fit
     is not kept; such a session's prefix is recomputed when it returns. `tokenizers`: a model's tokenizer
     (for serving text; default: bytes). `resident`: every model keeps its own device arrays and no
@@ -229,26 +233,23 @@ class Instance(DerivedQueries):
             word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])
             layouts = {m: SlotLayout.of(model, word=word) for m, model in models.items()}
             self.slot = WeightSlot.for_layouts(mesh, layouts.values())
-        self.host_budget = HostBudget(host_kv_bytes)  # every model's host KV copies together
+        # each session's KV, device and host, across the models; deadlines on the replay's clock
+        self.kv = SessionKV(self.arena, clock=lambda: self.now, host_kv_bytes=host_kv_bytes)
         self.served: dict[str, _Served] = {}
         for m, model in models.items():
+            kv = self.kv.add_model(m, model.cfg, weights=model.fingerprint)
             host = None
             if resident:
-                eng = Engine(model, cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena)
+                eng = Engine(model, cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena, kv=kv)
             else:
                 host = HostWeights.of(model, layouts[m])  # the device copy is not kept: the slot is the only one
-                eng = Engine(without_weights(model), cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena)
-                eng.runner.use_slot(self.slot, layouts[m])
-            eng.prefix_cache.clock = lambda: self.now  # protection deadlines are on the replay's clock
-            if eng.host_tier.memory_kind is not None:  # (no host memory kind: the tier's own device grant)
-                eng.host_tier.budget = self.host_budget
+                eng = Engine(without_weights(model), cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena,
+                             kv=kv, weight_slot=(self.slot, layouts[m]))
             self.served[m] = _Served(eng, host, shapes[m])
         # the scheduler's page: one arena page over the instance's devices (ModelShape counts bytes the same way)
         self.page_bytes = self.arena.page_bytes_per_device * mesh.devices.size
         self.kv_bytes = self.arena.bytes_per_device * mesh.devices.size
         self.capacity = float(self._weight_bytes(staged=True) + self.kv_bytes)
-        self._host: dict[str, tuple[HostKV, str]] = {}  # session -> (its last host KV copy, model)
-        self._model_of: dict[str, str] = {}  # session -> the model of its last call here
         self.reset(host_kv=host_kv, staging=staging, drop_kv_on_switch=drop_kv_on_switch)
         if engine_config.warmup:
             self.warmup()
@@ -256,19 +257,14 @@ class Instance(DerivedQueries):
     def reset(self, *, host_kv: bool, staging: bool, drop_kv_on_switch: bool) -> None:
         """Empties the instance for another replay (compiled programs are kept): no model active,
         no KV on device or host, no calls, fresh stats, and the policy's mechanisms set."""
-        self.host_kv, self.staging, self.drop_kv_on_switch = host_kv, staging, drop_kv_on_switch
+        self.staging, self.drop_kv_on_switch = staging, drop_kv_on_switch
         for s in self.served.values():
             if s.engine.has_unfinished():
                 raise RuntimeError(f"instance {self.name}: reset with requests in flight")
-            s.engine.prefix_cache.clear()
-        for kv, model in self._host.values():
-            self.served[model].engine.host_tier.release(kv)
-        for s in self.served.values():
-            for sid in self._model_of:
-                s.engine.host_tier.protect(sid, False)
+        self.kv.clear()
+        self.kv.use_host = host_kv
         if self.slot is not None:
             self.slot.drop_staged()
-        self._host, self._model_of = {}, {}
         self._active: str | None = None
         self._staged: str | None = None  # the model in the staging area (staging or staged)
         self._stage_to: str | None = None
@@ -278,7 +274,6 @@ class Instance(DerivedQueries):
         self._reusable: dict[str, int] = {}  # request id -> prefix tokens an earlier call computed
         self.outputs: dict[tuple[str, int], RequestOutput] = {}  # call key -> its finished output
         self.step_outputs: list[tuple[Call, RequestOutput]] = []  # every output of the last chunk
-        self._protect: dict[str, float] = {}
         self.chunk: Switch | Step | None = None  # the chunk in flight
         self.now = 0.0
         self.busy_until: float | None = None
@@ -336,13 +331,8 @@ class Instance(DerivedQueries):
 
     def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
         busy = self._in_use()
-        out = 0
-        for sid, until in self._protect.items():
-            if until > self.now and sid != exclude_session and sid not in busy and sid in self.tokens.history:
-                model = self._model_of.get(sid)
-                if model is not None:
-                    out += self.pages_for(model, self._device_tokens(sid, model))
-        return out
+        return sum(self.pages_for(model, self._device_tokens(sid, model)) for sid, model in self.kv.protected().items()
+                   if sid != exclude_session and sid not in busy and sid in self.tokens.history)
 
     def _device_bytes(self) -> float:
         """Weight slot and staging area (when it holds a model), or every resident model's weights, plus
@@ -355,41 +345,21 @@ class Instance(DerivedQueries):
         return self.slot.bytes_per_device * self.slot.mesh.devices.size * (2 if staged else 1)
 
     def _device_tokens(self, session: str, model: str) -> int:
-        return self.served[model].engine.cached_prefix(self.tokens.tenant(session), self.tokens.history.get(session, ()))
-
-    def _host_copy(self, session: str, model: str) -> HostKV | None:
-        h = self._host.get(session)
-        if not self.host_kv or h is None or h[1] != model or not self.served[model].engine.host_tier.usable(h[0]):
-            return None
-        return h[0]
+        return self.kv.device_tokens(model, self.tokens.tenant(session), self.tokens.history.get(session, ()))
 
     def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
         if model not in self.served or session_id in self._in_use():
             return PrefixLocation()
-        kv = self._host_copy(session_id, model)
-        return PrefixLocation(self._device_tokens(session_id, model), kv.num_tokens if kv is not None else 0)
+        return PrefixLocation(*self.kv.locate(session_id, model, self.tokens.tenant(session_id),
+                                              self.tokens.history.get(session_id, ())))
 
     def prefix_of(self, session_id: str, model: str, prompt, cache_salt: str | None) -> PrefixLocation:
         """Tokens of `prompt` (ids) this instance holds for `model`: full pages in the device prefix
         cache under the tenant `cache_salt`, and the session's host copy where `prompt` extends it."""
         if model not in self.served:
             return PrefixLocation()
-        eng = self.served[model].engine
-        device = eng.cached_prefix(cache_salt, prompt)
-        kv = self._restorable(session_id, model, prompt)
-        return PrefixLocation(device, kv.num_tokens if kv is not None else 0)
-
-    def _restorable(self, session: str, model: str, prompt) -> HostKV | None:
-        """The part of the session's host copy that `prompt` extends: its longest common prefix with the
-        prompt's tokens but the last (a chat template may render the last reply differently from the
-        tokens generated, so a copy is rarely a prefix of the next prompt whole); None if nothing."""
-        kv = self._host_copy(session, model)
-        if kv is None:
-            return None
-        m = min(kv.num_tokens, len(prompt) - 1)
-        differ = np.flatnonzero(np.asarray(prompt[:m]) != np.asarray(kv.token_ids[:m]))
-        n = int(differ[0]) if differ.size else m
-        return kv.prefix(n) if n > 0 else None
+        kv = self.kv.restorable(session_id, model, prompt)
+        return PrefixLocation(self.kv.device_tokens(model, cache_salt, prompt), kv.num_tokens if kv is not None else 0)
 
     # --- InstanceAPI: queue -----------------------------------------------------------------
     def num_waiting(self) -> int:
@@ -449,13 +419,7 @@ class Instance(DerivedQueries):
         """Drops what the instance keeps of a session that will not return: its host KV copy and its
         protection, its history. Its device pages stay in the prefix cache (protected until the
         deadline given last), evicted as any others."""
-        h = self._host.pop(session_id, None)
-        if h is not None:
-            self.served[h[1]].engine.host_tier.release(h[0])
-        model = self._model_of.pop(session_id, None)
-        if model is not None:
-            self.served[model].engine.host_tier.protect(session_id, False)
-        self._protect.pop(session_id, None)
+        self.kv.forget(session_id)
         self.tokens.forget(session_id)
 
     def switch_model(self, model: str) -> None:
@@ -478,30 +442,16 @@ class Instance(DerivedQueries):
         return True
 
     def protect_kv(self, session_id: str, until_s: float) -> None:
-        self._protect[session_id] = until_s
-        model = self._model_of.get(session_id)
-        if model is None:
-            return
-        eng = self.served[model].engine
-        eng.prefix_cache.protect_path(eng.prefix_key(self.tokens.tenant(session_id)),
-                                      self.tokens.history.get(session_id, ()), until_s)
-        eng.host_tier.protect(session_id)
+        self.kv.protect(session_id, until_s, self.tokens.tenant(session_id), self.tokens.history.get(session_id, ()))
 
     # --- chunks -----------------------------------------------------------------------------
-    def _expire_protection(self) -> None:
-        for sid, until in list(self._protect.items()):
-            if until <= self.now:
-                del self._protect[sid]
-                model = self._model_of.get(sid)
-                if model is not None:
-                    self.served[model].engine.host_tier.protect(sid, False)
 
     def start_chunk(self, now: float, horizon: float | None = None) -> float | None:
         """Carries out the recorded actions, then runs the next chunk (a switch or one engine step)
         and returns when it ends on the replay's clock (now + measured seconds); None when idle."""
         assert self.busy_until is None, "start_chunk while busy"
         self.now = now
-        self._expire_protection()
+        self.kv.expire()
         if self._stage_to in (self._active, self._switch_to):
             self._stage_to = None  # a switch asked for in the same plan loads it anyway
         if self._stage_to is not None and self._switch_to is None:
@@ -549,7 +499,7 @@ class Instance(DerivedQueries):
     def _switch(self, model: str) -> None:
         old = self._active
         if old is not None and self.drop_kv_on_switch:  # sleep mode level 1 discards the KV cache
-            self.served[old].engine.prefix_cache.clear()
+            self.kv.drop_device(old)
         if self.slot is not None:
             if self._staged == model:
                 self.slot.activate_staged()
@@ -574,15 +524,15 @@ class Instance(DerivedQueries):
             eng = s.engine
             prompt = self.tokens.prompt(call, eng.model.cfg.vocab_size)
             # at admission the engine takes the device cache's full pages and restores only the rest
-            kv = self._restorable(call.session, call.model, prompt)
-            rid = eng.add_request(prompt, self.tokens.params(call), f"{call.session}/{call.turn}",
-                                  keep_kv=self.host_kv and self.tokens.returns(call.session),
+            kv = self.kv.restorable(call.session, call.model, prompt)
+            rid = eng.add_request(prompt, self.tokens.params(call), call.id,
+                                  keep_kv=self.kv.use_host and self.tokens.returns(call.session),
                                   restore=kv, cache_salt=self.tokens.tenant(call.session), session=call.session)
             self._calls[rid] = call
             # tokens an earlier call computed KV for: all of the history but its last token, up to the
             # prefix a compacting call keeps
             self._reusable[rid] = min(call.max_prefix_tokens, max(0, len(self.tokens.history.get(call.session, ())) - 1))
-            self._model_of[call.session] = call.model
+            self.kv.started(call.session, call.model)
 
     def finish_chunk(self, now: float) -> list[Call]:
         """Applies the chunk that ends at `now`; returns the calls that completed."""
@@ -602,11 +552,38 @@ class Instance(DerivedQueries):
         self.outputs[call.key] = out
         self.tokens.finished(call.session, out.prompt_token_ids, out.token_ids)
         if out.kv is not None:
-            eng = self.served[call.model].engine
-            eng.prefix_cache.mark_backed(eng.prefix_key(self.tokens.tenant(call.session)), out.kv.token_ids,
-                                         lambda kv=out.kv, tier=eng.host_tier: tier.usable(kv))
-            old = self._host.get(call.session)
-            self._host[call.session] = (out.kv, call.model)
-            if old is not None and old[0] is not out.kv:
-                self.served[old[1]].engine.host_tier.release(old[0])
+            self.kv.kept(call.session, call.model, self.tokens.tenant(call.session), out.kv)
         return call
+
+
+def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelShape]:
+    """The cost model's shape of each loaded model, at its served precision and the instance's TP."""
+    return {n: ModelShape.from_config(m.cfg, m.cfg.weight_dtype, tp, name=n) for n, m in models.items()}
+
+
+def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig, *, instances: int = 2,
+                    devices_per_instance: int = 1, engine_config: EngineConfig, tokens: SessionTokens | None,
+                    seed: int = 0, kv_bytes_per_device: int | None = LOCAL_KV_BYTES, dtype: str | None = None,
+                    **instance_kw) -> list[Instance]:
+    """`instances` real instances on disjoint devices, each hosting every model of `names` (what
+    ``weights.load_model`` loads: a named model, a checkpoint, or a configs/models/ config with random
+    weights from `seed`; or a mapping of served names to those) on one KV arena of
+    `kv_bytes_per_device` per device (None: as engine_config says). `tokens`: the replay's token
+    source, shared by all; None: live serving (each instance its own `LiveTokens`)."""
+    if instances < 1 or devices_per_instance < 1:
+        raise ValueError(f"instances={instances} and devices_per_instance={devices_per_instance} must be >= 1")
+    need = instances * devices_per_instance
+    if need > len(jax.devices()):
+        raise ValueError(f"{instances} instances x {devices_per_instance} devices need {need} devices; "
+                         f"{len(jax.devices())} are visible")
+    out = []
+    for k in range(instances):
+        mesh = make_mesh(jax.devices()[k * devices_per_instance:(k + 1) * devices_per_instance])
+        sources = names if isinstance(names, Mapping) else {n: n for n in names}
+        loaded = {n: load_model(src, mesh=mesh, seed=seed, dtype=dtype) for n, src in sources.items()}
+        models = {n: lm.model for n, lm in loaded.items()}
+        out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance), engine_config=engine_config,
+                            tokens=tokens if tokens is not None else LiveTokens(),
+                            kv_bytes_per_device=kv_bytes_per_device,
+                            tokenizers={n: lm.tokenizer for n, lm in loaded.items()}, **instance_kw))
+    return out

@@ -11,24 +11,15 @@ wall time and two instances stepped one after the other replay as if side by sid
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 
-import jax
-
-from talaria_jax.engine.engine import EngineConfig
-from talaria_jax.instance import Instance, LiveTokens, SessionTokens
-from talaria_jax.models.model import ShardedModel
+from talaria_jax.instance import Instance
 from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.session import Call, SessionTable
-from talaria_jax.sharding import make_mesh
 from talaria_jax.sim.cluster import ReplayResult, run, tool_gap_factors
-from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 from talaria_jax.sim.traces import TraceSpec, generate
-from talaria_jax.weights.named import LoadedModel, load_model
 
 LOCAL_MODELS = ("smollm2-135m-instruct", "tiny-dense", "tiny-moe")
-LOCAL_KV_BYTES = 512 * 2**20  # an instance's KV arena per device, all models: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
 
 # 12 sessions of 4 calls over the three local models (Zipf popularity, as the default trace): prompts
 # of a few hundred tokens so a CPU replays them in minutes; tool gaps keep docs/references.md's TraceLab
@@ -42,14 +33,6 @@ LOCAL_TRACES = {"12x4": LOCAL_TRACE, "12x3": dataclasses.replace(LOCAL_TRACE, tu
                 "mixed": dataclasses.replace(LOCAL_TRACE, turns=2, turns_sigma=0.5, long_turns=10, long_share=0.25)}
 
 
-def simulate_cpu_devices(n: int) -> None:
-    """On the CPU backend, at least `n` (and 8) simulated devices, one per instance rank, unless XLA_FLAGS
-    already sets a count. Call it before anything touches a device (the count is read once)."""
-    flag = "--xla_force_host_platform_device_count"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={max(n, 8)}".strip()
-
-
 def local_trace(spec: TraceSpec = LOCAL_TRACE) -> list[Call]:
     return generate(spec)
 
@@ -60,42 +43,6 @@ def map_models(calls: Sequence[Call], model_map: Mapping[str, str]) -> list[Call
     if missing:
         raise ValueError(f"trace models {missing} have no local model (model_map has {sorted(model_map)})")
     return [dataclasses.replace(c, model=model_map[c.model]) for c in calls]
-
-
-def load_local_model(name: str, mesh, seed: int = 0, dtype: str | None = None) -> LoadedModel:
-    """`weights.load_model`: a named model (the embedded GGUF), a checkpoint, or a configs/models/
-    config with random weights from `seed` (and a byte tokenizer)."""
-    return load_model(name, mesh=mesh, seed=seed, dtype=dtype)
-
-
-def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelShape]:
-    """The cost model's shape of each loaded model, at its served precision and the instance's TP."""
-    return {n: ModelShape.from_config(m.cfg, m.cfg.weight_dtype, tp, name=n) for n, m in models.items()}
-
-
-def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig, *, instances: int = 2, devices_per_instance: int = 1,
-                    engine_config: EngineConfig, tokens: SessionTokens | None, seed: int = 0,
-                    kv_bytes_per_device: int | None = LOCAL_KV_BYTES, dtype: str | None = None,
-                    **instance_kw) -> list[Instance]:
-    """`instances` real instances on disjoint devices, each hosting every model of `names` (a name
-    `load_local_model` loads, or a mapping of served names to those) on one KV arena of `kv_bytes_per_device` per device (None: as engine_config says). `tokens`: the replay's
-    token source, shared by all; None: live serving (each instance its own `LiveTokens`)."""
-    if instances < 1 or devices_per_instance < 1:
-        raise ValueError(f"instances={instances} and devices_per_instance={devices_per_instance} must be >= 1")
-    need = instances * devices_per_instance
-    if need > len(jax.devices()):
-        raise ValueError(f"{instances} instances x {devices_per_instance} devices need {need} devices; "
-                         f"{len(jax.devices())} are visible")
-    out = []
-    for k in range(instances):
-        mesh = make_mesh(jax.devices()[k * devices_per_instance:(k + 1) * devices_per_instance])
-        sources = names if isinstance(names, Mapping) else {n: n for n in names}
-        loaded = {n: load_local_model(src, mesh, seed, dtype) for n, src in sources.items()}
-        models = {n: lm.model for n, lm in loaded.items()}
-        out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance), engine_config=engine_config,
-                            tokens=tokens if tokens is not None else LiveTokens(), kv_bytes_per_device=kv_bytes_per_device,
-                            tokenizers={n: lm.tokenizer for n, lm in loaded.items()}, **instance_kw))
-    return out
 
 
 def replay_local(calls: Sequence[Call], policy: PolicyConfig, instances: Sequence[Instance], *, seed: int = 0,

@@ -8,8 +8,8 @@ import pytest
 from conftest import OPTIMIZED
 from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.scheduler.policies import get_policy
+from talaria_jax.serve.config import InstanceConfig, ServerConfig
 from talaria_jax.serve.local_cluster import LocalCluster
-from talaria_jax.sim.hardware import load_hardware
 
 pytestmark = pytest.mark.slow  # SmolLM2 behind a real server
 
@@ -21,9 +21,8 @@ CONFIG = EngineConfig(page_size=16, max_seqs=4, max_tokens_per_step=256, max_mod
 @pytest.fixture(scope="module")
 def cluster():
     """The gateway's URL and its one instance's."""
-    with LocalCluster.build({"smol": "smollm2-135m-instruct"}, load_hardware("cpu"), get_policy("talaria"),
-                            api_keys=[KEY], instances=1, devices_per_instance=1, engine_config=CONFIG,
-                            kv_bytes_per_device=64 << 20) as lc:
+    with LocalCluster.build(InstanceConfig({"smol": "smollm2-135m-instruct"}, ServerConfig((KEY,)), CONFIG,
+                                           hardware="cpu", kv_bytes_per_device=64 << 20)) as lc:
         with lc.gateway(get_policy("talaria"), probe_interval_s=0.5) as gateway:
             yield gateway, lc.urls[0]
 

@@ -20,8 +20,8 @@ from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.serve.app import serve_in_thread
 from talaria_jax.serve.gateway import build_gateway
+from talaria_jax.serve.config import InstanceConfig, ServerConfig
 from talaria_jax.serve.local_cluster import LocalCluster
-from talaria_jax.sim.hardware import load_hardware
 
 pytestmark = pytest.mark.slow  # SmolLM2 behind two real servers
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (litellm would fetch its cost map from the web)
@@ -57,11 +57,12 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def gateway():
-    with LocalCluster.build({"smol": "smollm2-135m-instruct"}, load_hardware("cpu"), get_policy("talaria"),
-                            api_keys=[KEY, OTHER], instances=2, devices_per_instance=1, engine_config=CONFIG,
-                            kv_bytes_per_device=256 << 20) as lc:
+    with LocalCluster.build(InstanceConfig({"smol": "smollm2-135m-instruct"}, ServerConfig((KEY, OTHER)), CONFIG,
+                                           hardware="cpu", kv_bytes_per_device=256 << 20), instances=2) as lc:
         recorder = Recorder(build_gateway(lc.urls, api_keys=[KEY, OTHER], policy=get_policy("talaria"),
-                                          probe_interval_s=5.0))  # (health checks wait 5 s on a busy CPU)
+                                          probe_interval_s=5.0, probe_timeout_s=600.0))
+        # (health checks wait 5 s on a busy CPU; a probe waits for the step in flight, which may compile a
+        # new step shape here: the engines do not warm up, and a slow probe would pass its instance over)
         url, server = serve_in_thread(recorder)
         try:
             yield url, recorder

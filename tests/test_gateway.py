@@ -21,8 +21,8 @@ from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.serve.app import serve_in_thread
 from talaria_jax.serve.gateway import _Relay, build_gateway
+from talaria_jax.serve.config import InstanceConfig, ServerConfig
 from talaria_jax.serve.local_cluster import LocalCluster
-from talaria_jax.sim.hardware import load_hardware
 
 pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
 
@@ -46,8 +46,8 @@ def metric(url: str, name: str) -> float:
 def cluster():
     """Two in-process instance servers, each hosting SmolLM2 and tiny-dense on one device under talaria,
     and the gateway over them (limits: 4 KiB bodies)."""
-    with LocalCluster.build([SMOL, "tiny-dense"], load_hardware("cpu"), get_policy("talaria"), api_keys=[KEY, OTHER],
-                      instances=2, devices_per_instance=1, engine_config=CONFIG, kv_bytes_per_device=32 << 20) as lc:
+    with LocalCluster.build(InstanceConfig({SMOL: SMOL, "tiny-dense": "tiny-dense"}, ServerConfig((KEY, OTHER)), CONFIG,
+                                           hardware="cpu", kv_bytes_per_device=32 << 20), instances=2) as lc:
         with lc.gateway(get_policy("talaria"), max_body_bytes=4096, probe_interval_s=0.2) as url:
             yield lc.router, url, lc.urls
 
@@ -176,7 +176,8 @@ def test_a_call_is_rendered_and_tokenized_once_and_a_probe_is_its_callers_only(c
                        headers={"Authorization": f"Bearer {KEY}", "x-talaria-probe": probe["probe"],
                                 "x-session-id": "known-now"})
     assert again.status_code == 200 and len(renders) == n
-    assert again.json()["prompt_tokens"] == probe["prompt_tokens"] and again.json()["probe"] != probe["probe"]
+    # (kept again under the same id: a probe keeps a request under its request id)
+    assert again.json()["prompt_tokens"] == probe["prompt_tokens"] and again.json()["probe"] == probe["probe"]
     other = {**body, "messages": [{"role": "user", "content": "Name three colors of the rainbow, please."}]}
     r = httpx.post(f"{instances[0]}/v1/chat/completions", json=other, timeout=300,
                    headers={"Authorization": f"Bearer {OTHER}", "x-talaria-probe": again.json()["probe"]})

@@ -9,10 +9,9 @@ import pytest
 from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.launch.common import HOST_KV_SHARE, available_host_bytes, host_kv_bytes
 from talaria_jax.models import greedy_generate, init_model, load_model_config
-from talaria_jax.scheduler.policies import get_policy
+from talaria_jax.serve.config import InstanceConfig, ServerConfig
 from talaria_jax.serve.local_cluster import LocalCluster
 from talaria_jax.sharding import make_mesh
-from talaria_jax.sim.hardware import load_hardware
 
 pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
 
@@ -39,9 +38,8 @@ def call(url: str, session: str, prompt: list[int], max_tokens: int = 4) -> dict
 def server():
     """One instance server over tiny-dense under talaria (named sessions' KV is copied to host when
     their calls end), keeping at most 6 sessions."""
-    with LocalCluster.build(["tiny-dense"], load_hardware("cpu"), get_policy("talaria"), api_keys=[KEY], instances=1,
-                            devices_per_instance=1, engine_config=CONFIG, kv_bytes_per_device=None,
-                            host_kv_bytes=None, max_sessions=6) as lc:
+    with LocalCluster.build(InstanceConfig({"tiny-dense": "tiny-dense"}, ServerConfig((KEY,), max_sessions=6), CONFIG,
+                                           hardware="cpu")) as lc:
         yield lc.apps[0].state.backend, lc.urls[0]
 
 
@@ -52,7 +50,7 @@ def test_host_kv_and_sessions_stay_bounded_and_an_evicted_session_gets_the_same_
     call(url, "s0", prompts["s0"])
     one_copy = metric(url, "host_kv_bytes")
     assert one_copy > 0 and metric(url, "host_kv_copies") == 1
-    ie.instance.host_budget.capacity_bytes = int(3 * one_copy)  # what --host_kv_bytes sets: room for 3 copies
+    ie.instance.kv.budget.capacity_bytes = int(3 * one_copy)  # what --host_kv_bytes sets: room for 3 copies
     for sid, prompt in list(prompts.items())[1:]:
         call(url, sid, prompt)
         assert metric(url, "host_kv_bytes") <= 3 * one_copy

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from talaria_jax.engine.engine import EngineConfig
-from talaria_jax.instance import Instance, SessionTokens
+from talaria_jax.instance import Instance, SessionTokens, shapes_of
 from talaria_jax.kvcache.pool import buffer_pointers
-from talaria_jax.local import replay_local, shapes_of
+from talaria_jax.local import replay_local
 from talaria_jax.models import init_model, load_model_config
 from talaria_jax.models.model import forward
 from talaria_jax.scheduler.api import WeightState

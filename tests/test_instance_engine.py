@@ -7,7 +7,7 @@ import pytest
 from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.local import build_instances
+from talaria_jax.instance import build_instances
 from talaria_jax.models import greedy_generate
 from talaria_jax.scheduler import Hints
 from talaria_jax.scheduler.policies import get_policy
@@ -100,10 +100,10 @@ def test_an_abort_frees_pages_and_idle_sessions_are_forgotten(ie):
     run(ie, [ie.add_request([1, 2, 3], GREEDY, model="tiny-moe", cache_salt="a", session="idle")])
     run(ie, [ie.add_request([4, 5, 6], GREEDY, model="tiny-moe", cache_salt="a")])  # a single call: forgotten
     # the aborted session may return; the single call is gone; only "idle" has KV on host
-    assert set(ie.sessions.sessions) == {"gone", "idle"} and set(ie.instance._host) == {"idle"}
+    assert set(ie.sessions.sessions) == {"gone", "idle"} and ie.instance.kv.with_host_copy() == {"idle"}
     ie.session_ttl_s = 0.0  # now every idle session is past its time
     run(ie, [ie.add_request([7, 8, 9], GREEDY, model="tiny-moe", cache_salt="a")])
-    assert len(ie.sessions) == 0 and not ie.instance._host and not ie.instance.tokens.history
+    assert len(ie.sessions) == 0 and not ie.instance.kv.with_host_copy() and not ie.instance.tokens.history
     ie.session_ttl_s = 3600.0
 
 
@@ -116,6 +116,6 @@ def test_a_call_that_says_it_ends_its_session_frees_the_session_once_hints_hold(
     # the first two ends were not believed (fewer than three sessions had borne a hint out by then):
     # those sessions keep their KV for a return, until their ttl; s2's second call was the third to
     # bear a hint out, so s2 and s3 are freed as their last calls end
-    assert set(ie.sessions.sessions) == {"s0", "s1"} and set(ie.instance._host) == {"s0", "s1"}
+    assert set(ie.sessions.sessions) == {"s0", "s1"} and ie.instance.kv.with_host_copy() == {"s0", "s1"}
     assert not {"s2", "s3"} & set(ie.scheduler.state[ie.instance.name].budget.reservations)
     ie.reset(get_policy("talaria"))

@@ -16,8 +16,7 @@ import jinja2
 import pytest
 
 from talaria_jax.engine.engine import EngineConfig
-from talaria_jax.instance import Instance, LiveTokens
-from talaria_jax.local import shapes_of
+from talaria_jax.instance import Instance, LiveTokens, shapes_of
 from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.serve import protocol, schema
 from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread, serving

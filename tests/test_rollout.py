@@ -452,7 +452,15 @@ def test_http_api_matches_the_in_process_service(tmp_path, trainer):
         with pytest.raises(RequestError, match=r"prompts\[0\]\[0\] is 999"):
             client.generate([[999]], params)
         assert client.abort("nobody") is None
-        assert RolloutClient(url, api_key="wrong").http.get("/v1/stats").status_code == 401
+        # the instance server's key check and error body (talaria_jax.web)
+        wrong = RolloutClient(url, api_key="wrong").http.get("/v1/stats")
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        for path, content, status, says in [("/v1/generate", b"{not json", 400, "not valid JSON"),
+                                            ("/v1/generate", b"[1, 2]", 400, "must be a JSON object"),
+                                            ("/v1/generate", b'{"prompts": [[1]], "n": "2"}', 400, "n must be"),
+                                            ("/v1/nothing", b"{}", 404, "Not Found")]:
+            r = client.http.post(path, content=content)
+            assert r.status_code == status and says in r.json()["error"]["message"], (path, r.text)
         new = load_model("tiny-dense", seed=1)
         checkpoint.save(new.model, tmp_path / "ckpt")
         old = [g[0].token_ids for g in client.generate(prompts(6), LONG)]

@@ -12,6 +12,7 @@ from talaria_jax.engine import grammar
 from talaria_jax.serve import protocol, tools
 from talaria_jax.launch.common import chat_template_text
 from talaria_jax.tokenizer import ByteTokenizer, chat_text, render_chat_template
+from talaria_jax import web
 
 SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                  "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
@@ -243,7 +244,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "search", "argu
      "messages[0].tool_calls[0]"),  # arguments as an object, not a JSON string
 ])
 def test_bad_chat_requests_name_the_field(extra, param):
-    with pytest.raises(protocol.ApiError) as e:
+    with pytest.raises(web.ApiError) as e:
         protocol.parse_chat({**BODY, **extra}, protocol.Limits())
     assert e.value.status == 400 and e.value.param == param, e.value.message
 

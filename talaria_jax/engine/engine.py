@@ -36,6 +36,7 @@ from talaria_jax.kvcache.allocator import SequencePages
 from talaria_jax.kvcache.host_tier import HostKV, HostKVEvicted, HostTier
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.kvcache.prefix import PrefixCache
+from talaria_jax.kvcache.session_kv import ModelKV
 from talaria_jax.models.model import ShardedModel, with_params
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
 
@@ -151,17 +152,21 @@ class Engine:
     """
 
     def __init__(self, model: ShardedModel, config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
-                 arena: KVArena | None = None):
+                 arena: KVArena | None = None, kv: ModelKV | None = None, weight_slot: tuple | None = None):
         """Allocates the KV pool (or takes a share of `arena`) and, unless `config.warmup` is off, compiles
         everything serving runs.
         `arena`: a KV arena shared with other engines on the same mesh (`KVArena.for_models`), which
         then sizes the pool and its pages (EngineConfig.num_pages and kv_memory_bytes_per_device must be
         unset); None: the engine's own, of config.page_size tokens per page.
+        `kv`: the prefix cache and host tier to use, built over `arena` by their owner (an instance's
+        ``SessionKV``); None: the engine builds its own (a prefix cache only with config.prefix_cache).
+        `weight_slot`: (a ``WeightSlot``, this model's ``SlotLayout`` in it): the steps read the weights
+        from the slot that several models share (``Runner.use_slot``); None: from the model's arrays.
 
         Raises:
             ValueError: an invalid `config` (`EngineConfig.validate` names the field), a `max_model_len` past
-                the model's, tree drafts on a model without full attention, or a pool size given beside a shared
-                `arena` or an `arena` on another mesh.
+                the model's, tree drafts on a model without full attention, a pool size given beside a shared
+                `arena`, an `arena` on another mesh, or `kv` not over `arena`.
         """
         config.validate()
         if config.speculation is not None and config.speculation.tree and any(model.cfg.sliding_windows):
@@ -188,8 +193,14 @@ class Engine:
         self.page_size = self.pool_spec.page_size  # tokens per page: config.page_size unless the arena is shared
         self.max_pages_per_seq = max_pages_per_seq = -(-config.max_model_len // self.page_size)
         self.allocator = arena.allocator
-        self.prefix_cache = PrefixCache(self.allocator, self.page_size) if config.prefix_cache else None
-        self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.model.cfg.name, weights=model.fingerprint)
+        if kv is None:
+            self.prefix_cache = PrefixCache(self.allocator, self.page_size) if config.prefix_cache else None
+            self.host_tier = HostTier(self.pool_spec, model.mesh, model=self.model.cfg.name, weights=model.fingerprint)
+        elif kv.prefix_cache.allocator is not self.allocator or kv.host_tier.spec != self.pool_spec:
+            raise ValueError(f"Engine(kv=...): {self.model.cfg.name}'s prefix cache and host tier must be built over "
+                             f"the engine's KV arena (SessionKV.add_model)")
+        else:
+            self.prefix_cache, self.host_tier = kv.prefix_cache, kv.host_tier
         spec = config.speculation
         self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
@@ -198,6 +209,8 @@ class Engine:
                                                       self.model.cfg.attention_sinks),
                              draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
                              compiler_options=config.compiler_options)
+        if weight_slot is not None:
+            self.runner.use_slot(*weight_slot)
         self.scheduler = EngineScheduler(
             Limits(config.max_seqs, config.max_tokens_per_step, config.max_model_len, config.seed), self.allocator,
             self.page_size, prefix_cache=self.prefix_cache, host=_HostCopies(self),
@@ -251,6 +264,12 @@ class Engine:
         """Whether the request is queued and not admitted (it holds no pages)."""
         req = self.scheduler.requests.get(request_id)
         return req is not None and req in self.scheduler.waiting
+
+    def clear_prefix_cache(self) -> None:
+        """Drops every page the prefix cache keeps (the next requests prefill their prompts whole);
+        nothing without a prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def cached_prefix(self, cache_salt: str | None, tokens) -> int:
         """Leading tokens of `tokens` whose KV this engine's prefix cache holds for the tenant (0
@@ -423,7 +442,7 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------------
     def prefix_key(self, cache_salt: str | None = None) -> tuple:
         """The prefix-cache key of this engine's requests with `cache_salt` (model, weights, tenant)."""
-        return self.model.cfg.name, self.model.fingerprint, cache_salt
+        return self.host_tier.source.prefix_key(cache_salt)
 
     def run_step(self) -> StepReport:
         """`step()`, with what the step computed: prompt tokens prefilled, tokens decoded, prefix tokens

@@ -77,18 +77,19 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from talaria_jax import calibration, local
+    from talaria_jax import calibration
+    from talaria_jax.sharding import simulate_cpu_devices
 
     rollout = FLAGS.engine == "rollout"
-    local.simulate_cpu_devices(FLAGS.devices_per_instance * (2 if rollout else 1))
+    simulate_cpu_devices(FLAGS.devices_per_instance * (2 if rollout else 1))
     from talaria_jax.engine.engine import EngineConfig
-    from talaria_jax.instance import SessionTokens
+    from talaria_jax.instance import SessionTokens, build_instances
     from talaria_jax.sim.hardware import load_hardware
 
     hw0 = dataclasses.replace(load_hardware("h200x8"), num_gpus=FLAGS.devices_per_instance)  # estimates unused here
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=1040, warmup=False)
-    inst = local.build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
-                                 engine_config=ec, tokens=SessionTokens())[0]
+    inst = build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
+                           engine_config=ec, tokens=SessionTokens())[0]
     points, colocated = [], 1.0
     if rollout:
         points, colocated = rollout_points(FLAGS.models, FLAGS.devices_per_instance)

@@ -38,34 +38,19 @@ def spec_config(max_spec_tokens: int):
     return SpecConfig(max_spec_tokens=max_spec_tokens) if max_spec_tokens else None
 
 
-def instance_apps(models: dict[str, str], *, instances: int, tp: int, policy: str, dtype: str | None, engine_config,
-                  kv_bytes_per_device: int | None, hardware: str | None, api_keys: list[str], limits,
-                  tenant_secret: bytes | None, compilation_cache: str | None, **serving_kw) -> list:
-    """`serve.local_cluster.instance_apps` for a launcher: the compilation cache on, names resolved
-    (`hardware` None: cpu on the CPU backend, h200x8 elsewhere), and a bad model, policy, profile or
-    device count a usage error naming it. `serving_kw`: host_kv_bytes, max_sessions, session_ttl_s,
-    tool_call_parser, chat_template, inferred_calls, responses_stored, responses_ttl_s."""
-    import jax
-
+def instance_apps(config, *, compilation_cache: str | None, instances: int = 1) -> list:
+    """`serve.local_cluster.instance_apps(config)` (a `serve.config.InstanceConfig`) for a launcher:
+    the compilation cache on, and a bad model, profile or device count a usage error naming it."""
     from talaria_jax.engine import enable_compilation_cache
     from talaria_jax.engine.memory_maps import MapLimitError
-    from talaria_jax.scheduler.policies import get_policy
     from talaria_jax.serve import local_cluster
-    from talaria_jax.sim.hardware import ConfigError, load_hardware
     from talaria_jax.weights import CheckpointError
 
     if compilation_cache != "off":
         enable_compilation_cache(compilation_cache)
-    if not models:
-        raise app.UsageError("--model: give at least one model")
     try:
-        return local_cluster.instance_apps(models, load_hardware(hardware or ("cpu" if jax.default_backend() == "cpu"
-                                                                              else "h200x8")),
-                                           get_policy(policy), instances=instances, devices_per_instance=tp,
-                                           engine_config=engine_config, kv_bytes_per_device=kv_bytes_per_device,
-                                           api_keys=api_keys, limits=limits, dtype=dtype, tenant_secret=tenant_secret,
-                                           **serving_kw)
-    except (CheckpointError, ConfigError, ValueError) as e:
+        return local_cluster.instance_apps(config, instances)
+    except (CheckpointError, ValueError) as e:  # (ConfigError is a ValueError)
         raise app.UsageError(str(e)) from None
     except MapLimitError as e:  # a limit of this machine, not a usage error: its one-line message, no traceback
         sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")

@@ -141,8 +141,8 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     The results carry the load average before the first replay."""
     load_average = os.getloadavg()[0]
     from talaria_jax.engine.engine import EngineConfig
-    from talaria_jax.instance import SessionTokens
     from talaria_jax import local
+    from talaria_jax.instance import SessionTokens, build_instances
 
     calls = local.local_trace(local.LOCAL_TRACES[local_trace]) if trace is None else local.map_models(read_jsonl(trace), model_map)
     calls = [dataclasses.replace(c, tool_gap_s=c.tool_gap_s * tool_gap_scale) for c in calls]
@@ -150,8 +150,8 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     hw = dataclasses.replace(load_hardware(hardware), num_gpus=devices_per_instance)
     longest = max(c.context_after for c in calls)
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
-    insts = local.build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
-                                  engine_config=ec, tokens=SessionTokens(), exclude_compiles=True)
+    insts = build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
+                            engine_config=ec, tokens=SessionTokens(), exclude_compiles=True)
     shapes = insts[0].shapes()
     # One unreported replay per policy first compiles the step shapes and copies it meets. Batches move with
     # the seeds' tool times, so a measured replay still meets new shapes (a dozen programs of 2-7 s each in
@@ -307,7 +307,7 @@ def _main_local() -> None:
     servers = FLAGS.servers if FLAGS["servers"].present else 2  # two instances, so placement matters
     if FLAGS.devices_per_instance < 1:
         raise app.UsageError(f"--devices_per_instance={FLAGS.devices_per_instance} must be >= 1")
-    from talaria_jax.local import simulate_cpu_devices
+    from talaria_jax.sharding import simulate_cpu_devices
 
     simulate_cpu_devices(servers * FLAGS.devices_per_instance)
     trace_given = FLAGS["trace"].present

@@ -92,7 +92,7 @@ def plot_timelines(results: dict, path: str) -> None:
 
 def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec_tokens: int,
                    replicas_per_host: int = 1):
-    """Each configuration's replay of the same step, as it ends: (name, StepResult, seconds it took here)."""
+    """Each configuration's replay of the same step, as it ends: (name, ReplayedStep, seconds it took here)."""
     from talaria_jax.engine.spec import SpecConfig
     from talaria_jax.rollout.replay import replay_step
 
@@ -106,7 +106,7 @@ def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec
 
 def print_step(results) -> dict:
     """Prints each configuration's row as its replay ends (the baseline's tok/s is the unit once it
-    has run); returns name -> (StepResult, seconds)."""
+    has run); returns name -> (ReplayedStep, seconds)."""
     print("| config | step s | tok/s | over baseline | prefill tokens | verify steps | accepted / drafted | replay s |")
     print("|---|---|---|---|---|---|---|---|")
     out, base = {}, None

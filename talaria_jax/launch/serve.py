@@ -24,6 +24,8 @@ import threading
 import uvicorn
 from absl import app, flags, logging
 
+FLAGS = flags.FLAGS
+
 _MODEL = flags.DEFINE_list("model", ["smollm2-135m-instruct"], "Models of the instance, comma-separated: each a named "
                            "model, .gguf file, HF or Orbax checkpoint folder, or config name (random weights).")
 _NAME = flags.DEFINE_list("served_model_name", None, "The models' names in requests, one per --model (default: "
@@ -77,6 +79,15 @@ _TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", 
 _CHAT_TEMPLATE = flags.DEFINE_string("chat_template", None, "A Jinja chat template file used for every model of the "
                                      "instance in place of its tokenizer's (a model without one serves chats with "
                                      "it).")
+_CONFIG = flags.DEFINE_string("config", None, "A YAML file of the whole instance (talaria_jax.serve.config."
+                              "InstanceConfig: models, engine, policy, KV and host budgets, server); it replaces the "
+                              "instance's flags, and --api_key (or $TALARIA_API_KEY) gives its keys where it names "
+                              "none.")
+# the flags an InstanceConfig replaces (--config gives them all at once)
+_INSTANCE_FLAGS = ("model", "served_model_name", "policy", "hardware", "tp", "dtype", "max_model_len", "max_seqs",
+                   "kv_mib_per_device", "max_tokens_limit", "max_n", "max_body_bytes", "tenant_secret", "speculate",
+                   "host_kv_bytes", "max_sessions", "session_ttl_s", "inferred_calls", "responses_stored",
+                   "responses_ttl_s", "warmup", "tool_call_parser", "chat_template")
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
                                  "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
 
@@ -84,39 +95,60 @@ _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilat
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from talaria_jax.engine import EngineConfig
-    from talaria_jax.launch.common import chat_template_text, host_kv_bytes, instance_apps, spec_config
-    from talaria_jax.serve.protocol import Limits
+    from talaria_jax.launch.common import instance_apps
 
     keys = [k.strip() for k in (_KEY.value or os.environ.get("TALARIA_API_KEY", "")).split(",") if k.strip()]
-    if not keys:
-        keys = ["sk-" + secrets.token_urlsafe(24)]
-        print(f"no --api_key or $TALARIA_API_KEY: this server's key is {keys[0]}", file=sys.stderr)
-    names = _NAME.value or _MODEL.value
-    if len(names) != len(_MODEL.value):
-        raise app.UsageError(f"--served_model_name has {len(names)} names for {len(_MODEL.value)} models")
-    cfg = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
-                       max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value,
-                       speculation=spec_config(_SPECULATE.value))
-    [api] = instance_apps(dict(zip(names, _MODEL.value)), instances=1, tp=_TP.value, policy=_POLICY.value,
-                          dtype=_DTYPE.value, engine_config=cfg,
-                          kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None, hardware=_HARDWARE.value,
-                          api_keys=keys, limits=Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value,
-                                                       max_n=_MAX_N.value),
-                          tenant_secret=(_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET", "")).encode() or None,
-                          compilation_cache=_XLA_CACHE.value, host_kv_bytes=host_kv_bytes(_HOST_KV.value),
-                          max_sessions=_MAX_SESSIONS.value, session_ttl_s=_SESSION_TTL.value,
-                          tool_call_parser=_TOOL_PARSER.value, chat_template=chat_template_text(_CHAT_TEMPLATE.value),
-                          inferred_calls=_INFERRED.value, responses_stored=_RESPONSES.value,
-                          responses_ttl_s=_RESPONSES_TTL.value)
+    made = "sk-" + secrets.token_urlsafe(24)  # the key where neither the flags nor a --config file give one
+    config = instance_config(tuple(keys) or (made,))
+    if config.server.api_keys == (made,):
+        print(f"no --api_key or $TALARIA_API_KEY: this server's key is {made}", file=sys.stderr)
+    [api] = instance_apps(config, compilation_cache=_XLA_CACHE.value)
+    names = list(config.models)
     server = DrainingServer(uvicorn.Config(api, host=_HOST.value, port=_PORT.value, log_level="warning",
                                            timeout_graceful_shutdown=max(1, int(_DRAIN.value))),
                             api.state.engine, _DRAIN.value)
-    cap = api.state.backend.instance.host_budget.capacity_bytes
+    cap = api.state.backend.instance.kv.budget.capacity_bytes
     print(f"serving {', '.join(names)} on http://{_HOST.value}:{_PORT.value}/v1 (host KV: "
           f"{'unbounded' if cap is None else f'{cap / 2**30:.2f} GiB'})", file=sys.stderr)
     server.run()
     api.state.engine.close()
+
+
+def instance_config(keys: tuple[str, ...]):
+    """The instance, typed: --config's file (its API keys, else `keys`), or the flags (and `keys`). A
+    bad value is a usage error naming it."""
+    from talaria_jax.config_io import ConfigError
+    from talaria_jax.engine import EngineConfig
+    from talaria_jax.launch.common import chat_template_text, host_kv_bytes, spec_config
+    from talaria_jax.serve.config import InstanceConfig, ServerConfig
+    from talaria_jax.serve.protocol import Limits
+
+    try:
+        if _CONFIG.value:
+            given = [f"--{name}" for name in _INSTANCE_FLAGS if FLAGS[name].present]
+            if given:
+                raise app.UsageError(f"--config={_CONFIG.value} gives the whole instance; drop {', '.join(given)}")
+            return InstanceConfig.from_file(_CONFIG.value, api_keys=keys)
+        names = _NAME.value or _MODEL.value
+        if len(names) != len(_MODEL.value):
+            raise app.UsageError(f"--served_model_name has {len(names)} names for {len(_MODEL.value)} models")
+        if not names:
+            raise app.UsageError("--model: give at least one model")
+        server = ServerConfig(
+            keys, Limits(max_body_bytes=_MAX_BODY.value, max_tokens=_MAX_TOKENS.value, max_n=_MAX_N.value),
+            tenant_secret=_SECRET.value or os.environ.get("TALARIA_TENANT_SECRET") or None,
+            max_sessions=_MAX_SESSIONS.value, session_ttl_s=_SESSION_TTL.value, tool_call_parser=_TOOL_PARSER.value,
+            chat_template=chat_template_text(_CHAT_TEMPLATE.value), inferred_calls=_INFERRED.value,
+            responses_stored=_RESPONSES.value, responses_ttl_s=_RESPONSES_TTL.value)
+        engine = EngineConfig(max_seqs=_MAX_SEQS.value, max_tokens_per_step=max(256, _MAX_SEQS.value),
+                              max_model_len=_MAX_LEN.value, prefix_cache=True, warmup=_WARMUP.value,
+                              speculation=spec_config(_SPECULATE.value))
+        return InstanceConfig(dict(zip(names, _MODEL.value)), server, engine, policy=_POLICY.value,
+                              hardware=_HARDWARE.value, devices=_TP.value, dtype=_DTYPE.value,
+                              kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
+                              host_kv_bytes=host_kv_bytes(_HOST_KV.value))
+    except ConfigError as e:
+        raise app.UsageError(str(e)) from None
 
 
 class DrainingServer(uvicorn.Server):

@@ -31,11 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import uvicorn
-from absl import logging
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from talaria_jax.engine.engine import Engine, RequestOutput
 from talaria_jax.engine.errors import RequestError
@@ -45,8 +42,9 @@ from talaria_jax.serve import messages, protocol, responses, schema, tools
 from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.metrics import ServerMetrics
-from talaria_jax.serve.protocol import ApiError, Limits, Parsed
+from talaria_jax.serve.protocol import Limits, Parsed
 from talaria_jax.tokenizer import IncrementalDetokenizer, chat_text, joined
+from talaria_jax.web import ApiError, json_errors, key_checker, read_json
 
 __all__ = ["ServedModel", "build_app", "key_checker", "openai_errors", "read_json", "serve_in_thread", "serving",
            "session_header", "tenant_salt"]
@@ -166,7 +164,8 @@ async def list_models(request: Request):
 def get_metrics(request: Request):  # a plain def: FastAPI runs it in a thread (it reads the engine)
     srv = _server(request)
     srv.caller(request)
-    return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    body, media_type = srv.metrics.render(request.headers.get("accept", ""))
+    return Response(body, media_type=media_type)
 
 
 @routes.post("/v1/completions", **schema.COMPLETIONS)
@@ -233,7 +232,8 @@ async def probe(request: Request, kind: Literal["completion", "chat"] = "complet
             return {**backend.state(prep.session), "prompt_tokens": len(prep.prompt),
                     "device_tokens": loc.device_tokens, "host_tokens": loc.host_tokens}
     answer = await asyncio.to_thread(read)
-    answer["probe"] = srv.probes.put(prep)
+    if srv.probes.put(prep):
+        answer["probe"] = prep.request_id
     if tokens:
         answer["prompt_token_ids"] = prep.prompt
     return JSONResponse(answer)  # plain JSON already: no walk of every token id by FastAPI's encoder
@@ -250,6 +250,7 @@ async def _prepare(request: Request, chat: bool, probing: bool = False, body: An
     if srv.ae.state != "running":
         raise ApiError(503, f"the server is {srv.ae.state}", code="unavailable")
     salt = tenant_salt(key, srv.secret)
+    rid = protocol.request_id(request.headers)
     probed = request.headers.get("x-talaria-probe")
     if probed is not None:  # (a probe too: asked again once the router knows the call's session)
         prep = srv.probes.take(probed, salt)
@@ -293,7 +294,7 @@ async def _prepare(request: Request, chat: bool, probing: bool = False, body: An
     if p.session is not None:  # named as a header names it (any characters, at most 256)
         p.session = protocol.header_value(p.session)
     session = None if p.session is None else f"{salt[:16]}:{p.session}"  # tenants' sessions never mix
-    return Prepared(served, p, prompt, salt, session, how, inferred)
+    return Prepared(served, p, prompt, salt, session, rid, how, inferred)
 
 
 async def _generate(request: Request, chat: bool, body: Any = None, session: tuple[str, str] | None = None):
@@ -307,10 +308,11 @@ async def _generate(request: Request, chat: bool, body: Any = None, session: tup
     # a multi-model instance's scheduler takes the agent hints; a one-model engine has none to give them to
     route = {} if srv.backend is None else {"model": served.name, "hints": p.hints}
     choices: list[_Choice] = []
+    rid = prep.request_id
     try:
-        for i, params in enumerate(p.params):
-            rid, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, cache_salt=salt, session=session,
-                                                 **route)
+        for i, params in enumerate(p.params):  # (choice i of n > 1: its own engine request, `<id>-<i>`)
+            _, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, rid if len(p.params) == 1 else
+                                               f"{rid}-{i}", cache_salt=salt, session=session, **route)
             choices.append(_Choice(i, rid, queue, p, served.tokenizer,
                                    served.tool_format if chat and p.tool_choice.mode != "none" else None))
     except RequestError as e:
@@ -319,8 +321,9 @@ async def _generate(request: Request, chat: bool, body: Any = None, session: tup
     except Unavailable as e:
         _abort_all(ae, choices)
         raise ApiError(503, str(e), code="unavailable") from None
-    rid = protocol.new_id(chat)
-    named = {"x-talaria-session": p.session} if p.session is not None else {}  # the session it was served in
+    # the session it was served in, and the call's id
+    named = {"x-request-id": rid} | ({"x-talaria-session": p.session} if p.session is not None else {})
+    rid = protocol.new_id(chat, rid)
     if p.stream:
         return StreamingResponse(_stream(ae, request, choices, chat, rid, p, len(prompt), prep),
                                  media_type="text/event-stream", headers=named)
@@ -354,27 +357,32 @@ class Prepared:
     prompt: list[int]
     salt: str  # the caller's tenant salt
     session: str | None  # the session, named within the tenant
+    request_id: str  # the call's one id (protocol.request_id)
     how: str | None = None  # how the session was identified (protocol.IDENTIFIED)
     inferred: Identified | None = None  # the inference's record of the call, if it was inferred
 
 
 class _Probed:
-    """Requests the probe checked, by a random id, for the router's forward of one of them: each is
-    taken once, by the caller that probed it, within `ttl_s`; the oldest go past `capacity` (a
-    forward follows its probe at once: this bounds the memory of those never forwarded here)."""
+    """Requests the probe checked, by their request id, for the router's forward of one of them: each
+    is taken once, by the caller that probed it, within `ttl_s`; the oldest go past `capacity` (a
+    forward follows its probe at once: this bounds the memory of those never forwarded here). A
+    request whose id is kept already is not kept (two calls a client sent under one id: each is then
+    read from its own body)."""
 
     def __init__(self, capacity: int = 256, ttl_s: float = 60.0):
         self.capacity, self.ttl_s = capacity, ttl_s
         self._items: collections.OrderedDict[str, tuple[float, Prepared]] = collections.OrderedDict()
         self._mu = threading.Lock()
 
-    def put(self, prep: Prepared) -> str:
-        pid = secrets.token_hex(16)
+    def put(self, prep: Prepared) -> bool:
+        """Keeps `prep` under its request id; False if that id is kept already."""
         with self._mu:
-            self._items[pid] = (time.monotonic(), prep)
+            if prep.request_id in self._items:
+                return False
+            self._items[prep.request_id] = (time.monotonic(), prep)
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
-        return pid
+        return True
 
     def take(self, pid: str, salt: str) -> Prepared | None:
         with self._mu:
@@ -384,47 +392,12 @@ class _Probed:
         return prep
 
 
-def key_checker(api_keys: Sequence[str]):
-    """`caller(request)`: the request's API key (`Authorization: Bearer <key>`, or `x-api-key: <key>`
-    as Anthropic's clients send it), or ApiError 401 unless it is one of `api_keys` (compared in
-    constant time, every key)."""
-    keys = [k.encode() for k in api_keys]
-
-    def caller(request: Request) -> str:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "").strip()
-        if not key or sum(hmac.compare_digest(key.encode(), k) for k in keys) == 0:
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>', or 'x-api-key: <key>')",
-                           code="invalid_api_key")
-        return key
-    return caller
-
-
 def openai_errors(app: FastAPI) -> None:
-    """Every error of `app` answered as OpenAI's error body (Anthropic's on `/v1/messages`): ApiError,
-    unknown routes and methods, a declared parameter FastAPI refuses (400 naming it, not FastAPI's
-    422), and bugs (500, logged; no traceback reaches the client)."""
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        if request.url.path == "/v1/messages":
-            return JSONResponse(messages.error_body(e.status, e.message), status_code=e.status)
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_parameter(request: Request, e: RequestValidationError):  # e.g. the probe's `kind`
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"][1:]) or None  # loc: ("query", "kind")
-        message = f"'{param}' is invalid: {err['msg']}" if param else f"the request is invalid: {err['msg']}"
-        return await _api_error(request, ApiError(400, message[:300], param, "invalid_value"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
-        return await _api_error(request, ApiError(e.status_code, str(e.detail)))
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        logging.exception("request failed")
-        return await _api_error(request, ApiError(500, f"internal error ({type(e).__name__})"))
+    """Every error of `app` answered as OpenAI's error body (``web.json_errors``), and as Anthropic's on
+    `/v1/messages`."""
+    def body(request: Request, e: ApiError) -> dict:
+        return messages.error_body(e.status, e.message) if request.url.path == "/v1/messages" else e.body()
+    json_errors(app, body)
 
 
 def _identified(request: Request) -> str:
@@ -441,23 +414,6 @@ def session_header(request: Request) -> str | None:
         raise ApiError(400, "the x-session-id header must be 1 to 256 printable ASCII characters", "x-session-id",
                        "invalid_value")
     return header
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON; ApiError 413 past `limit` bytes, 400 when it is not JSON."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise ApiError(413, f"the request body is {size} bytes, over the limit of {limit}", code="body_too_large")
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, a 5000-digit number, deep nesting
-        raise ApiError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
 
 
 def _constrain(model: ServedModel, p: Parsed) -> None:

@@ -64,16 +64,19 @@ class AsyncEngine:
         self._thread.start()
 
     # -- requests ------------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop, *,
-               cache_salt: str | None = None, session: str | None = None, **route) -> tuple[str, asyncio.Queue]:
-        """Queues a request; returns its id and the queue its outputs arrive on (a `RequestOutput` per
-        step that advanced it, the last one finished, or an `EngineDead`). The engine's RequestError for
-        bad input, Unavailable while draining or dead. Blocks for up to a step: call it off the loop.
+    def submit(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+               request_id: str | None = None, *, cache_salt: str | None = None, session: str | None = None,
+               **route) -> tuple[str, asyncio.Queue]:
+        """Queues a request under `request_id` (None: the engine makes one); returns its id and the queue
+        its outputs arrive on (a `RequestOutput` per step that advanced it, the last one finished, or an
+        `EngineDead`). The engine's RequestError for bad input (an id in flight already too),
+        Unavailable while draining or dead. Blocks for up to a step: call it off the loop.
         `route`: more arguments of the engine's add_request (an `InstanceEngine` wants `model`)."""
         with self._lock:
             if self.state != "running":
                 raise Unavailable(f"the server is {self.state}")
-            rid = self.engine.add_request(prompt, params, cache_salt=cache_salt, session=session, **route)
+            rid = self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt, session=session,
+                                          **route)
             with self._mu:
                 self._streams[rid] = _Stream(loop, asyncio.Queue(), time.perf_counter(), session)
                 queue = self._streams[rid].queue

@@ -62,8 +62,9 @@ from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.scheduler.inferred import Identified, SessionInference
 from talaria_jax.scheduler.session import Call, Session
 from talaria_jax.serve import messages, protocol, responses, schema
-from talaria_jax.serve.app import key_checker, openai_errors, read_json, session_header
-from talaria_jax.serve.protocol import ApiError, Limits
+from talaria_jax.serve.app import openai_errors, session_header
+from talaria_jax.serve.protocol import Limits
+from talaria_jax.web import ApiError, key_checker, read_json
 
 __all__ = ["Gateway", "Upstream", "build_gateway", "routes"]
 
@@ -481,6 +482,7 @@ class Gateway:
         `session`: what the translated request names as its session, and how (a response chain)."""
         t0 = time.perf_counter()
         key = self.caller(request)
+        rid = protocol.request_id(request.headers)  # the call's id at every instance it is sent to
         if body is None:
             body = await read_json(request, self.max_body_bytes)
         try:  # what every instance would refuse is refused here, before any instance is asked
@@ -496,7 +498,7 @@ class Gateway:
             sid, how = session
         if _sampled(body) and body.get("seed") is None:
             body["seed"] = secrets.randbelow(_SEED_MAX)  # a retry elsewhere draws the same tokens
-        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-request-id": rid}
         for name in ("x-session-id", "x-agent-hints"):  # (the body's session_id and agent_hints travel in the body)
             if request.headers.get(name) is not None:
                 headers[name] = request.headers[name]
@@ -759,9 +761,10 @@ def _failed(r: httpx.Response | None) -> bool:
 
 
 def _named(call: _Call) -> dict:
-    """The answer's header naming the session the call was placed in (as the client named it, by
-    `prompt_cache_key`, or as inferred)."""
-    return {"x-talaria-session": call.sid} if call.sid is not None else {}
+    """The answer's headers: the call's id, and the session the call was placed in (as the client
+    named it, by `prompt_cache_key`, or as inferred)."""
+    rid = {"x-request-id": call.headers["x-request-id"]}
+    return rid | {"x-talaria-session": call.sid} if call.sid is not None else rid
 
 
 def _output_ids(body: dict) -> list[int] | None:

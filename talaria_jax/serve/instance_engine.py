@@ -53,10 +53,10 @@ class LiveSessions(SessionTable):
         self.sessions: dict[str, _LiveSession] = {}
 
     def next_call(self, sid: str, single: bool, salt: str | None, model: str, prompt_tokens: int,
-                  max_tokens: int, hints: Hints = NO_HINTS) -> Call:
+                  max_tokens: int, hints: Hints = NO_HINTS, request_id: str | None = None) -> Call:
         """The session's next call (its first opens the session)."""
         s = self.sessions.setdefault(sid, _LiveSession(sid, single))
-        call = Call(sid, s.arrivals, model, prompt_tokens, max_tokens, 0.0, hints=hints)
+        call = Call(sid, s.arrivals, model, prompt_tokens, max_tokens, 0.0, hints=hints, request_id=request_id)
         s.arrivals, s.salt = s.arrivals + 1, salt
         if not s.calls:  # the first call names the session's model; the rest are not needed
             s.calls.append(call)
@@ -99,7 +99,6 @@ class InstanceEngine:
         self.sessions = LiveSessions()
         self.scheduler = Scheduler(policy, [self.instance], self.sessions)
         self.requests: dict[str, Call] = {}  # in flight: request id -> call
-        self._rid: dict[tuple[str, int], str] = {}  # call key -> request id
         self._now = self._swept = 0.0
 
     # --- what AsyncEngine and the server read ------------------------------------------------------
@@ -119,19 +118,27 @@ class InstanceEngine:
         return self._now
 
     # --- requests -----------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams, *, model: str,
-                    cache_salt: str | None = None, session: str | None = None, hints: Hints = NO_HINTS) -> str:
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None = None, *,
+                    model: str, cache_salt: str | None = None, session: str | None = None,
+                    hints: Hints = NO_HINTS) -> str:
         """Checks the request against `model`'s engine (RequestError, nothing queued) and routes it as
         the next call of `session`, with what the agent said of it (`Hints`; a call that ends its
-        session frees the session's KV when it finishes)."""
+        session frees the session's KV when it finishes). `request_id` (None: `req-<n>`) names the
+        request here and in the engine, and its outputs."""
         if model not in self.instance.served:
             raise RequestError(f"model {model!r} is not served here (serving {', '.join(self.models)})")
+        if request_id is not None and not isinstance(request_id, str):
+            raise RequestError(f"request_id must be a str or None, got {type(request_id).__name__}")
         ids = self.engine_of(model).check_request(prompt, params)
-        rid = f"req-{next(self._ids)}"
+        rid = request_id
+        while rid is None or (request_id is None and rid in self.requests):  # (a caller may have named one so)
+            rid = f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request_id {rid!r} is already in flight")
         call = self.sessions.next_call(session if session is not None else f"~{rid}", session is None, cache_salt,
-                                       model, len(ids), params.max_tokens, hints)
+                                       model, len(ids), params.max_tokens, hints, request_id=rid)
         self.instance.tokens.begin(call, ids, params, salt=cache_salt, single=session is None)
-        self.requests[rid], self._rid[call.key] = call, rid
+        self.requests[rid] = call
         self.scheduler.on_arrival(call, self.clock())
         return rid
 
@@ -141,11 +148,8 @@ class InstanceEngine:
         call = self.requests.pop(rid, None)
         if call is None:
             return None
-        self._rid.pop(call.key)
         self.instance.tokens.end(call)
         out = None if self.scheduler.withdraw(call) else self.instance.cancel(call)
-        if out is not None:
-            out.request_id = rid
         self.sessions.complete(call, self.instance.name, self.clock())  # the call has ended
         if self.scheduler.ends(call):
             self._forget(call.session)
@@ -156,7 +160,7 @@ class InstanceEngine:
 
     def step(self) -> list[RequestOutput]:
         """Plans the instance (admissions, staging, a switch), runs its next chunk (a switch or one
-        engine step), and returns the outputs of that chunk with this engine's request ids."""
+        engine step), and returns the outputs of that chunk."""
         inst, now = self.instance, self.clock()
         wake = self.scheduler.plan(inst, now)
         end = inst.start_chunk(now)
@@ -166,17 +170,11 @@ class InstanceEngine:
         self.idle_s = 0.0
         self._now = max(self._now, end)
         finished = inst.finish_chunk(end)
-        outs = []
-        for call, out in inst.step_outputs:
-            rid = self._rid.get(call.key)
-            if rid is not None:
-                out.request_id = rid
-                outs.append(out)
+        outs = [out for call, out in inst.step_outputs if call.id in self.requests]
         for call in finished:
             inst.outputs.pop(call.key, None)
             self.instance.tokens.end(call)
-            rid = self._rid.pop(call.key, None)
-            self.requests.pop(rid, None)
+            self.requests.pop(call.id, None)
             self.sessions.complete(call, inst.name, end)
             self.scheduler.on_finish(call, inst, end)
             if self.scheduler.ends(call):  # a single call, or one that said it ends its session (believed)
@@ -234,6 +232,5 @@ class InstanceEngine:
             "switches": inst.stats.switches, "switch_seconds": inst.stats.switch_s,
             "recomputed_tokens": inst.stats.recomputed_tokens, "sessions": len(self.sessions.sessions),
             "sessions_forgotten": self.forgotten_sessions,
-            "host_kv_bytes": sum(b.used_bytes for b in {id(e.host_tier.budget): e.host_tier.budget
-                                                        for e in self.engines}.values()),
+            "host_kv_bytes": inst.kv.budget.used_bytes,
         }

@@ -11,48 +11,41 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
 
 from talaria_jax.engine import enable_compilation_cache
 from talaria_jax.engine.engine import EngineConfig
-from talaria_jax.local import LOCAL_KV_BYTES, build_instances, simulate_cpu_devices
-from talaria_jax.scheduler.policies import PolicyConfig, get_policy
+from talaria_jax.instance import LOCAL_KV_BYTES, build_instances
+from talaria_jax.scheduler.policies import PolicyConfig
 from talaria_jax.serve.app import ServedModel, build_app, serve_in_thread
+from talaria_jax.serve.config import InstanceConfig, ServerConfig
 from talaria_jax.serve.gateway import build_gateway
 from talaria_jax.serve.instance_engine import InstanceEngine
 from talaria_jax.serve.load import AgentSession, SessionResult, agent_sessions, run_sessions
-from talaria_jax.serve.protocol import Limits
 from talaria_jax.serve.responses import Store
-from talaria_jax.sim.hardware import HardwareConfig, load_hardware
+from talaria_jax.sharding import simulate_cpu_devices
 
 __all__ = ["LocalCluster", "demo_cluster", "demo_sessions", "instance_apps"]
 
 
-def instance_apps(models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
-                  instances: int, devices_per_instance: int, engine_config: EngineConfig,
-                  kv_bytes_per_device: int | None, api_keys: Sequence[str], limits: Limits = Limits(),
-                  dtype: str | None = None, tenant_secret: bytes | None = None, host_kv_bytes: int | None = None,
-                  max_sessions: int = 10_000, session_ttl_s: float = 3600.0, tool_call_parser: str = "auto",
-                  chat_template: str | None = None, resident: bool = False, inferred_calls: int = 65_536,
-                  responses_stored: int = 10_000, responses_ttl_s: float = 3600.0) -> list:
-    """`instances` instance servers (FastAPI apps, not started), each an `InstanceEngine` under `policy`
-    over every model of `models` (served name -> what `load_local_model` loads, or a list of names) on
-    its own `devices_per_instance` devices; `app.state.backend` is its InstanceEngine. Each keeps at
-    most `host_kv_bytes` of session KV in host memory (None: unbounded) and `max_sessions` sessions,
-    each until idle for `session_ttl_s`; `tool_call_parser`: how every model's tool calls are read
-    (`serve.tools`; auto: from its chat template); `resident`: every model keeps its own device arrays
-    (`Instance`'s, for a CPU); `inferred_calls`: calls kept to infer the sessions of calls that name
-    none (`build_app`); `responses_stored`, `responses_ttl_s`: the Responses API's stored responses of
-    each instance (`serve.responses.Store`)."""
-    insts = build_instances(models, hw, instances=instances, devices_per_instance=devices_per_instance,
-                            engine_config=engine_config, tokens=None, kv_bytes_per_device=kv_bytes_per_device,
-                            dtype=dtype, host_kv_bytes=host_kv_bytes, resident=resident)
+def instance_apps(config: InstanceConfig, instances: int = 1) -> list:
+    """`instances` instance servers as `config` says (FastAPI apps, not started), each on its own
+    `config.devices` devices: an `Instance` of `config.models`, an `InstanceEngine` running
+    `config.policy` over it, and its server; `app.state.backend` is the InstanceEngine."""
+    s = config.server
+    insts = build_instances(config.models, config.hardware_config(jax.default_backend()), instances=instances,
+                            devices_per_instance=config.devices, engine_config=config.engine, tokens=None,
+                            kv_bytes_per_device=config.kv_bytes_per_device, dtype=config.dtype,
+                            host_kv_bytes=config.host_kv_bytes, resident=config.resident)
     apps = []
     for inst in insts:
-        ie = InstanceEngine(inst, policy, session_ttl_s=session_ttl_s, max_sessions=max_sessions)
-        served = [ServedModel(m, ie.engine_of(m), tool_call_parser, chat_template) for m in ie.models]
-        a = build_app(served, api_keys=api_keys, limits=limits, tenant_secret=tenant_secret, backend=ie,
-                      inferred_calls=inferred_calls, response_store=Store(responses_stored, responses_ttl_s))
+        ie = InstanceEngine(inst, config.policy_config(), session_ttl_s=s.session_ttl_s, max_sessions=s.max_sessions)
+        served = [ServedModel(m, ie.engine_of(m), s.tool_call_parser, s.chat_template) for m in ie.models]
+        a = build_app(served, api_keys=s.api_keys, limits=s.limits, backend=ie,
+                      tenant_secret=s.tenant_secret.encode() if s.tenant_secret else None,
+                      inferred_calls=s.inferred_calls, response_store=Store(s.responses_stored, s.responses_ttl_s))
         a.state.backend = ie
         apps.append(a)
     return apps
@@ -63,10 +56,9 @@ class LocalCluster:
     `api_keys`, started. Close it (or use it as a context manager) to stop them."""
 
     @classmethod
-    def build(cls, models: Sequence[str] | Mapping[str, str], hw: HardwareConfig, policy: PolicyConfig, *,
-              api_keys: Sequence[str], **kw) -> "LocalCluster":
-        """The cluster of `instance_apps(models, hw, policy, api_keys=api_keys, **kw)`."""
-        return cls(instance_apps(models, hw, policy, api_keys=api_keys, **kw), api_keys)
+    def build(cls, config: InstanceConfig, instances: int = 1) -> "LocalCluster":
+        """The cluster of `instance_apps(config, instances)`."""
+        return cls(instance_apps(config, instances), config.server.api_keys)
 
     def __init__(self, apps: Sequence, api_keys: Sequence[str]):
         self.api_keys = list(api_keys)
@@ -152,13 +144,13 @@ def demo_cluster(policy: str) -> LocalCluster:
     weight slot copies every parameter on a CPU). Call it before JAX starts (it asks for two CPU devices). Programs compile as step
     shapes first occur (warming every shape of 3 models x 2 instances up front takes minutes here and
     more executables than a CPU process maps)."""
-    pol = get_policy(policy)  # a bad name fails before anything starts
+    config = InstanceConfig({m: m for m in MODELS}, ServerConfig((KEY,)), policy=policy, hardware="cpu",
+                            engine=EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=4096,
+                                                prefix_cache=True, warmup=False),
+                            kv_bytes_per_device=LOCAL_KV_BYTES, resident=True)  # (a bad policy fails here)
     simulate_cpu_devices(2)
     enable_compilation_cache()
-    cfg = EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=4096, prefix_cache=True,
-                       warmup=False)
-    return LocalCluster.build(MODELS, load_hardware("cpu"), pol, api_keys=[KEY], instances=2, devices_per_instance=1,
-                              engine_config=cfg, kv_bytes_per_device=LOCAL_KV_BYTES, resident=True)
+    return LocalCluster.build(config, instances=2)
 
 
 def demo_sessions(sessions: int, calls: int, *, max_tokens: int, tool_gap_s: float, seed: int) -> list[AgentSession]:

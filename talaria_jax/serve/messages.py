@@ -23,7 +23,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from talaria_jax.serve.protocol import ApiError, stream_data
+from talaria_jax.serve.protocol import stream_data
+from talaria_jax.web import ApiError
 
 __all__ = ["answer", "error_body", "from_chat", "stream_events", "to_chat"]
 

@@ -4,7 +4,10 @@ exists (`vllm:` becomes `talaria:`).
 Gauges and counters are read from the engine at scrape time (its stats are the counters); the
 histograms are observed as outputs arrive: time to first token, inter-token latency, end-to-end
 latency, and session completion time (SCT), the span from a session's first call to the end of its
-last, closed once the session has made no call for `session_idle_s`.
+last, closed once the session has made no call for `session_idle_s`. The time to first token and
+the end-to-end latency of a request carry its request id as an exemplar (`{request_id="..."}`), which
+a scrape that asks for OpenMetrics (`Accept: application/openmetrics-text`) sees: a slow bucket
+names a request to look up.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from talaria_jax.engine.engine import RequestOutput
@@ -54,11 +58,12 @@ class ServerMetrics:
         now = time.perf_counter()
         with self._lock:
             last = self._last.get(out.request_id)
+            exemplar = {"request_id": out.request_id} if len(out.request_id) <= 100 else None  # (128 in all)
             if out.new_token_ids:
                 self.generation_tokens.labels(self.model).inc(len(out.new_token_ids))
                 if last is None:
                     self.prompt_tokens.labels(self.model).inc(len(out.prompt_token_ids))
-                    self.ttft.labels(self.model).observe(now - arrival)
+                    self.ttft.labels(self.model).observe(now - arrival, exemplar)
                 else:
                     self.itl.labels(self.model).observe((now - last) / len(out.new_token_ids))
                 self._last[out.request_id] = now
@@ -66,7 +71,7 @@ class ServerMetrics:
                 self._last.pop(out.request_id, None)
                 self.finished.labels(self.model, out.finish_reason).inc()
                 if out.finish_reason != "abort":
-                    self.e2e.labels(self.model).observe(now - arrival)
+                    self.e2e.labels(self.model).observe(now - arrival, exemplar)
                 if session is not None:
                     s = self._sessions.setdefault(session, [arrival, now, now, "named"])
                     s[0], s[1], s[2] = min(s[0], arrival), now, now
@@ -154,6 +159,10 @@ class ServerMetrics:
             c.add_metric(m, v)
             yield c
 
-    def render(self) -> bytes:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The metrics and their content type: OpenMetrics (with exemplars) where the `accept` header
+        asks for it, else Prometheus' text format."""
         self._close_idle_sessions()
-        return generate_latest(self.registry)
+        if "application/openmetrics-text" in accept:
+            return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), "text/plain; version=0.0.4; charset=utf-8"

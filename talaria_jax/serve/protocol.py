@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import numbers
+import re
 import time
 import urllib.parse
 import uuid
@@ -25,23 +26,9 @@ from typing import Any
 from talaria_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from talaria_jax.scheduler.session import NO_HINTS, Hints
 from talaria_jax.serve.tools import ToolChoice
+from talaria_jax.web import ApiError
 
-__all__ = ["ApiError", "Limits", "Parsed", "agent_hints", "parse_chat", "parse_completion"]
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's error body with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                             503: "service_unavailable"}.get(status, "invalid_request_error" if status < 500
-                                                             else "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+__all__ = ["Limits", "Parsed", "agent_hints", "parse_chat", "parse_completion"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,8 +401,28 @@ def _with_logprobs(c: dict, logprobs: int | None) -> dict:
 
 
 # ---- responses ---------------------------------------------------------------------------------
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """A call's one id, from the front door to the engine and back (the engine's request id, the
+    `x-request-id` header of the answer, the exemplar of its latency metrics): the `x-request-id`
+    header the caller sent (a client, or the router for the call it forwards), else a new one.
+
+    Raises:
+        ApiError: 400, a given id that is not 1 to 64 letters, digits or `._:-`."""
+    given = headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise ApiError(400, f"x-request-id must be 1 to 64 letters, digits or '._:-', got {given[:80]!r}",
+                       "x-request-id", "invalid_value")
+    return given
+
+
+def new_id(chat: bool, request_id: str) -> str:
+    """The id of the answer's body to the request `request_id`, as OpenAI prefixes it."""
+    return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -31,7 +31,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from talaria_jax.serve.protocol import ApiError, stream_data
+from talaria_jax.serve.protocol import stream_data
+from talaria_jax.web import ApiError
 
 __all__ = ["Store", "Translated", "answer", "translate"]
 

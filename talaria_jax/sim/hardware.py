@@ -16,15 +16,12 @@ from typing import Any, Iterable
 import yaml
 
 from talaria_jax import config_io
+from talaria_jax.config_io import ConfigError
 from talaria_jax.models.config import ModelConfig, available_models, bytes_per_weight, load_model_config
 from talaria_jax.models.quant import QuantConfig
 
 GB = 1e9
 GIB = 2**30
-
-
-class ConfigError(ValueError):
-    """A config file or value is malformed; the message names the field and the limit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +123,12 @@ class ModelShape:
         full-attention layers = layers with no sliding window, KV bytes = ``kv_bytes_per_token()`` with
         kv heads replicated up to `tp` when there are fewer kv heads than ranks (each rank holds at
         least one, docs/references.md: Qwen3-235B's 188 KiB is 376 KiB physical at TP=8). Raises
-        config_io.ConfigError for an unknown precision."""
+        ConfigError for an unknown precision."""
         if tp < 1:
             raise ConfigError(f"{cfg.name}: tp={tp} must be >= 1")
         try:
             bytes_per_weight(weight_dtype)
-        except config_io.ConfigError as e:
+        except ConfigError as e:
             raise ConfigError(f"{cfg.name}: field 'weight_dtype'={weight_dtype!r}: {e}") from None
         cfg = cfg.replace(weight_dtype=weight_dtype, quant=quant or cfg.quant)
         weight_bytes = cfg.weight_bytes()
@@ -237,12 +234,12 @@ def load_models(path: str | pathlib.Path = DEFAULT_MODELS_TABLE, tp: int | None 
                 raise ConfigError(f"{where}: field '{field}' must be a non-empty string, got {entry[field]!r}")
         try:
             cfg = load_model_config(entry["config"])
-        except config_io.ConfigError as e:
+        except ConfigError as e:
             raise ConfigError(f"{where}: field 'config'={entry['config']!r}: {e}") from None
         try:
             quant = config_io.from_dict(QuantConfig, entry["quant"], "quant") if "quant" in entry else None
             out[str(name)] = ModelShape.from_config(cfg, entry["weight_dtype"], tp, quant=quant, name=str(name))
-        except ValueError as e:  # ConfigError, config_io.ConfigError and QuantError
+        except ValueError as e:  # ConfigError and QuantError
             raise ConfigError(f"{where}: {e}") from None
     configs = set(available_models())
     for name in extra:
