@@ -36,7 +36,7 @@ Sections 4-7 share one model, built once; 5-8 take the best of --reps (after an 
 section that fails is printed and recorded as {"error": ...}, and the run goes on; the JSON is
 rewritten after each section (with the seconds each took under "seconds"), so a run cut short keeps
 what it measured. Prints tables and writes JSON to --out. `--small` shrinks every size so that the
-script runs on a CPU in seconds (tests/test_device_check.py keeps it from rotting).
+script runs on a CPU in seconds (tests/project/test_device_check.py keeps it from rotting).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ RECORDS = {"type": "object", "properties": {"records": {"type": "array", "minIte
                                      "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
     "required": ["name", "year", "tags"], "additionalProperties": False}}},
     "required": ["records"], "additionalProperties": False}
-# (name, schema, a valid answer): the agent tests' five schemas (tests/test_agent_api.py) and structured_decode's
+# (name, schema, a valid answer): the agent tests' five schemas (tests/serve/test_agent_api.py) and structured_decode's
 CASES = [
     ("nested", {"type": "object", "properties": {"name": TEXT, "address": {
         "type": "object", "properties": {"city": TEXT, "country": TEXT}, "required": ["city", "country"]}},

@@ -20,7 +20,7 @@ Tunix's model families run as our decoder with their parameters mapped by name (
 `params_from_tunix`): Llama-3 (`tunix.models.llama3`) and dense Qwen3 (`tunix.models.qwen3`). Their
 forward is what is matched, not their checkpoints' published configs: in google-tunix 0.1.7 both
 rotate with RoPE theta 1e6 whatever the config's `rope_theta` says (their attention calls
-`apply_rope` without it), so the mapped config does the same; tests/test_tunix.py checks greedy
+`apply_rope` without it), so the mapped config does the same; tests/rollout/test_tunix.py checks greedy
 tokens and per-token logprobs against Tunix's own sampler and `compute_per_token_logps`.
 
 What `generate` returns follows Tunix's vanilla sampler: prompts tokenized as its `Sampler.tokenize`

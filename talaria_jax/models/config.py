@@ -124,7 +124,7 @@ class ModelConfig:
     eos_token_id: int | None = None
     # More end-of-sequence ids (Llama-3.1-Instruct ends turns with <|eot_id|> as well as <|end_of_text|>).
     extra_eos_token_ids: tuple[int, ...] = ()
-    # Published figures the counts are checked against (tests/test_model_config.py).
+    # Published figures the counts are checked against (tests/models/test_model_config.py).
     published_params: float | None = None
     published_active_params: float | None = None
     # Features present in the real model that this decoder does not run (documented, not silently wrong).

@@ -119,7 +119,7 @@ class ModelShape:
 
         Every figure is ModelConfig arithmetic: weight bytes = ``weight_bytes()`` (every parameter at
         the precision, quantized matrices at their values' and scales' bytes: what the loaded arrays
-        hold, tests/test_quant_checkpoints.py), active parameters = ``active_param_count()``,
+        hold, tests/weights/test_quant_checkpoints.py), active parameters = ``active_param_count()``,
         full-attention layers = layers with no sliding window, KV bytes = ``kv_bytes_per_token()`` with
         kv heads replicated up to `tp` when there are fewer kv heads than ranks (each rank holds at
         least one, docs/references.md: Qwen3-235B's 188 KiB is 376 KiB physical at TP=8). Raises

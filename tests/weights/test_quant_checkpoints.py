@@ -23,7 +23,7 @@ from talaria_jax.weights import CheckpointError, load_hf_checkpoint, restore
 from talaria_jax.weights.hf_quantize import quantization_config, quantize_hf_checkpoint, quantized_layout
 from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights
 
-ASSETS = pathlib.Path(__file__).parent / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parents[1] / "assets"
 # config.json `quantization_config` of the released checkpoints (their Hugging Face repositories)
 PUBLISHED = {
     "fp8-block": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",

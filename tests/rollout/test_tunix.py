@@ -18,7 +18,7 @@ from tunix.rl.rollout import base_rollout, vanilla_rollout  # noqa: E402
 from talaria_jax.rollout import SpecConfig  # noqa: E402
 from talaria_jax.rollout.tunix_rollout import TalariaRollout, config_from_tunix, params_from_tunix  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 import tunix_grpo  # noqa: E402
 
 TOK = tunix_grpo.CharTokenizer()

@@ -16,7 +16,7 @@ from talaria_jax.models.model import forward, greedy_generate
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import load_gguf
 
-ASSETS = pathlib.Path(__file__).parent / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parents[1] / "assets"
 sys.path.insert(0, str(ASSETS))
 import make_gguf_golden  # noqa: E402
 

@@ -11,7 +11,7 @@ import regex
 
 from talaria_jax.tokenizer import SUPPORTED_PRE_TOKENIZERS, GGUFTokenizer, load_tokenizer, render_chat_template
 
-GOLDEN = json.loads((pathlib.Path(__file__).parent / "assets" / "smollm2" / "tokenizer_golden.json")
+GOLDEN = json.loads((pathlib.Path(__file__).resolve().parents[1] / "assets" / "smollm2" / "tokenizer_golden.json")
                     .read_text(encoding="utf-8"))
 STRINGS = GOLDEN["strings"]
 # transformers' GGUF tokenizer skips smollm's digit split: only text with whitespace right before a

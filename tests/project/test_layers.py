@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # where each part of the talaria_jax package lives (pyproject's package-dir mapping)
 PACKAGES = {"talaria_jax": ROOT / "talaria_jax", "talaria_jax.sharding": ROOT / "sharding",
             "talaria_jax.kvcache": ROOT / "kvcache", "talaria_jax.scheduler": ROOT / "scheduler",

@@ -18,7 +18,7 @@ TOY = [Call("a", 0, "m1", 1000, 10, 5.0, 0.0), Call("a", 1, "m1", 1500, 10, 7.0)
 
 
 def test_floor_by_hand():
-    # turn 0: prefill 1000 tokens = 2.002 s (tests/test_sim_cost.py); 10 decode steps at context 1000
+    # turn 0: prefill 1000 tokens = 2.002 s (tests/sim/test_sim_cost.py); 10 decode steps at context 1000
     # = 10 x (10 GB + 1 GB) / 100 GB/s = 1.1 s. Turn 1: 1010 tokens cached, 490 new:
     # (2e9 x 490 + 4 x 1000 x (1010 + 245) x 490) / 1e12 = 0.98246 s; 10 steps at 1500 = 1.15 s.
     svc = service_floor_s(TOY, CostModel(TOY_HW), TOY_SHAPES)

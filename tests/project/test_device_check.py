@@ -10,7 +10,7 @@ from conftest import FAST_COMPILE
 
 pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
 
 

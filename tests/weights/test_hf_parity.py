@@ -12,7 +12,7 @@ import pytest
 from talaria_jax.models.model import forward, greedy_generate, pad_batch
 from talaria_jax.weights import load_hf_checkpoint
 
-ASSETS = pathlib.Path(__file__).parent / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parents[1] / "assets"
 MODELS = ["hf-tiny-llama", "hf-tiny-qwen3", "hf-tiny-qwen3-moe", "hf-tiny-glm4-moe", "hf-tiny-gpt-oss"]
 RTOL = 1e-4
 

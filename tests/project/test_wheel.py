@@ -10,7 +10,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.slow  # a wheel built and installed with its dependencies (pip's cache, or the index)
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LEFT_OUT = (".git", ".venv", "site", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "tests", "docs")
 
 

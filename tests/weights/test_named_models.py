@@ -17,7 +17,7 @@ from talaria_jax.weights.named import NamedModel, resolve
 pytestmark = pytest.mark.slow  # real servers, SmolLM2 or child processes: not in the fast subset
 
 SMOL = "smollm2-135m-instruct"
-ASSETS = pathlib.Path(__file__).parent / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parents[1] / "assets"
 
 
 def _same_params(a, b):

@@ -13,7 +13,7 @@ from talaria_jax.models import init_model, load_model_config
 from talaria_jax.sharding import make_mesh
 from talaria_jax.weights import CheckpointError, load_hf_checkpoint, restore, save
 
-ASSETS = pathlib.Path(__file__).parent / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parents[1] / "assets"
 
 
 def test_orbax_restore_onto_other_mesh_is_bit_identical(tmp_path):
