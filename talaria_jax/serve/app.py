@@ -46,8 +46,7 @@ from talaria_jax.serve.protocol import Limits, Parsed
 from talaria_jax.tokenizer import IncrementalDetokenizer, chat_text, joined
 from talaria_jax.web import ApiError, json_errors, key_checker, read_json
 
-__all__ = ["ServedModel", "build_app", "key_checker", "openai_errors", "read_json", "serve_in_thread", "serving",
-           "session_header", "tenant_salt"]
+__all__ = ["ServedModel", "build_app", "openai_errors", "serve_in_thread", "serving", "session_header", "tenant_salt"]
 
 
 @dataclasses.dataclass
@@ -311,9 +310,10 @@ async def _generate(request: Request, chat: bool, body: Any = None, session: tup
     rid = prep.request_id
     try:
         for i, params in enumerate(p.params):  # (choice i of n > 1: its own engine request, `<id>-<i>`)
-            _, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, rid if len(p.params) == 1 else
-                                               f"{rid}-{i}", cache_salt=salt, session=session, **route)
-            choices.append(_Choice(i, rid, queue, p, served.tokenizer,
+            sent, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, rid if len(p.params) == 1 else
+                                                  f"{rid}-{i}", cache_salt=salt, session=session, **route)
+            rid = sent if len(p.params) == 1 else rid  # (an id in flight already was given a suffix)
+            choices.append(_Choice(i, sent, queue, p, served.tokenizer,
                                    served.tool_format if chat and p.tool_choice.mode != "none" else None))
     except RequestError as e:
         _abort_all(ae, choices)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -67,14 +68,17 @@ class AsyncEngine:
     def submit(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
                request_id: str | None = None, *, cache_salt: str | None = None, session: str | None = None,
                **route) -> tuple[str, asyncio.Queue]:
-        """Queues a request under `request_id` (None: the engine makes one); returns its id and the queue
-        its outputs arrive on (a `RequestOutput` per step that advanced it, the last one finished, or an
-        `EngineDead`). The engine's RequestError for bad input (an id in flight already too),
-        Unavailable while draining or dead. Blocks for up to a step: call it off the loop.
-        `route`: more arguments of the engine's add_request (an `InstanceEngine` wants `model`)."""
+        """Queues a request under `request_id` (None: the engine makes one; one in flight already gets a
+        suffix, `<id>.<hex>`, so a client that sends one id twice loses neither call); returns its id and
+        the queue its outputs arrive on (a `RequestOutput` per step that advanced it, the last one
+        finished, or an `EngineDead`). The engine's RequestError for bad input, Unavailable while
+        draining or dead. Blocks for up to a step: call it off the loop. `route`: more arguments of the
+        engine's add_request (an `InstanceEngine` wants `model`)."""
         with self._lock:
             if self.state != "running":
                 raise Unavailable(f"the server is {self.state}")
+            while request_id is not None and request_id in self.engine.requests:
+                request_id = f"{request_id}.{secrets.token_hex(4)}"
             rid = self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt, session=session,
                                           **route)
             with self._mu:

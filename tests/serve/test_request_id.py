@@ -63,3 +63,21 @@ def test_an_id_that_is_not_a_plain_token_is_refused_naming_the_header(served):
         r = httpx.post(f"{at}/v1/completions", headers={"Authorization": f"Bearer {KEY}", "x-request-id": "a b"},
                        json={"model": "tiny-dense", "prompt": [1], "max_tokens": 1}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
+
+
+def test_two_calls_a_client_sent_under_one_id_are_both_served(served):
+    """The second call under an id in flight is served under the id with a suffix (`<id>.<hex>`), named
+    in its answer; neither is refused."""
+    _, instances, _ = served
+    auth = {"Authorization": f"Bearer {KEY}", "x-request-id": "twice"}
+    body = {"model": "tiny-dense", "prompt": [1, 2, 3], "max_tokens": 48, "logit_bias": {"257": -100}}  # no EOS
+    with httpx.stream("POST", f"{instances[0]}/v1/completions", headers=auth, json={**body, "stream": True},
+                      timeout=120) as first:
+        assert first.headers["x-request-id"] == "twice"
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # the first is running
+        second = httpx.post(f"{instances[0]}/v1/completions", headers=auth, json=body, timeout=120)
+        rest = list(lines)
+    assert second.status_code == 200 and re.fullmatch(r"twice\.[0-9a-f]{8}", second.headers["x-request-id"])
+    assert second.json()["id"] == f"cmpl-{second.headers['x-request-id']}"
+    assert second.json()["usage"]["completion_tokens"] == 48 and "data: [DONE]" in rest
