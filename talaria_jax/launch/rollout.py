@@ -42,6 +42,8 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (127.0.0.1: th
 _PORT = flags.DEFINE_integer("port", 8100, "Port to listen on.", lower_bound=0, upper_bound=65535)
 _KEY = flags.DEFINE_string("api_key", None, "Comma-separated API keys (default $TALARIA_API_KEY; none: no auth).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before serving.")
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", 256 << 20, "Largest request body (bytes; larger: 413): a batch "
+                                 "of long prompts, or generate_until's partials, is large.", lower_bound=1)
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
                                  "$TALARIA_COMPILATION_CACHE or ~/.cache/talaria_jax/xla); 'off' disables it.")
 
@@ -91,7 +93,7 @@ def main(argv):
         print(f"rollout service: {_MODEL.value} x {_REPLICAS.value} replicas ({_DEVICES.value} devices each"
               f"{', Ray actors' if _RAY.value else ''}), {_PLACEMENT.value} placement, on "
               f"http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
-        uvicorn.run(make_app(service, keys), host=_HOST.value, port=_PORT.value, log_level="warning")
+        uvicorn.run(make_app(service, keys, max_body_bytes=_MAX_BODY.value), host=_HOST.value, port=_PORT.value, log_level="warning")
 
 
 def run():

@@ -210,9 +210,9 @@ async def delete_response(request: Request, response_id: str):
 async def probe(request: Request, kind: Literal["completion", "chat"] = "completion", tokens: bool = False):
     """The router's view of this instance for one request (which it checks as if it were sent):
     the instance's state, the tokens of the request's prompt it holds on device and on host, and
-    `probe`, an id under which the checked request is kept: the request (or a probe of it, with the
-    session now named) sent with the header `x-talaria-probe: <id>` skips its parsing, rendering and
-    tokenizing. `tokens=true` adds the prompt's token ids to the answer; a request that brings them
+    `probe`, a handle under which the checked request is kept: the request (or a probe of it, with
+    the session now named) sent with the header `x-talaria-probe: <handle>` skips its parsing,
+    rendering and tokenizing. `tokens=true` adds the prompt's token ids to the answer; a request that brings them
     (`talaria_prompt_token_ids`, what another instance of the same model answered) is not rendered
     or tokenized here."""
     srv = _server(request)
@@ -231,8 +231,7 @@ async def probe(request: Request, kind: Literal["completion", "chat"] = "complet
             return {**backend.state(prep.session), "prompt_tokens": len(prep.prompt),
                     "device_tokens": loc.device_tokens, "host_tokens": loc.host_tokens}
     answer = await asyncio.to_thread(read)
-    if srv.probes.put(prep):
-        answer["probe"] = prep.request_id
+    answer["probe"] = srv.probes.put(prep)
     if tokens:
         answer["prompt_token_ids"] = prep.prompt
     return JSONResponse(answer)  # plain JSON already: no walk of every token id by FastAPI's encoder
@@ -363,26 +362,24 @@ class Prepared:
 
 
 class _Probed:
-    """Requests the probe checked, by their request id, for the router's forward of one of them: each
-    is taken once, by the caller that probed it, within `ttl_s`; the oldest go past `capacity` (a
-    forward follows its probe at once: this bounds the memory of those never forwarded here). A
-    request whose id is kept already is not kept (two calls a client sent under one id: each is then
-    read from its own body)."""
+    """Requests the probe checked, by a random handle (not the request id, which a client may send
+    twice), for the router's forward of one of them: each is taken once, by the caller that probed
+    it, within `ttl_s`; the oldest go past `capacity` (a forward follows its probe at once: this
+    bounds the memory of those never forwarded here)."""
 
     def __init__(self, capacity: int = 256, ttl_s: float = 60.0):
         self.capacity, self.ttl_s = capacity, ttl_s
         self._items: collections.OrderedDict[str, tuple[float, Prepared]] = collections.OrderedDict()
         self._mu = threading.Lock()
 
-    def put(self, prep: Prepared) -> bool:
-        """Keeps `prep` under its request id; False if that id is kept already."""
+    def put(self, prep: Prepared) -> str:
+        """Keeps `prep`; the handle that takes it."""
+        pid = secrets.token_hex(16)
         with self._mu:
-            if prep.request_id in self._items:
-                return False
-            self._items[prep.request_id] = (time.monotonic(), prep)
+            self._items[pid] = (time.monotonic(), prep)
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
-        return True
+        return pid
 
     def take(self, pid: str, salt: str) -> Prepared | None:
         with self._mu:
@@ -571,7 +568,7 @@ def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
 
 def _abort_all(ae: AsyncEngine, choices: list[_Choice]) -> None:
     for c in choices:
-        ae.abort(c.rid)  # a no-op for finished ones
+        ae.abort(c.rid, c.queue)  # a no-op for finished ones
 
 
 async def _next(request: Request, choices: list[_Choice], ae: AsyncEngine) -> None:
@@ -595,7 +592,7 @@ async def _next(request: Request, choices: list[_Choice], ae: AsyncEngine) -> No
         while not c.done and not c.queue.empty():
             c.update(c.queue.get_nowait())
         if c.stopped:
-            ae.abort(c.rid, "stop")
+            ae.abort(c.rid, c.queue, "stop")
 
 
 async def _wait_all(request: Request, choices: list[_Choice], ae: AsyncEngine) -> None:

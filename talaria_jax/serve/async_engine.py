@@ -77,7 +77,7 @@ class AsyncEngine:
         with self._lock:
             if self.state != "running":
                 raise Unavailable(f"the server is {self.state}")
-            while request_id is not None and request_id in self.engine.requests:
+            while request_id is not None and self._taken(request_id):
                 request_id = f"{request_id}.{secrets.token_hex(4)}"
             rid = self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt, session=session,
                                           **route)
@@ -87,14 +87,24 @@ class AsyncEngine:
         self._wake.set()
         return rid, queue
 
-    def abort(self, rid: str, reason: str = "abort") -> None:
-        """Stops `rid` if still in flight: its queue gets nothing more, and the engine thread aborts it
-        (freeing its pages) before its next step. `reason` is what metrics record ("stop": a stop
-        string matched). Never waits for a step; a no-op for a finished request."""
+    def _taken(self, rid: str) -> bool:
+        """Whether `rid` names a request in flight, one whose last output is not handed out yet, or
+        one whose abort is pending (the engine lock held)."""
         with self._mu:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
+            return rid in self.engine.requests or rid in self._streams or any(a[0] == rid for a in self._aborts)
+
+    def abort(self, rid: str, queue: asyncio.Queue, reason: str = "abort") -> None:
+        """Stops `rid`, the request whose outputs arrive on `queue` (what `submit` returned), if still in
+        flight: its queue gets nothing more, and the engine thread aborts it (freeing its pages) before
+        its next step. `reason` is what metrics record ("stop": a stop string matched). Never waits for
+        a step; a no-op for a finished request (or for another request that took its id since)."""
+        with self._mu:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.queue is queue:
+                del self._streams[rid]
                 self._aborts.append((rid, stream, reason))
+            else:
+                stream = None
         if stream is not None:
             self._wake.set()
 

@@ -107,9 +107,10 @@ class InstanceConfig:
             raise config_io.ConfigError(f"InstanceConfig: {e}") from None
 
     @classmethod
-    def from_file(cls, path: str | pathlib.Path, api_keys: tuple[str, ...] = ()) -> "InstanceConfig":
-        """The configuration in a YAML file, its server's API keys `api_keys` where it names none;
-        ConfigError naming the file and the field."""
+    def from_file(cls, path: str | pathlib.Path, api_keys: tuple[str, ...] = (),
+                  tenant_secret: str | None = None) -> "InstanceConfig":
+        """The configuration in a YAML file, its server's API keys `api_keys` and tenant secret
+        `tenant_secret` where it names none; ConfigError naming the file and the field."""
         name = pathlib.Path(path).name
         try:
             data = yaml.safe_load(pathlib.Path(path).read_text())
@@ -120,8 +121,9 @@ class InstanceConfig:
         if not isinstance(data, dict):
             raise config_io.ConfigError(f"{name}: expected a mapping at the top level")
         server = data.setdefault("server", {})
-        if isinstance(server, dict) and not server.get("api_keys"):
-            server["api_keys"] = list(api_keys)
+        if isinstance(server, dict):
+            server["api_keys"] = server.get("api_keys") or list(api_keys)
+            server["tenant_secret"] = server.get("tenant_secret") or tenant_secret
         try:
             return config_io.from_dict(cls, data, where=name)
         except (TypeError, ValueError) as e:  # a field's own check names the field, not yet the file

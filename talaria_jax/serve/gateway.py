@@ -531,7 +531,7 @@ class Gateway:
             body = r.json()
             self.served(call, up, _output_ids(body), _tool_ids(body, "message"))
             self.m_e2e.observe(time.perf_counter() - t0)
-            return JSONResponse(body, headers=_named(call))
+            return JSONResponse(body, headers=_named(call, r))
 
     async def open_stream(self, call: _Call) -> _Open:
         """A streamed call's upstream response (200) on the best instance; the instance's refusal
@@ -565,7 +565,7 @@ class Gateway:
         async def release():  # after the response, also when the client left before it started
             await box[0].release()
         return _Streamed(self.relay_events(call, box, t0), media_type="text/event-stream",
-                         background=BackgroundTask(release), headers=_named(call))
+                         background=BackgroundTask(release), headers=_named(call, box[0].r))
 
     async def relay_events(self, call: _Call, box: list, t0: float):
         """The client's SSE stream: the upstream's events, and after a loss the events of the call
@@ -760,10 +760,11 @@ def _failed(r: httpx.Response | None) -> bool:
     return r is None or r.status_code >= 500
 
 
-def _named(call: _Call) -> dict:
-    """The answer's headers: the call's id, and the session the call was placed in (as the client
-    named it, by `prompt_cache_key`, or as inferred)."""
-    rid = {"x-request-id": call.headers["x-request-id"]}
+def _named(call: _Call, r: httpx.Response) -> dict:
+    """The answer's headers: the call's id (as the instance `r` came from served it: an id it had in
+    flight already gets a suffix), and the session the call was placed in (as the client named it,
+    by `prompt_cache_key`, or as inferred)."""
+    rid = {"x-request-id": r.headers.get("x-request-id", call.headers["x-request-id"])}
     return rid | {"x-talaria-session": call.sid} if call.sid is not None else rid
 
 

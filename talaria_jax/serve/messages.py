@@ -254,5 +254,5 @@ def answer(chat_answer: Response, model: str) -> Response:
     if isinstance(chat_answer, StreamingResponse):
         chat_answer.body_iterator = stream_events(chat_answer.body_iterator, model)
         return chat_answer
-    named = {k: v for k, v in chat_answer.headers.items() if k == "x-talaria-session"}
+    named = {k: v for k, v in chat_answer.headers.items() if k in ("x-talaria-session", "x-request-id")}
     return JSONResponse(from_chat(json.loads(chat_answer.body)), status_code=chat_answer.status_code, headers=named)

@@ -401,7 +401,7 @@ def _with_logprobs(c: dict, logprobs: int | None) -> dict:
 
 
 # ---- responses ---------------------------------------------------------------------------------
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=-]{1,128}")  # (UUIDs, base64 and the ids proxies send)
 
 
 def request_id(headers: Mapping[str, str]) -> str:
@@ -410,12 +410,12 @@ def request_id(headers: Mapping[str, str]) -> str:
     header the caller sent (a client, or the router for the call it forwards), else a new one.
 
     Raises:
-        ApiError: 400, a given id that is not 1 to 64 letters, digits or `._:-`."""
+        ApiError: 400, a given id that is not 1 to 128 letters, digits or `._:+/=-`."""
     given = headers.get("x-request-id")
     if given is None:
         return uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(given):
-        raise ApiError(400, f"x-request-id must be 1 to 64 letters, digits or '._:-', got {given[:80]!r}",
+        raise ApiError(400, f"x-request-id must be 1 to 128 letters, digits or '._:+/=-', got {given[:80]!r}",
                        "x-request-id", "invalid_value")
     return given
 

@@ -26,7 +26,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -350,9 +350,9 @@ class _Answering:
 
 def answer(chat_answer: Response, t: Translated, store: Store, tenant: str) -> Response:
     """A chat route's answer (a JSON body or an SSE stream) as the Responses API's, stored (unless
-    `store: false`) once whole; the session header kept."""
+    `store: false`) once whole; the session and request-id headers kept."""
     session = chat_answer.headers.get("x-talaria-session")
-    named = {"x-talaria-session": session} if session else {}
+    named = {k: v for k, v in chat_answer.headers.items() if k in ("x-talaria-session", "x-request-id")}
     a = _Answering(t, t.chat.get("model"), store, tenant, session)
     if isinstance(chat_answer, StreamingResponse):
         chat_answer.body_iterator = _events(chat_answer.body_iterator, a)

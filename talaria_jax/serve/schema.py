@@ -351,10 +351,8 @@ class ProbeAnswer(BaseModel):
     prompt_tokens: int
     device_tokens: int
     host_tokens: int
-    probe: str | None = Field(None, description="The request's id (`x-request-id`), under which the checked "
-                              "request is kept: sent back as the `x-talaria-probe` header with the request, the "
-                              "request is served as checked here, without being parsed, rendered or tokenized "
-                              "again. Absent where a request of the same id is kept already.")
+    probe: str = Field(description="Sent back as the `x-talaria-probe` header with the request, the request "
+                                   "is served as checked here, without being parsed, rendered or tokenized again.")
     prompt_token_ids: list[int] | None = Field(None, description="The prompt's token ids (with `tokens=true`).")
 
 

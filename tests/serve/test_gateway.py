@@ -176,8 +176,7 @@ def test_a_call_is_rendered_and_tokenized_once_and_a_probe_is_its_callers_only(c
                        headers={"Authorization": f"Bearer {KEY}", "x-talaria-probe": probe["probe"],
                                 "x-session-id": "known-now"})
     assert again.status_code == 200 and len(renders) == n
-    # (kept again under the same id: a probe keeps a request under its request id)
-    assert again.json()["prompt_tokens"] == probe["prompt_tokens"] and again.json()["probe"] == probe["probe"]
+    assert again.json()["prompt_tokens"] == probe["prompt_tokens"] and again.json()["probe"] != probe["probe"]
     other = {**body, "messages": [{"role": "user", "content": "Name three colors of the rainbow, please."}]}
     r = httpx.post(f"{instances[0]}/v1/chat/completions", json=other, timeout=300,
                    headers={"Authorization": f"Bearer {OTHER}", "x-talaria-probe": again.json()["probe"]})
