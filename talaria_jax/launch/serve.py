@@ -82,7 +82,8 @@ _CHAT_TEMPLATE = flags.DEFINE_string("chat_template", None, "A Jinja chat templa
 _CONFIG = flags.DEFINE_string("config", None, "A YAML file of the whole instance (talaria_jax.serve.config."
                               "InstanceConfig: models, engine, policy, KV and host budgets, server); it replaces the "
                               "instance's flags, and --api_key (or $TALARIA_API_KEY) and $TALARIA_TENANT_SECRET give "
-                              "its keys and tenant secret where it names none.")
+                              "its keys and tenant secret where it names none (host_kv_bytes absent: as "
+                              "--host_kv_bytes=auto).")
 # the flags an InstanceConfig replaces (--config gives them all at once)
 _INSTANCE_FLAGS = ("model", "served_model_name", "policy", "hardware", "tp", "dtype", "max_model_len", "max_seqs",
                    "kv_mib_per_device", "max_tokens_limit", "max_n", "max_body_bytes", "tenant_secret", "speculate",
@@ -129,7 +130,8 @@ def instance_config(keys: tuple[str, ...]):
             if given:
                 raise app.UsageError(f"--config={_CONFIG.value} gives the whole instance; drop {', '.join(given)}")
             return InstanceConfig.from_file(_CONFIG.value, api_keys=keys,
-                                            tenant_secret=os.environ.get("TALARIA_TENANT_SECRET") or None)
+                                            tenant_secret=os.environ.get("TALARIA_TENANT_SECRET") or None,
+                                            host_kv_bytes=host_kv_bytes("auto"))
         names = _NAME.value or _MODEL.value
         if len(names) != len(_MODEL.value):
             raise app.UsageError(f"--served_model_name has {len(names)} names for {len(_MODEL.value)} models")

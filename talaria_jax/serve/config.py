@@ -107,10 +107,11 @@ class InstanceConfig:
             raise config_io.ConfigError(f"InstanceConfig: {e}") from None
 
     @classmethod
-    def from_file(cls, path: str | pathlib.Path, api_keys: tuple[str, ...] = (),
-                  tenant_secret: str | None = None) -> "InstanceConfig":
+    def from_file(cls, path: str | pathlib.Path, api_keys: tuple[str, ...] = (), tenant_secret: str | None = None,
+                  host_kv_bytes: int | None = None) -> "InstanceConfig":
         """The configuration in a YAML file, its server's API keys `api_keys` and tenant secret
-        `tenant_secret` where it names none; ConfigError naming the file and the field."""
+        `tenant_secret` where it names none, and `host_kv_bytes` where it has no such field (`null`
+        there: unbounded); ConfigError naming the file and the field."""
         name = pathlib.Path(path).name
         try:
             data = yaml.safe_load(pathlib.Path(path).read_text())
@@ -120,6 +121,7 @@ class InstanceConfig:
             raise config_io.ConfigError(f"{name}: not YAML: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise config_io.ConfigError(f"{name}: expected a mapping at the top level")
+        data.setdefault("host_kv_bytes", host_kv_bytes)
         server = data.setdefault("server", {})
         if isinstance(server, dict):
             server["api_keys"] = server.get("api_keys") or list(api_keys)

@@ -30,6 +30,10 @@ def test_a_file_gives_the_whole_instance_typed(tmp_path):
                                EngineConfig(max_seqs=4, max_model_len=256, page_size=8, warmup=False),
                                policy="round", kv_bytes_per_device=8 << 20, host_kv_bytes=0)
     assert c.policy_config().name == "round" and c.hardware_config("cpu").name == "cpu"
+    path.write_text(FILE.replace("host_kv_bytes: 0\n", ""))
+    assert InstanceConfig.from_file(path, api_keys=("sk-a",), host_kv_bytes=5).host_kv_bytes == 5  # absent: given
+    path.write_text(FILE.replace("host_kv_bytes: 0", "host_kv_bytes: null"))
+    assert InstanceConfig.from_file(path, api_keys=("sk-a",), host_kv_bytes=5).host_kv_bytes is None  # unbounded
     path.write_text(FILE.replace("server: {", "server: {api_keys: [sk-file], "))
     assert InstanceConfig.from_file(path, api_keys=("sk-a",)).server.api_keys == ("sk-file",)  # the file's win
 
