@@ -271,13 +271,6 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def cached_prefix(self, cache_salt: str | None, tokens) -> int:
-        """Leading tokens of `tokens` whose KV this engine's prefix cache holds for the tenant (0
-        without a prefix cache)."""
-        if self.prefix_cache is None:
-            return 0
-        return self.prefix_cache.peek(self.prefix_key(cache_salt), tokens)
-
     def warmup(self, progress: bool | None = None) -> None:
         """Compiles every program serving runs: each step shape (`Runner.step_shapes`), and the host
         tier's gather and scatter for every padded page count a sequence's copy can take (powers of

@@ -779,17 +779,21 @@ def _tool_ids(body: dict, part: str) -> list[str]:
     """The ids of the tool calls in the first choice of an answer (`part` "message") or of a stream
     event ("delta"): what the client sends back, naming the call that made them."""
     choices = body.get("choices") or []
-    first = choices[0].get(part) if choices and isinstance(choices[0], dict) else None
-    calls = first.get("tool_calls") if isinstance(first, dict) else None
-    return [c["id"] for c in calls or () if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    return _call_ids(choices[0].get(part) if choices and isinstance(choices[0], dict) else None)
 
 
 def _tool_ids_sent(body: dict) -> list[str]:
     """The ids of the tool calls of the latest assistant message a chat request brings back."""
     for m in reversed(body.get("messages") or []):
         if isinstance(m, dict) and m.get("role") == "assistant":
-            return [c["id"] for c in m.get("tool_calls") or () if isinstance(c, dict) and isinstance(c.get("id"), str)]
+            return _call_ids(m)
     return []
+
+
+def _call_ids(message) -> list[str]:
+    """The ids of a message's (or delta's) `tool_calls`; none for anything else."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    return [c["id"] for c in calls or () if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
 
 def _with_ids(body: dict, ids: list[int]) -> bytes:
