@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 
 from talaria_jax.engine.compile_cache import compile_seconds
-from talaria_jax.engine.engine import Engine, EngineConfig, RequestOutput
+from talaria_jax.engine.engine import CheckedRequest, Engine, EngineConfig, RequestOutput
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.pool import KVArena
 from talaria_jax.kvcache.session_kv import SessionKV
@@ -97,9 +97,11 @@ class SessionTokens:
                              f"{len(h)} tokens the session already holds")
         return h + [self.token(owner, p, vocab) for p in range(len(h), call.prompt_tokens)]
 
-    def params(self, call: Call) -> SamplingParams:
-        """A replayed call decodes greedily for exactly its trace's output tokens."""
-        return SamplingParams(max_tokens=call.output_tokens, temperature=0.0, ignore_eos=True)
+    def request(self, call: Call, engine: Engine) -> CheckedRequest:
+        """The call's prompt, decoded greedily for exactly its trace's output tokens, checked by
+        `engine` (the one check a replayed call gets)."""
+        return engine.check_request(self.prompt(call, engine.model.cfg.vocab_size),
+                                    SamplingParams(max_tokens=call.output_tokens, temperature=0.0, ignore_eos=True))
 
     def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
         self.history[session] = list(prompt) + list(output)
@@ -117,15 +119,14 @@ class LiveTokens:
 
     def __init__(self):
         self.history: dict[str, array.array] = {}
-        self.calls: dict[tuple[str, int], tuple[tuple[int, ...], SamplingParams]] = {}
+        self.calls: dict[tuple[str, int], CheckedRequest] = {}
         self._salts: dict[str, str | None] = {}
         self._single: set[str] = set()
 
-    def begin(self, call: Call, prompt: Sequence[int], params: SamplingParams, *, salt: str | None,
-              single: bool) -> None:
-        """A call arrives: its prompt and params, its session's tenant salt, and whether the session
-        is this one call (its KV is not kept)."""
-        self.calls[call.key] = (prompt, params)
+    def begin(self, call: Call, request: CheckedRequest, *, salt: str | None, single: bool) -> None:
+        """A call arrives: its request (checked by its model's engine), its session's tenant salt, and
+        whether the session is this one call (its KV is not kept)."""
+        self.calls[call.key] = request
         self._salts[call.session] = salt
         if single:
             self._single.add(call.session)
@@ -151,11 +152,8 @@ class LiveTokens:
     def returns(self, session: str) -> bool:
         return session not in self._single
 
-    def prompt(self, call: Call, vocab: int) -> list[int]:
-        return list(self.calls[call.key][0])
-
-    def params(self, call: Call) -> SamplingParams:
-        return self.calls[call.key][1]
+    def request(self, call: Call, engine: Engine) -> CheckedRequest:
+        return self.calls[call.key]
 
     def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
         h = array.array("i", prompt)
@@ -513,7 +511,7 @@ class Instance(DerivedQueries):
     def _submit(self) -> None:
         """Hands the admitted calls to the active engine: each prompt from its session's history, and
         the session's host copy, which tops up what the device cache holds. Callers check calls before
-        admitting them (``Engine.check_request``; the trace replay's are valid by construction): a
+        admitting them (``Engine.check_request``; a replayed call is checked here, its one check): a
         call the engine refused here would fail the step."""
         while self._pending:
             call = self._pending.pop(0)
@@ -522,10 +520,10 @@ class Instance(DerivedQueries):
                                    f"{self._active} is active")
             s = self.served[call.model]
             eng = s.engine
-            prompt = self.tokens.prompt(call, eng.model.cfg.vocab_size)
+            request = self.tokens.request(call, eng)
             # at admission the engine takes the device cache's full pages and restores only the rest
-            kv = self.kv.restorable(call.session, call.model, prompt)
-            rid = eng.add_request(prompt, self.tokens.params(call), call.id,
+            kv = self.kv.restorable(call.session, call.model, request.prompt)
+            rid = eng.add_request(request, None, call.id,
                                   keep_kv=self.kv.use_host and self.tokens.returns(call.session),
                                   restore=kv, cache_salt=self.tokens.tenant(call.session), session=call.session)
             self._calls[rid] = call

@@ -2,9 +2,9 @@
 batching, sampling, grammar-constrained decoding (`grammar`), and speculative decoding (`spec/`)."""
 from talaria_jax.engine import grammar
 from talaria_jax.engine.compile_cache import enable_compilation_cache
-from talaria_jax.engine.engine import Engine, EngineConfig, RequestError, RequestOutput, StepError
+from talaria_jax.engine.engine import CheckedRequest, Engine, EngineConfig, RequestError, RequestOutput, StepError
 from talaria_jax.engine.sampling import SamplingError, SamplingParams
 from talaria_jax.engine.spec import SpecConfig
 
-__all__ = ["Engine", "EngineConfig", "RequestError", "RequestOutput", "SamplingError", "SamplingParams", "SpecConfig",
-           "StepError", "enable_compilation_cache", "grammar"]
+__all__ = ["CheckedRequest", "Engine", "EngineConfig", "RequestError", "RequestOutput", "SamplingError", "SamplingParams",
+           "SpecConfig", "StepError", "enable_compilation_cache", "grammar"]

@@ -40,12 +40,21 @@ from talaria_jax.kvcache.session_kv import ModelKV
 from talaria_jax.models.model import ShardedModel, with_params
 from talaria_jax.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestError", "RequestOutput", "StepError"]
+__all__ = ["CheckedRequest", "Engine", "EngineConfig", "EngineStats", "RequestError", "RequestOutput", "StepError"]
 
 
 class StepError(RuntimeError):
     """A step failed on the device. The pool was reallocated and every running request requeued
     for recompute, so no request is lost; the step can be retried."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedRequest:
+    """A request an engine has checked (`Engine.check_request`): its prompt's token ids and its
+    sampling params. That engine's `add_request` takes it as it is; any other engine checks it again."""
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    checked_by: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +228,7 @@ class Engine:
         self._arena_generation = arena.generation
         # grammar-constrained requests' masks (llguidance's view of the tokenizer, built at the first)
         self.grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, tuple(self.model.cfg.eos_ids))
+        self._checks = object()  # what this engine's CheckedRequests carry
         self._last = StepReport()  # what the last step computed (run_step reports it)
         # add_request requests with progress step() has not handed out yet, in the order they made it
         self._unreported: dict[Request, None] = {}
@@ -284,13 +294,15 @@ class Engine:
                      self.runner.compilations - steps, self.host_tier.compilations - copies, time.perf_counter() - t0)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
+    def add_request(self, prompt: Sequence[int] | str | CheckedRequest, params: SamplingParams | None = None,
                     request_id: str | None = None, *, keep_kv: bool = False, restore: HostKV | None = None,
                     cache_salt: str | None = None, session: str | None = None) -> str:
         """Queues a request, reported by `step()`; bad input raises RequestError (SamplingError is one)
-        naming the field and changes nothing. The prompt is a str, a list or tuple of int token ids, or
-        a 1-D integer numpy array; a str is encoded without BOS (prepend it yourself if the model wants
-        one). `keep_kv`: when the request finishes, its KV goes to host memory (`RequestOutput.kv`).
+        naming the field and changes nothing. The prompt is a str, a list or tuple of int token ids, a
+        1-D integer numpy array, or a `CheckedRequest` this engine's `check_request` made (not checked
+        again; `params` None takes its params); a str is encoded without BOS (prepend it yourself if
+        the model wants one). `params` None: the defaults. `keep_kv`: when the request finishes, its KV
+        goes to host memory (`RequestOutput.kv`).
         `restore`: such a KV (of the same weights and page layout) for a prefix of `prompt`; it is
         copied back into the pool at admission instead of being recomputed, and the prompt must start
         with its tokens. `cache_salt`: the prefix-cache tenant (with `EngineConfig.prefix_cache`); only
@@ -311,10 +323,50 @@ class Engine:
         req.keep_kv, req.restore, req.cache_salt, req.session = bool(keep_kv), restore, cache_salt, session
         return self._enqueue(req)
 
-    def check_request(self, prompt: Sequence[int] | str, params: SamplingParams) -> tuple[int, ...]:
-        """The checks of `add_request` without queueing anything: the prompt's token ids, or the
-        RequestError that add_request would raise."""
-        return self._make_request(prompt, params, None).prompt
+    def check_request(self, prompt: Sequence[int] | str | CheckedRequest,
+                      params: SamplingParams | None = None) -> CheckedRequest:
+        """The checks of `add_request` without queueing anything: the request checked, which this
+        engine's add_request takes as it is (a server checks a request once, when it arrives), or the
+        RequestError that add_request would raise. A `CheckedRequest` of this engine as the prompt
+        is not checked again: only `params`, if given (the choices of one prompt)."""
+        if isinstance(prompt, CheckedRequest) and prompt.checked_by is self._checks and params is None:
+            return prompt
+        return self._check(prompt, params)
+
+    def _check(self, prompt, params: SamplingParams | None) -> CheckedRequest:
+        if isinstance(prompt, CheckedRequest):
+            if params is None:
+                params = prompt.params
+            if prompt.checked_by is self._checks:
+                self._check_params(len(prompt.prompt), params)
+                return CheckedRequest(prompt.prompt, params, self._checks)
+            prompt = prompt.prompt
+        if params is None:
+            params = SamplingParams()
+        ids = self._prompt_ids(prompt)
+        vocab = self.model.cfg.vocab_size
+        if not ids:
+            raise RequestError("prompt is empty")
+        arr = _token_array(ids)  # checked at once; the loop below only names the first bad token
+        if arr is None or np.any((arr < 0) | (arr >= vocab)):
+            for i, t in enumerate(ids):
+                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                    raise RequestError(f"prompt token {i} is {t!r}, not an integer token id")
+                if not 0 <= t < vocab:
+                    raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
+        self._check_params(len(ids), params)
+        return CheckedRequest(tuple(arr.tolist()), params, self._checks)
+
+    def _check_params(self, prompt_tokens: int, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.model.cfg.vocab_size)
+        limit = min(self.config.max_model_len, self.pool_spec.num_slots)
+        if prompt_tokens + params.max_tokens > limit:
+            raise RequestError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                               f"context limit of {limit} tokens")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)  # compiled once and kept (GrammarError where refused)
 
     def _check_restore(self, prompt: tuple[int, ...], kv: HostKV) -> None:
         if not isinstance(kv, HostKV):
@@ -351,36 +403,20 @@ class Engine:
         raise RequestError(f"prompt must be a str, a list or tuple of int token ids or a 1-D integer numpy array, "
                            f"got {type(prompt).__name__}{hint}")
 
-    def _make_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None,
+    def _make_request(self, prompt, params: SamplingParams | None, request_id: str | None,
                       restore: HostKV | None = None, owner: str = "step") -> Request:
-        ids = self._prompt_ids(prompt)
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        vocab = self.model.cfg.vocab_size
-        params.validate(vocab)
+        checked = self.check_request(prompt, params)
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a str or None, got {type(request_id).__name__}")
-        if not ids:
-            raise RequestError("prompt is empty")
-        arr = _token_array(ids)  # checked at once; the loop below only names the first bad token
-        if arr is None or np.any((arr < 0) | (arr >= vocab)):
-            for i, t in enumerate(ids):
-                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                    raise RequestError(f"prompt token {i} is {t!r}, not an integer token id")
-                if not 0 <= t < vocab:
-                    raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
-        limit = min(self.config.max_model_len, self.pool_spec.num_slots)
-        if len(ids) + params.max_tokens > limit:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                               f"context limit of {limit} tokens")
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if restore is not None:
-            self._check_restore(tuple(arr.tolist()), restore)
-        constraint = self.grammars.constraint(params.grammar) if params.grammar is not None else None
+            self._check_restore(checked.prompt, restore)
+        p = checked.params
+        constraint = self.grammars.constraint(p.grammar) if p.grammar is not None else None  # (compiled: a copy)
         # id, seed and arrival come at _enqueue: a request rejected here (or a batch that fails on a
         # later prompt) takes no arrival, so the next one gets the default seed it would have had
-        return Request(request_id, tuple(arr.tolist()), params, SequencePages(self.page_size), owner=owner,
+        return Request(request_id, checked.prompt, p, SequencePages(self.page_size), owner=owner,
                        constraint=constraint)
 
     def abort(self, request_id: str) -> RequestOutput | None:

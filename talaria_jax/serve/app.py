@@ -34,9 +34,10 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from talaria_jax.engine.engine import Engine, RequestOutput
+from talaria_jax.engine.engine import CheckedRequest, Engine, RequestOutput
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.grammar import GrammarError
+from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.scheduler.inferred import OUTPUT_KEPT, Identified, SessionInference
 from talaria_jax.serve import messages, protocol, responses, schema, tools
 from talaria_jax.serve.async_engine import AsyncEngine, EngineDead, Unavailable
@@ -220,10 +221,6 @@ async def probe(request: Request, kind: Literal["completion", "chat"] = "complet
     if backend is None:
         raise ApiError(404, "this server has no scheduler (one engine): nothing to probe", code="not_found")
     prep = await _prepare(request, kind == "chat", probing=True)
-    try:
-        prep.served.engine.check_request(prep.prompt, prep.p.params[0])
-    except RequestError as e:
-        raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
 
     def read():
         with srv.ae.locked():
@@ -292,7 +289,18 @@ async def _prepare(request: Request, chat: bool, probing: bool = False, body: An
     if p.session is not None:  # named as a header names it (any characters, at most 256)
         p.session = protocol.header_value(p.session)
     session = None if p.session is None else f"{salt[:16]}:{p.session}"  # tenants' sessions never mix
-    return Prepared(served, p, prompt, salt, session, rid, how, inferred)
+    checked = await asyncio.to_thread(_check, served, prompt, p.params)
+    return Prepared(served, p, checked, salt, session, rid, how, inferred)
+
+
+def _check(served: ServedModel, prompt: list[int], params: list[SamplingParams]) -> tuple[CheckedRequest, ...]:
+    """The request checked by its model's engine, once here (a 400 naming the field): one checked
+    request a choice, which the engine takes as it is."""
+    try:
+        first = served.engine.check_request(prompt, params[0])
+        return (first, *(served.engine.check_request(first, x) for x in params[1:]))
+    except RequestError as e:
+        raise ApiError(400, str(e), _param_of(str(e)), "invalid_request") from None
 
 
 async def _generate(request: Request, chat: bool, body: Any = None, session: tuple[str, str] | None = None):
@@ -308,10 +316,10 @@ async def _generate(request: Request, chat: bool, body: Any = None, session: tup
     choices: list[_Choice] = []
     rid = prep.request_id
     try:
-        for i, params in enumerate(p.params):  # (choice i of n > 1: its own engine request, `<id>-<i>`)
-            sent, queue = await asyncio.to_thread(ae.submit, prompt, params, loop, rid if len(p.params) == 1 else
+        for i, checked in enumerate(prep.checked):  # (choice i of n > 1: its own engine request, `<id>-<i>`)
+            sent, queue = await asyncio.to_thread(ae.submit, checked, None, loop, rid if len(prep.checked) == 1 else
                                                   f"{rid}-{i}", cache_salt=salt, session=session, **route)
-            rid = sent if len(p.params) == 1 else rid  # (an id in flight already was given a suffix)
+            rid = sent if len(prep.checked) == 1 else rid  # (an id in flight already was given a suffix)
             choices.append(_Choice(i, sent, queue, p, served.tokenizer,
                                    served.tool_format if chat and p.tool_choice.mode != "none" else None))
     except RequestError as e:
@@ -353,12 +361,16 @@ class Prepared:
     """A request checked and tokenized: what serving it needs."""
     served: ServedModel
     p: Parsed
-    prompt: list[int]
+    checked: tuple[CheckedRequest, ...]  # the request checked by its engine, a choice each (`_check`)
     salt: str  # the caller's tenant salt
     session: str | None  # the session, named within the tenant
     request_id: str  # the call's one id (protocol.request_id)
     how: str | None = None  # how the session was identified (protocol.IDENTIFIED)
     inferred: Identified | None = None  # the inference's record of the call, if it was inferred
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.checked[0].prompt
 
 
 class _Probed:

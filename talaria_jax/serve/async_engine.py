@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from absl import logging
 
-from talaria_jax.engine.engine import Engine, RequestOutput, StepError
+from talaria_jax.engine.engine import CheckedRequest, Engine, RequestOutput, StepError
 from talaria_jax.engine.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDead", "Unavailable"]
@@ -65,9 +65,9 @@ class AsyncEngine:
         self._thread.start()
 
     # -- requests ------------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-               request_id: str | None = None, *, cache_salt: str | None = None, session: str | None = None,
-               **route) -> tuple[str, asyncio.Queue]:
+    def submit(self, prompt: list[int] | CheckedRequest, params: SamplingParams | None,
+               loop: asyncio.AbstractEventLoop, request_id: str | None = None, *, cache_salt: str | None = None,
+               session: str | None = None, **route) -> tuple[str, asyncio.Queue]:
         """Queues a request under `request_id` (None: the engine makes one; one in flight already gets a
         suffix, `<id>.<hex>`, so a client that sends one id twice loses neither call); returns its id and
         the queue its outputs arrive on (a `RequestOutput` per step that advanced it, the last one

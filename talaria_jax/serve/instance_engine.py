@@ -17,7 +17,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
-from talaria_jax.engine.engine import RequestOutput
+from talaria_jax.engine.engine import CheckedRequest, RequestOutput
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.instance import Instance, LiveTokens
@@ -118,26 +118,27 @@ class InstanceEngine:
         return self._now
 
     # --- requests -----------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams, request_id: str | None = None, *,
-                    model: str, cache_salt: str | None = None, session: str | None = None,
-                    hints: Hints = NO_HINTS) -> str:
-        """Checks the request against `model`'s engine (RequestError, nothing queued) and routes it as
-        the next call of `session`, with what the agent said of it (`Hints`; a call that ends its
+    def add_request(self, prompt: Sequence[int] | str | CheckedRequest, params: SamplingParams | None = None,
+                    request_id: str | None = None, *, model: str, cache_salt: str | None = None,
+                    session: str | None = None, hints: Hints = NO_HINTS) -> str:
+        """Checks the request against `model`'s engine (RequestError, nothing queued; a `CheckedRequest`
+        of that engine is not checked again, and the engine takes it as it is at admission) and routes
+        it as the next call of `session`, with what the agent said of it (`Hints`; a call that ends its
         session frees the session's KV when it finishes). `request_id` (None: `req-<n>`) names the
         request here and in the engine, and its outputs."""
         if model not in self.instance.served:
             raise RequestError(f"model {model!r} is not served here (serving {', '.join(self.models)})")
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a str or None, got {type(request_id).__name__}")
-        ids = self.engine_of(model).check_request(prompt, params)
+        checked = self.engine_of(model).check_request(prompt, params)
         rid = request_id
         while rid is None or (request_id is None and rid in self.requests):  # (a caller may have named one so)
             rid = f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in flight")
         call = self.sessions.next_call(session if session is not None else f"~{rid}", session is None, cache_salt,
-                                       model, len(ids), params.max_tokens, hints, request_id=rid)
-        self.instance.tokens.begin(call, ids, params, salt=cache_salt, single=session is None)
+                                       model, len(checked.prompt), checked.params.max_tokens, hints, request_id=rid)
+        self.instance.tokens.begin(call, checked, salt=cache_salt, single=session is None)
         self.requests[rid] = call
         self.scheduler.on_arrival(call, self.clock())
         return rid

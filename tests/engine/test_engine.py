@@ -516,6 +516,31 @@ BAD_PARAMS = [  # (params, field named in the error)
 ]
 
 
+def test_a_checked_request_is_taken_as_it_is_by_its_engine_only(dense1, monkeypatch):
+    """`check_request` checks once: the engine that checked a request queues it without checking it
+    again (its params validated once), other params for the same prompt check the params alone, and
+    any other engine, whose limits may differ, checks it whole."""
+    eng = Engine(dense1, config(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=64))
+    small = Engine(dense1, config(page_size=8, max_seqs=2, max_tokens_per_step=32, max_model_len=16))
+    validate, seen = SamplingParams.validate, []
+    monkeypatch.setattr(SamplingParams, "validate", lambda p, vocab: (seen.append(p), validate(p, vocab))[1])
+    checked = eng.check_request(np.arange(1, 9), GREEDY)
+    assert checked.prompt == tuple(range(1, 9)) and checked.params is GREEDY and len(seen) == 1
+    assert eng.check_request(checked) is checked and len(seen) == 1
+    rid = eng.add_request(checked, None, "c")
+    assert len(seen) == 1 and eng.requests[rid].prompt is checked.prompt
+    other = eng.check_request(checked, dataclasses.replace(GREEDY, seed=3))
+    assert other.prompt is checked.prompt and other.params.seed == 3 and len(seen) == 2
+    with pytest.raises(RequestError, match="exceeds the context limit of 16"):
+        small.add_request(checked, None)  # checked by another engine: checked again
+    with pytest.raises(RequestError, match="exceeds the context limit of 64"):
+        eng.check_request(checked, dataclasses.replace(GREEDY, max_tokens=60))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].request_id == "c" and outs[-1].token_ids == greedy_generate(dense1, [list(range(1, 9))], 12)[0]
+
+
 def test_loose_input_is_a_request_error_and_queues_nothing(dense1):
     from talaria_jax.engine import RequestError as PublicRequestError, SamplingError as PublicSamplingError
 
@@ -532,8 +557,9 @@ def test_loose_input_is_a_request_error_and_queues_nothing(dense1):
                      lambda: eng.stream([1, 2], sp)):
             with pytest.raises(SamplingError, match=field):
                 call()
-    for call in (lambda: eng.add_request([1], None), lambda: eng.generate([[1]], None, progress=False),
-                 lambda: eng.stream([1], None)):
+    loose = {"temperature": 0.0}  # a dict is not a SamplingParams (None is: the defaults)
+    for call in (lambda: eng.add_request([1], loose), lambda: eng.generate([[1]], loose, progress=False),
+                 lambda: eng.stream([1], loose), lambda: eng.generate([[1]], None, progress=False)):
         with pytest.raises(RequestError, match="params must be a SamplingParams"):
             call()
     with pytest.raises(RequestError, match="prompts must be a list or tuple"):

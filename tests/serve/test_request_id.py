@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from talaria_jax.engine.engine import EngineConfig
+from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.serve.config import InstanceConfig, ServerConfig
 from talaria_jax.serve.local_cluster import LocalCluster
@@ -81,3 +82,28 @@ def test_two_calls_a_client_sent_under_one_id_are_both_served(served):
     assert second.status_code == 200 and re.fullmatch(r"twice\.[0-9a-f]{8}", second.headers["x-request-id"])
     assert second.json()["id"] == f"cmpl-{second.headers['x-request-id']}"
     assert second.json()["usage"]["completion_tokens"] == 48 and "data: [DONE]" in rest
+
+
+def test_a_request_is_checked_once_by_each_instance_it_reaches(served, monkeypatch):
+    """An instance checks a call once, when it arrives (its engine's `check_request`): the checked
+    request is what its scheduler holds and its engine admits. Through the gateway, each instance
+    checks at the probe, and the one the call is forwarded to takes the probed request as it is."""
+    url, instances, _ = served
+    validate, seen = SamplingParams.validate, []
+
+    def counted(params, vocab_size):
+        if params.seed == 424242:  # (this test's calls only: nothing else the servers run)
+            seen.append(params)
+        return validate(params, vocab_size)
+    monkeypatch.setattr(SamplingParams, "validate", counted)
+    body = {"model": "tiny-dense", "prompt": [2, 7, 1, 8], "max_tokens": 3, "seed": 424242}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{instances[0]}/v1/completions", headers=auth, json=body, timeout=120)
+    assert r.status_code == 200 and len(seen) == 1  # at arrival: not again when the engine admits it
+    seen.clear()
+    r = httpx.post(f"{url}/v1/completions", headers=auth, json=body, timeout=120)
+    assert r.status_code == 200 and 1 <= len(seen) <= len(instances)  # one probe an instance, and no more
+    seen.clear()
+    r = httpx.post(f"{url}/v1/completions", headers=auth, json={**body, "n": 2}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert 2 <= len(seen) <= 2 * len(instances)  # a choice each (its own seed is checked), once
