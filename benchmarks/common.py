@@ -1,7 +1,11 @@
-"""Helpers shared by the benchmark scripts (run as `python benchmarks/NAME.py`, so this imports as `common`),
-among them the measuring functions that both a benchmark script and benchmarks/device_check.py time
-with: `prefill_tok_s` (engine_prefill.py), `ttft` and `copy_times` (host_restore.py), `switch_times`
-(model_switch.py). Nothing here defines flags: a script passes its flag values in.
+"""The scaffolding the benchmark scripts share (`from benchmarks import common`): fair timing of two
+sides (`interleave`, `Machine`, `set_threads`, `best_time`), the machine's load in a report
+(`Machine.report`, `load_before_after`, `load_after`), output (`print_markdown_table` and
+`markdown_header` for tables, `geomean` for ratios, `write_json` for a script's --out), the recorded
+workloads under `DATA`, and the measuring functions that both a benchmark script and
+benchmarks/device_check.py time with: `prefill_tok_s` (engine_prefill.py), `ttft` and `copy_times`
+(host_restore.py), `switch_times` (model_switch.py). Nothing here defines flags of its own: a script
+passes its flag values in.
 
 Fair comparisons (`interleave`, `Machine`): a benchmark that prints ours against a reference times both
 sides rep by rep in turns (ours, theirs, theirs, ours, ...) and keeps the best of each, runs both on
@@ -13,12 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import math
 import os
+import pathlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
+DATA = pathlib.Path(__file__).resolve().parent / "data"  # recorded workloads the benchmarks replay
+TRAJECTORIES = DATA / "agent_trajectories.json"  # talaria_jax.rollout.agent_env's, by record_trajectories.py
 BUSY_CORES = 0.25  # other processes' average CPU use (cores) above which a run is reported as busy
 
 
@@ -99,6 +108,18 @@ class Machine:
                     other_cores=self.other_cores, busy=self.busy)
 
 
+def load_before_after(before: float) -> str:
+    """"load average B before, A after": the 1-minute load average `before` (read at the start of a run)
+    and at the call."""
+    return f"load average {before:.2f} before, {os.getloadavg()[0]:.2f} after"
+
+
+def load_after() -> str:
+    """The 1-minute load average at the call (the end of a run), with how to read it on the 2-core
+    machine the figures come from."""
+    return f"load average after: {os.getloadavg()[0]:.2f} (2 cores: above ~1 the timings are noisy)"
+
+
 def set_threads(threads: int | None, torch_side: bool = True) -> int:
     """Puts both sides on the same `threads` cores (default: all): this process is pinned to the first
     `threads` CPUs, which sizes XLA:CPU's thread pool (it counts the CPUs it may run on when its client
@@ -145,10 +166,10 @@ def decode_with_synthetic_prefix(engine, batch: int, context: int, steps: int, w
 def bench_models(model: str | None, hidden: int, layers: int, folder: str, max_position: int = 4096):
     """The model both sides of a benchmark run: `model` (a named model, a .gguf file or an HF folder),
     else a random fp32 Llama of `hidden` x `layers` saved as HF safetensors in `folder`. Returns (ours:
-    a ShardedModel loaded by talaria_jax in fp32, the path transformers loads, parameter count)."""
-    import pathlib
-
+    a ShardedModel loaded by talaria_jax in fp32, the path transformers loads, parameter count). A `model`
+    of another kind (a config name, an Orbax folder) is a usage error naming --model."""
     import jax
+    from absl import app
 
     from talaria_jax.sharding import make_mesh
     from talaria_jax.weights import load_model
@@ -157,7 +178,7 @@ def bench_models(model: str | None, hidden: int, layers: int, folder: str, max_p
     if model:
         kind, path = resolve(model)
         if kind not in ("gguf", "hf"):
-            raise ValueError(f"--model={model}: the HF side needs a GGUF or an HF folder, not {kind}")
+            raise app.UsageError(f"--model={model}: the HF side needs a GGUF or an HF folder, not {kind}")
     else:
         path = pathlib.Path(folder)
         save_random_llama(path, dict(hf_config(hidden, layers), max_position_embeddings=max_position))
@@ -181,6 +202,19 @@ def hf_config(hidden: int, layers: int) -> dict:
                 head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
+def llama_config(hidden: int, layers: int, max_position: int = 4096):
+    """talaria_jax's fp32 ModelConfig ("bench-llama") of `hf_config(hidden, layers)`'s shapes, for a model
+    initialised on our side only (host_restore.py, model_switch.py)."""
+    from talaria_jax.models.config import ModelConfig
+
+    hf = hf_config(hidden, layers)
+    return ModelConfig(name="bench-llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                       num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                       num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn_size=hf["intermediate_size"],
+                       norm_eps=hf["rms_norm_eps"], max_position=max_position, weight_dtype="float32",
+                       kv_dtype="float32", dtype="float32")
+
+
 def save_random_llama(path: str, config: dict) -> int:
     """Saves a randomly initialised fp32 HF Llama with `config` as safetensors; returns its parameter count."""
     import torch
@@ -200,6 +234,29 @@ def print_markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) 
     for r in rows:
         cells = ["-" if r[k] is None else format(r[k], f) for _, k, f in columns]
         print("| " + " | ".join(cells) + " |")
+
+
+def markdown_header(headers: list[str]) -> str:
+    """The first two lines of a markdown table of `headers` (left-aligned columns), for a script that
+    prints its rows one by one as they are measured."""
+    return "| " + " | ".join(headers) + " |\n" + "|---" * len(headers) + "|"
+
+
+def geomean(values: Iterable[float]) -> float:
+    """The geometric mean of positive `values` (of ratios: ours over theirs)."""
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def write_json(path: str | None, payload: dict, machine: Machine | None = None) -> None:
+    """Writes `payload` to `path` (a script's --out; nothing when it is None or empty) as indented JSON,
+    with `machine.as_json()` under "machine" where a `machine` is given."""
+    if not path:
+        return
+    if machine is not None:
+        payload = dict(payload, machine=machine.as_json())
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
 
 
 def best_time(fn, reps: int) -> float:
@@ -358,3 +415,34 @@ def switch_times(slot, hosts, restore, reps: int) -> dict[str, list[float]]:
             for k, dt in zip(out, (issued - t, arrived - t, switched - arrived, loaded - switched, restored - loaded)):
                 out[k].append(dt)
     return out
+
+
+# a JSON schema of a list of 20-40 records: the constrained side of structured_decode.py, one of
+# grammar_libraries.py's schemas
+RECORDS_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 20, "maxItems": 40, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "year": {"type": "integer"},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+    "required": ["name", "year", "tags"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False}
+DEMO_DEFAULTS = dict(sessions=12, calls=4, max_tokens=32, start_gap_s=0.25)  # of the demo's flags, in demo_flags
+
+
+def demo_flags():
+    """`talaria_jax.launch.demo`, whose flags (--sessions, --calls, --policies, ...) a script of the demo's
+    agent sessions takes, with the smaller defaults of DEMO_DEFAULTS (serve_load.py,
+    inferred_sessions.py); call it at import, before absl parses the command line."""
+    from absl import flags
+
+    from talaria_jax.launch import demo
+
+    for name, default in DEMO_DEFAULTS.items():
+        flags.FLAGS.set_default(name, default)
+    return demo
+
+
+def demo_script(demo) -> list:
+    """The demo's scripted agent sessions as its flags (`demo_flags`) ask."""
+    from talaria_jax.serve.local_cluster import demo_sessions
+
+    return demo_sessions(demo._SESSIONS.value, demo._CALLS.value, max_tokens=demo._MAX_TOKENS.value,
+                         tool_gap_s=demo._TOOL_GAP.value, seed=demo._SEED.value)

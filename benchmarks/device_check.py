@@ -48,7 +48,7 @@ import traceback
 
 from absl import app, flags
 
-import common
+from benchmarks import common
 
 _OUT = flags.DEFINE_string("out", "/tmp/device_check.json", "Write the results as JSON here.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes (a CPU smoke run).")
@@ -406,8 +406,7 @@ def run_section(res: dict, key: str, fn, show, out: str, merge: bool = False) ->
         show(value)
     res.setdefault("seconds", {})[key] = time.perf_counter() - t
     print(f"[{key}: {res['seconds'][key]:.1f} s]", flush=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
+    common.write_json(out, res)
 
 
 def main(argv):

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps -e .
 export PYTHONUNBUFFERED=1
-python3 benchmarks/device_check.py --out="${OUT:-/tmp}/device_check.json" "$@" 2>&1 | tee "${OUT:-/tmp}/device_check.log"
+python3 -m benchmarks.device_check --out="${OUT:-/tmp}/device_check.json" "$@" 2>&1 | tee "${OUT:-/tmp}/device_check.log"

@@ -15,9 +15,9 @@ the run prints the load average before and after and the CPU other processes too
 when that was more than a quarter of a core. HF's rep is clocked inside `generate` (a logits
 processor stamps each step), so its cache setup and first step are not counted, as ours are not.
 
-  .venv/bin/python benchmarks/engine_decode.py --out=/tmp/engine_decode.json
-  .venv/bin/python benchmarks/engine_decode.py --model=smollm2-135m-instruct   # the embedded real model
-  .venv/bin/python benchmarks/engine_decode.py --step_profile --contexts=2048 --skip_hf   # where a step's time goes
+  .venv/bin/python -m benchmarks.engine_decode --out=/tmp/engine_decode.json
+  .venv/bin/python -m benchmarks.engine_decode --model=smollm2-135m-instruct   # the embedded real model
+  .venv/bin/python -m benchmarks.engine_decode --step_profile --contexts=2048 --skip_hf   # where a step's time goes
 
 With `--model` (a named model, a .gguf file or an HF checkpoint folder) both sides load that model
 instead: ours through `talaria_jax.weights.load_model`, HF through `from_pretrained` (with
@@ -35,14 +35,13 @@ cache each rep: the difference (~12% more KV at context 512 with the defaults) c
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 import warnings
 
 from absl import app, flags
 
-import common
+from benchmarks import common
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048"], "Context lengths (tokens already in the KV cache).")
@@ -122,18 +121,13 @@ def hf_rep(model, batch: int, ctx: int, steps: int):
 
 def main(argv):
     del argv
-    import numpy as np
-
     threads = common.set_threads(_THREADS.value, torch_side=not _SKIP_HF.value)
     machine = common.Machine.start(threads)
     points = [(int(b), int(c)) for c in _CONTEXTS.value for b in _BATCHES.value]
     bw = copy_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            ours_model, path, n_params = common.bench_models(_MODEL.value, _HIDDEN.value, _LAYERS.value, tmp)
-        except ValueError as e:
-            raise app.UsageError(str(e)) from None
+        ours_model, path, n_params = common.bench_models(_MODEL.value, _HIDDEN.value, _LAYERS.value, tmp)
         cfg = ours_model.cfg
         layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         if _PROFILE.value:
@@ -170,15 +164,13 @@ def main(argv):
          ("HF tok/s", "hf_tok_s", ".1f"), ("roofline tok/s", "roofline_tok_s", ".1f"), ("ours/HF", "ours_over_hf", ".2f"),
          ("ours/roofline", "ours_over_roofline", ".2f")], rows)
     ratios = [r["ours_over_hf"] for r in rows if r["ours_over_hf"]]
-    geomean = float(np.exp(np.mean(np.log(ratios)))) if ratios else None
+    geomean = common.geomean(ratios) if ratios else None
     if geomean:
         print(f"\ngeometric mean ours/HF {geomean:.2f}")
     print(machine.report())
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(dict(model=_MODEL.value or "random-llama", params=n_params, copy_bandwidth_bytes_s=bw,
-                           decode_steps=steps, reps=_REPS.value, machine=machine.as_json(), rows=rows,
-                           geomean_ours_over_hf=geomean), f, indent=1)
+    common.write_json(_OUT.value, dict(model=_MODEL.value or "random-llama", params=n_params, copy_bandwidth_bytes_s=bw,
+                                       decode_steps=steps, reps=_REPS.value, rows=rows, geomean_ours_over_hf=geomean),
+                      machine)
 
 
 if __name__ == "__main__":

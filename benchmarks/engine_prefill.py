@@ -15,18 +15,17 @@ one step that prefills the chunk and samples the next token. The three sides tak
 on the same cores (`--threads`), best of `--reps` each, with the machine's load printed before and
 after (benchmarks/common.py: `interleave`, `Machine`).
 
-  .venv/bin/python benchmarks/engine_prefill.py --out=/tmp/engine_prefill.json
-  .venv/bin/python benchmarks/engine_prefill.py --model=smollm2-135m-instruct   # the embedded real model
+  .venv/bin/python -m benchmarks.engine_prefill --out=/tmp/engine_prefill.json
+  .venv/bin/python -m benchmarks.engine_prefill --model=smollm2-135m-instruct   # the embedded real model
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 
 from absl import app, flags
 
-import common
+from benchmarks import common
 
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096"], "Cached context lengths (tokens).")
 _CHUNK = flags.DEFINE_integer("chunk", 512, "New tokens prefilled on top of the context.")
@@ -76,11 +75,8 @@ def main(argv):
     contexts = [int(c) for c in _CONTEXTS.value]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            model, path, n_params = common.bench_models(_MODEL.value, _HIDDEN.value, _LAYERS.value, tmp,
-                                                        max_position=max(4096, max(contexts) + _CHUNK.value + 64))
-        except ValueError as e:
-            raise app.UsageError(str(e)) from None
+        model, path, n_params = common.bench_models(_MODEL.value, _HIDDEN.value, _LAYERS.value, tmp,
+                                                    max_position=max(4096, max(contexts) + _CHUNK.value + 64))
         if max(contexts) + _CHUNK.value > model.cfg.max_position:
             raise app.UsageError(f"--contexts: {max(contexts)} + --chunk {_CHUNK.value} exceeds the model's "
                                  f"max_position {model.cfg.max_position}")
@@ -107,10 +103,8 @@ def main(argv):
          ("ours tok/s (tiles of 1)", "ours_tile1_tok_s", ".0f"), ("HF tok/s", "hf_tok_s", ".0f"),
          ("ours / tiles of 1", "tiled_over_tile1", ".2f"), ("ours / HF", "ours_over_hf", ".2f")], rows)
     print(machine.report())
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(dict(model=_MODEL.value or "random-llama", params=n_params, query_tile=_TILE.value, reps=_REPS.value, machine=machine.as_json(),
-                           rows=rows), f, indent=1)
+    common.write_json(_OUT.value, dict(model=_MODEL.value or "random-llama", params=n_params, query_tile=_TILE.value,
+                                       reps=_REPS.value, rows=rows), machine)
 
 
 if __name__ == "__main__":

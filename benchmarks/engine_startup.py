@@ -8,8 +8,8 @@ writes the cache; the later ones load the executables from it. Each prints the e
 construction time, the process's wall time to a ready engine (imports included), and the cache's
 hits and writes.
 
-  .venv/bin/python benchmarks/engine_startup.py --cache_dir=/tmp/talaria_xla
-  .venv/bin/python benchmarks/engine_startup.py --model=smollm2-135m-instruct
+  .venv/bin/python -m benchmarks.engine_startup --cache_dir=/tmp/talaria_xla
+  .venv/bin/python -m benchmarks.engine_startup --model=smollm2-135m-instruct
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ xgrammar and outlines-core are not dependencies of talaria_jax; install them to 
 imports torch and transformers):
 
   .venv/bin/pip install xgrammar outlines-core
-  .venv/bin/python benchmarks/grammar_libraries.py --reps=5
+  .venv/bin/python -m benchmarks.grammar_libraries --reps=5
 """
 from __future__ import annotations
 
@@ -24,18 +24,13 @@ import time
 import numpy as np
 from absl import app, flags
 
-import common
+from benchmarks import common
 
 _REPS = flags.DEFINE_integer("reps", 5, "Timed walks of each library (best of), interleaved.")
 _LIBS = flags.DEFINE_list("libraries", ["llguidance", "xgrammar", "outlines-core"], "Libraries to compare.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
 TEXT = {"type": "string", "maxLength": 40}
-RECORDS = {"type": "object", "properties": {"records": {"type": "array", "minItems": 20, "maxItems": 40, "items": {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "year": {"type": "integer"},
-                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
-    "required": ["name", "year", "tags"], "additionalProperties": False}}},
-    "required": ["records"], "additionalProperties": False}
 # (name, schema, a valid answer): the agent tests' five schemas (tests/serve/test_agent_api.py) and structured_decode's
 CASES = [
     ("nested", {"type": "object", "properties": {"name": TEXT, "address": {
@@ -54,7 +49,7 @@ CASES = [
                                                    "tags": {"type": "array", "items": TEXT, "maxItems": 3}},
                   "required": ["title", "pages", "tags"], "additionalProperties": False},
      {"title": "The Hobbit", "pages": 310, "tags": ["fantasy", "classic", "adventure"]}),
-    ("records", RECORDS,
+    ("records", common.RECORDS_SCHEMA,
      {"records": [{"name": f"item {k}", "year": 1990 + k, "tags": ["a", "b"][: k % 3]} for k in range(20)]}),
 ]
 
@@ -188,9 +183,7 @@ def main(argv):
          ("compile, 6 schemas (ms)", "compile_ms", ".0f"), ("records schema (ms)", "compile_ms_records", ".0f"),
          ("vocabulary (s)", "vocab_s", ".2f")], rows)
     print(machine.report())
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump({"rows": rows, "machine": machine.as_json()}, f, indent=1)
+    common.write_json(_OUT.value, {"rows": rows}, machine)
 
 
 if __name__ == "__main__":

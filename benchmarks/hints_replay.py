@@ -4,10 +4,11 @@ short, long and bimodal sessions, with tool gaps as drawn (x1) and without tool 
 means over seeds 0-4. The noise column replays no hints over seeds 5-9: how far the figures move on
 other jitter draws alone. The table and its reading are in docs/serving.md "Agent hints".
 
-  .venv/bin/python benchmarks/hints_replay.py      # about 1.5 minutes on one core
+  .venv/bin/python -m benchmarks.hints_replay      # about 1.5 minutes on one core
 """
 from __future__ import annotations
 
+from benchmarks import common
 from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.sim.compare import run_replay
 
@@ -17,9 +18,8 @@ SEEDS, NOISE_SEEDS = [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]
 
 
 def main() -> None:
-    print("| trace | tool gaps | no hints | wrong | ends only | true | wrong / none | true / none | "
-          "noise (no hints, seeds 5-9 / 0-4) | round | composite |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(common.markdown_header(["trace", "tool gaps", "no hints", "wrong", "ends only", "true", "wrong / none",
+                                  "true / none", "noise (no hints, seeds 5-9 / 0-4)", "round", "composite"]))
     for name, file in TRACES.items():
         path = str(CONFIG_DIR / "traces" / file)
         for gaps in (1.0, 0.0):

@@ -17,16 +17,14 @@ turn, `context` + `--new_tokens` tokens, is served both ways:
     best of `--copy_reps`, the four copies in turns. The load before and after and other processes'
     CPU use are printed (benchmarks/common.py `Machine`).
 
-  .venv/bin/python benchmarks/host_restore.py --out=/tmp/host_restore.json
+  .venv/bin/python -m benchmarks.host_restore --out=/tmp/host_restore.json
 """
 from __future__ import annotations
-
-import json
 
 import numpy as np
 from absl import app, flags
 
-import common
+from benchmarks import common
 
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096", "32768"], "Prefix lengths (tokens).")
 _NEW = flags.DEFINE_integer("new_tokens", 128, "Tokens the next turn adds (the tool's observation).")
@@ -44,17 +42,11 @@ def main(argv):
 
     from talaria_jax.engine import Engine, EngineConfig, SamplingParams
     from talaria_jax.models import init_model
-    from talaria_jax.models.config import ModelConfig
     from talaria_jax.sharding import make_mesh
 
     machine = common.Machine.start(common.set_threads(None, torch_side=False))
-    hf = common.hf_config(_HIDDEN.value, _LAYERS.value)
     contexts = [int(c) for c in _CONTEXTS.value]
-    cfg = ModelConfig(name="bench-llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                      num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-                      num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn_size=hf["intermediate_size"],
-                      norm_eps=hf["rms_norm_eps"], max_position=max(contexts) + _NEW.value + 64,
-                      weight_dtype="float32", kv_dtype="float32", dtype="float32")
+    cfg = common.llama_config(_HIDDEN.value, _LAYERS.value, max_position=max(contexts) + _NEW.value + 64)
     model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=0)
     page = 16
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=2, max_tokens_per_step=_CHUNK.value,
@@ -97,10 +89,8 @@ def main(argv):
          ("restore / device_put", "restore_vs_device_put", ".2f"), ("offload GB/s", "offload_gb_s", ".2f"),
          ("device_put D2H GB/s", "d2h_gb_s", ".2f"), ("offload / device_put", "offload_vs_device_put", ".2f")],
         [dict(r, restore_s=r["restore_s"] * 1e3) for r in rows])
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(dict(memory_kind=eng.host_tier.memory_kind, machine=machine.as_json(), hidden=_HIDDEN.value,
-                           layers=_LAYERS.value, chunk=_CHUNK.value, rows=rows), f, indent=1)
+    common.write_json(_OUT.value, dict(memory_kind=eng.host_tier.memory_kind, hidden=_HIDDEN.value,
+                                       layers=_LAYERS.value, chunk=_CHUNK.value, rows=rows), machine)
 
 
 if __name__ == "__main__":

@@ -8,21 +8,19 @@ its run of the best p50: SCT p50 and p90, the prompt tokens read from the prefix
 the gateway saw, the seconds spent compiling step shapes first met in the run (the instances run in
 this process), and inferred/named ratios.
 
-  python benchmarks/inferred_sessions.py --sessions=12 --calls=4 --repeats=3
+  python -m benchmarks.inferred_sessions --sessions=12 --calls=4 --repeats=3
 
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 
 from absl import app, flags, logging
 
-from talaria_jax.launch import demo  # its flags (--sessions, --calls, ...), with other defaults here
+from benchmarks import common
 
-for name, default in (("sessions", 12), ("calls", 4), ("max_tokens", 32), ("start_gap_s", 0.25)):
-    flags.FLAGS.set_default(name, default)
+demo = common.demo_flags()  # talaria_jax.launch.demo: its flags (--sessions, --calls, ...), with other defaults
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Measured runs of each mode (interleaved).")
 _WARMUPS = flags.DEFINE_integer("warmups", 3, "Unmeasured passes of both modes at most, until one compiles under "
                                 "a second.")
@@ -35,12 +33,11 @@ def main(argv):
     from talaria_jax.engine.compile_cache import compile_seconds
     from talaria_jax.scheduler.policies import get_policy
     from talaria_jax.serve.load import run_sessions, summarize
-    from talaria_jax.serve.local_cluster import KEY, demo_cluster, demo_sessions
+    from talaria_jax.serve.local_cluster import KEY, demo_cluster
 
     load = os.getloadavg()[0]
     policy = get_policy("talaria")
-    script = demo_sessions(demo._SESSIONS.value, demo._CALLS.value, max_tokens=demo._MAX_TOKENS.value,
-                           tool_gap_s=demo._TOOL_GAP.value, seed=demo._SEED.value)
+    script = common.demo_script(demo)
     runs: dict[str, list[dict]] = {"named": [], "inferred": []}
 
     def run(mode: str) -> dict:
@@ -66,9 +63,8 @@ def main(argv):
                       f"{s['errors']} errors, {s['compile_s']:.1f} s compiling, load average "
                       f"{os.getloadavg()[0]:.2f}", flush=True)
     print(f"\n{demo._SESSIONS.value} sessions x {demo._CALLS.value} calls, 2 instances, talaria, "
-          f"{_REPEATS.value} runs each; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
-    print("| metric | named | inferred | inferred / named |")
-    print("|---|---|---|---|")
+          f"{_REPEATS.value} runs each; {common.load_before_after(load)}")
+    print(common.markdown_header(["metric", "named", "inferred", "inferred / named"]))
     keys = ("errors", "sct_p50_s", "sct_p90_s", "cached_tokens", "gateway_sessions", "compile_s")
     for stat, pick in (("median", statistics.median), ("best p50", None)):
         for key in keys:
@@ -79,9 +75,7 @@ def main(argv):
             cell = (lambda v: f"{v:.3f}") if isinstance(a, float) else str
             ratio = f"{b / a:.3f}" if a else "-"
             print(f"| {key} ({stat}) | {cell(a)} | {cell(b)} | {ratio} |")
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(runs, f, indent=1)
+    common.write_json(_JSON.value, runs)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ slot). The three alternate `--reps` times; best is reported. The steps are timed
 `talaria_jax.calibration.decode_step_times` and `KeepStaging`, the same code with which
 `talaria-calibrate` fits the simulator's `staging_step_slowdown` (there: the ratio of median steps).
 
-  .venv/bin/python benchmarks/model_switch.py --out=/tmp/model_switch.json
+  .venv/bin/python -m benchmarks.model_switch --out=/tmp/model_switch.json
 
 On CPU every "device" is host memory, so host-to-device and device-to-device are both memory copies
 and the staging copy competes with decode for the same cores and memory bandwidth; on a GPU the
@@ -28,13 +28,12 @@ staging copy runs on a copy engine over PCIe while decode reads HBM.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 
 from absl import app, flags, logging
 
-import common
+from benchmarks import common
 
 _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
@@ -43,18 +42,6 @@ _CONTEXT = flags.DEFINE_integer("context", 256, "Tokens already cached per seque
 _STEPS = flags.DEFINE_integer("decode_steps", 8, "Timed decode steps per measurement.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each switch path and decode mode.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
-
-
-def bench_config(hidden: int, layers: int):
-    """A Llama-shaped fp32 config (common.hf_config's shapes, as host_restore.py builds it)."""
-    from talaria_jax.models.config import ModelConfig
-
-    hf = common.hf_config(hidden, layers)
-    return ModelConfig(name="bench-llama", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                       num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-                       num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn_size=hf["intermediate_size"],
-                       norm_eps=hf["rms_norm_eps"], max_position=4096, weight_dtype="float32", kv_dtype="float32",
-                       dtype="float32")
 
 
 def decode_tok_s(times: list[float]) -> float:
@@ -74,7 +61,7 @@ def main(argv):
     from talaria_jax.weights import checkpoint
     from talaria_jax.weights.slot import HostWeights, WeightSlot, without_weights
 
-    cfg = bench_config(_HIDDEN.value, _LAYERS.value)
+    cfg = common.llama_config(_HIDDEN.value, _LAYERS.value)
     mesh = make_mesh(jax.devices()[:1])
     page = 16
     # calibration.decode_step_times decodes 3 warm-up steps + 2 x decode_steps (idle, then staging) + 1
@@ -127,12 +114,11 @@ def main(argv):
                                 ("slot, next model staging", "slot_staging"))]
     common.print_markdown_table([(f"decode, batch {_BATCH.value}, context {_CONTEXT.value}", "mode", "s"),
                                  ("tok/s (best)", "tok_s", ".1f"), ("x slot idle", "vs_idle", ".2f")], decode_rows)
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(dict(params=cfg.param_count(), bytes_per_device=nbytes, memory_kind=hosts[0].data.sharding.memory_kind,
-                           backend=jax.default_backend(), reps=_REPS.value, batch=_BATCH.value, context=_CONTEXT.value,
-                           decode_steps=_STEPS.value, switch_s=times, decode_tok_s=rates, staged_copies=keep.copies, staging_step_slowdown=slowdown,
-                           switch=switch_rows, decode=decode_rows), f, indent=1)
+    common.write_json(_OUT.value, dict(
+        params=cfg.param_count(), bytes_per_device=nbytes, memory_kind=hosts[0].data.sharding.memory_kind,
+        backend=jax.default_backend(), reps=_REPS.value, batch=_BATCH.value, context=_CONTEXT.value,
+        decode_steps=_STEPS.value, switch_s=times, decode_tok_s=rates, staged_copies=keep.copies,
+        staging_step_slowdown=slowdown, switch=switch_rows, decode=decode_rows))
 
 
 if __name__ == "__main__":

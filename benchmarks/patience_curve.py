@@ -5,7 +5,7 @@ the default trace and on traces of short, long and bimodal sessions, with tool g
 a quarter of them and none (x0). Prints a table per cell and draws the curves; the table and the
 plot are in docs/scheduler.md "The p50/p95 knob".
 
-  .venv/bin/python benchmarks/patience_curve.py --plot=docs/patience.png     # about 3.5 minutes on one core
+  .venv/bin/python -m benchmarks.patience_curve --plot=docs/patience.png     # about 3.5 minutes on one core
 """
 from __future__ import annotations
 

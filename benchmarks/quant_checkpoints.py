@@ -8,18 +8,17 @@
    same weights dequantized once at load (`dequantized`), interleaved best of `--reps`: tokens/s and
    their ratio, with the bytes each holds.
 
-  .venv/bin/python benchmarks/quant_checkpoints.py --out=/tmp/quant_checkpoints.json
+  .venv/bin/python -m benchmarks.quant_checkpoints --out=/tmp/quant_checkpoints.json
 """
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from absl import app, flags, logging  # noqa: E402
 
-import common  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "tiny-moe", "Model config for the decode comparison.")
 _HIDDEN = flags.DEFINE_integer("hidden", 512, "Its hidden size (and expert FFN size) for the decode comparison.")
@@ -124,10 +123,8 @@ def main(argv):
                                  ("quantized tok/s", "quantized_tok_s", ".0f"),
                                  ("dequantized tok/s", "dequantized_tok_s", ".0f"),
                                  ("quantized / dequantized", "ratio", ".2f")], decode)
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(dict(machine=machine.as_json(), bytes=sizes, decode=decode, batch=_BATCH.value,
-                           context=_CONTEXT.value, steps=_STEPS.value, reps=_REPS.value), f, indent=1)
+    common.write_json(_OUT.value, dict(bytes=sizes, decode=decode, batch=_BATCH.value, context=_CONTEXT.value,
+                                       steps=_STEPS.value, reps=_REPS.value), machine)
 
 
 if __name__ == "__main__":

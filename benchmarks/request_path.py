@@ -1,9 +1,9 @@
 """Request path: the CPU the gateway and its instances spend per call outside the model step, and the
 server's detokenization of a streamed output, for this checkout and a baseline commit side by side.
 
-    python benchmarks/request_path.py                   # baseline: main at 9948464, from a git worktree
-    python benchmarks/request_path.py --calls=20 --instances=1,4,16 --baseline_ref=<commit>
-    python benchmarks/request_path.py --inference --instances=1,4   # sessions named vs inferred
+    python -m benchmarks.request_path                   # baseline: main at 9948464, from a git worktree
+    python -m benchmarks.request_path --calls=20 --instances=1,4,16 --baseline_ref=<commit>
+    python -m benchmarks.request_path --inference --instances=1,4   # sessions named vs inferred
 
 Per call: the next turn of one of two agent sessions (a chat completion whose conversation grows by a
 tool call and its result each turn, from about 15,000 prompt tokens of SmolLM2's tokenizer: a
@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import common
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_LEN = 24576  # the instances' context
@@ -202,8 +204,8 @@ def baseline_tree(ref: str, where: pathlib.Path) -> pathlib.Path:
 
 
 def run_child(args: dict) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], capture_output=True, text=True,
-                       timeout=3600)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.request_path", "--child", json.dumps(args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"child {args['what']} k={args.get('k')} at {args['root']} failed:\n{r.stderr[-4000:]}")
@@ -257,18 +259,16 @@ def main() -> None:
                           f"({r['wall_ms_per_call']:.0f} ms wall, {r['prompt_tokens']:.0f} prompt tokens)", flush=True)
         res["load_after"] = os.getloadavg()[0]
         print(f"\nCPU per call outside the model step (gateway + instances), ms, best of {FLAGS.repeats}:")
-        print(f"| K | {base} | {this} | {this} / {base} |")
-        print("|---|---|---|---|")
+        print(common.markdown_header(["K", base, this, f"{this} / {base}"]))
         for k, row in res["path"].items():
             a, b = row[base]["cpu_ms_per_call"], row[this]["cpu_ms_per_call"]
             print(f"| {k} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
         print(f"load average after: {res['load_after']:.2f}")
-        pathlib.Path(FLAGS.out).write_text(json.dumps(res, indent=1))
+        common.write_json(FLAGS.out, res)
         if FLAGS.inference:
             return
         print("\nDetokenizing a streamed output, ms (one token per step):")
-        print(f"| tokens | {base} | this | this / {base} |")
-        print("|---|---|---|---|")
+        print(common.markdown_header(["tokens", base, "this", f"this / {base}"]))
         for n in FLAGS.lengths:
             a, b = res["detok"][base][n], res["detok"]["this"][n]
             print(f"| {n} | {a:.1f} | {b:.1f} | {b / a:.3f} |")

@@ -1,10 +1,11 @@
 """Rollout tokens/s of WAR against data-parallel rollouts, on live multi-turn agentic trajectories.
 
-Each trajectory is SmolLM2-135M-Instruct working one of `agent_env.py`'s toy repositories through
-its bash-like tool, turn after turn (the tool's output is the next turn's message), with several
-sibling trajectories per task (a GRPO group: same first prompt, other seeds). A synchronous RL step
-is one `RolloutService.rollout` call over all of them; its rollout throughput is the model tokens
-it generated over its wall time. Side by side, on the same replicas' configuration:
+Each trajectory is SmolLM2-135M-Instruct working one of the toy repositories of
+`talaria_jax.rollout.agent_env` through its bash-like tool, turn after turn (the tool's output is the
+next turn's message), with several sibling trajectories per task (a GRPO group: same first prompt,
+other seeds). A synchronous RL step is one `RolloutService.rollout` call over all of them; its
+rollout throughput is the model tokens it generated over its wall time. Side by side, on the same
+replicas' configuration:
 
   war       suffix-tree speculation (the per-step policy: drafts only where they pay) and
             cache-aware placement (trajectories stay where their KV is; the tail is admitted first)
@@ -15,8 +16,8 @@ at a low load (a few trajectories per replica) and a high load (more trajectorie
 replicas' batch slots). The service draws every sample with its own seed, so all configurations
 generate the same tokens (checked), and every engine has prefix caching on.
 
-  .venv/bin/python benchmarks/rollout_throughput.py                      # 2 replicas x 1 device
-  .venv/bin/python benchmarks/rollout_throughput.py --devices_per_replica=4 --loads=low
+  .venv/bin/python -m benchmarks.rollout_throughput                      # 2 replicas x 1 device
+  .venv/bin/python -m benchmarks.rollout_throughput --devices_per_replica=4 --loads=low
 
 `--tunix` times something else: one GRPO step's rollout inside Tunix (`BaseRollout.generate` of
 `--tunix_prompts` questions x `--tunix_group` samples, as Tunix's GRPO learner calls it) with
@@ -33,8 +34,8 @@ import time
 
 from absl import app, flags
 
-import agent_env
-import common
+from benchmarks import common
+from talaria_jax.rollout import agent_env
 
 _REPLICAS = flags.DEFINE_integer("replicas", 2, "Rollout replicas.", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices_per_replica", 1, "Devices of each replica's mesh (TP degree).", lower_bound=1)
@@ -306,10 +307,8 @@ def main(argv):
     common.print_markdown_table(cols, rows)
     if _SIMULATE.value:
         print_simulated(sim_rows)
-    print(f"\nload average after: {os.getloadavg()[0]:.2f} (2 cores: above ~1 the timings are noisy)")
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump({"rows": rows, "simulated": sim_rows}, f, indent=1)
+    print(f"\n{common.load_after()}")
+    common.write_json(_OUT.value, {"rows": rows, "simulated": sim_rows})
 
 
 if __name__ == "__main__":

@@ -3,22 +3,20 @@ calls over two local instance servers (each hosting SmolLM2-135M-Instruct and tw
 talaria and under round, side by side in one run. Prints errors and TTFT, inter-token latency and SCT
 percentiles per policy, and round/talaria ratios. A progress bar runs over the calls.
 
-  python benchmarks/serve_load.py --sessions=12 --calls=4
+  python -m benchmarks.serve_load --sessions=12 --calls=4
 
 A first, unmeasured pass under each policy compiles the step shapes the load meets.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
 from absl import app, flags, logging
 
-from talaria_jax.launch import demo  # its flags (--sessions, --calls, ...), with other defaults here
+from benchmarks import common
 
-for name, default in (("sessions", 12), ("calls", 4), ("max_tokens", 32), ("start_gap_s", 0.25)):
-    flags.FLAGS.set_default(name, default)
+demo = common.demo_flags()  # talaria_jax.launch.demo: its flags (--sessions, --calls, ...), with other defaults
 _JSON = flags.DEFINE_string("json_out", None, "Write the summaries here.")
 
 
@@ -28,15 +26,14 @@ def main(argv):
     from talaria_jax.scheduler.policies import POLICIES
     from talaria_jax.serve.load import summarize
     from talaria_jax.scheduler.policies import get_policy
-    from talaria_jax.serve.local_cluster import demo_cluster, demo_sessions
+    from talaria_jax.serve.local_cluster import demo_cluster
 
     load = os.getloadavg()[0]
     pols = demo._POLICIES.value
     if any(p not in POLICIES for p in pols):
         raise app.UsageError(f"--policies: unknown {[p for p in pols if p not in POLICIES]}; "
                              f"known: {', '.join(POLICIES)}")
-    script = demo_sessions(demo._SESSIONS.value, demo._CALLS.value, max_tokens=demo._MAX_TOKENS.value,
-                           tool_gap_s=demo._TOOL_GAP.value, seed=demo._SEED.value)
+    script = common.demo_script(demo)
     with demo_cluster(pols[0]) as cluster:
         policies = [get_policy(p) for p in pols]
         warm = {"start_gap_s": demo._START_GAP.value, "progress": True}
@@ -45,10 +42,9 @@ def main(argv):
         stats = cluster.stats
     sums = {p: summarize(results[p]) for p in pols}
     ref = pols[0]
-    print(f"\n{demo._SESSIONS.value} sessions x {demo._CALLS.value} calls, 2 instances; load average {load:.2f} before, "
-          f"{os.getloadavg()[0]:.2f} after")
-    print(f"| metric | {' | '.join(pols)} | " + " | ".join(f"{p}/{ref}" for p in pols[1:]) + " |")
-    print("|---|" + "---|" * (2 * len(pols) - 1))
+    print(f"\n{demo._SESSIONS.value} sessions x {demo._CALLS.value} calls, 2 instances; "
+          f"{common.load_before_after(load)}")
+    print(common.markdown_header(["metric", *pols, *(f"{p}/{ref}" for p in pols[1:])]))
     for key in ("errors", "calls", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s", "sct_p50_s", "sct_p90_s",
                 "sct_mean_s"):
         vals = [sums[p][key] for p in pols]
@@ -58,9 +54,7 @@ def main(argv):
         print(f"| {key} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     for key in ("switches", "switch_s", "restored_tokens", "recomputed_tokens"):
         print(f"| {key} | {' | '.join(f'{stats[p][key]:.4g}' for p in pols)} |" + " |" * (len(pols) - 1))
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(sums, f, indent=1)
+    common.write_json(_JSON.value, sums)
 
 
 if __name__ == "__main__":

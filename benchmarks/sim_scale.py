@@ -7,18 +7,18 @@ at 0.5 sessions/s per server (the 120x32 trace loads its 4 servers at 2/s), so e
 load one server of the cluster scenario sees. Prints the calls, the replay's wall time, calls
 simulated per wall second, chunks per call, and SCT p50/p95.
 
-  .venv/bin/python benchmarks/sim_scale.py --servers=64
-  .venv/bin/python benchmarks/sim_scale.py --servers=16 --profile=30  # and the top 30 of cProfile
+  .venv/bin/python -m benchmarks.sim_scale --servers=64
+  .venv/bin/python -m benchmarks.sim_scale --servers=16 --profile=30  # and the top 30 of cProfile
 """
 from __future__ import annotations
 
 import cProfile
-import json
 import pstats
 import time
 
 from absl import app, flags
 
+from benchmarks import common
 from talaria_jax.scheduler import get_policy
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.hardware import load_hardware, load_models
@@ -76,9 +76,7 @@ def main(argv):
           f"trace generated in {r['generate_s']:.1f} s)")
     print(f"chunks/call {r['chunks_per_call']:.2f}  SCT p50 {r['sct_p50_s']:.1f} s  p95 {r['sct_p95_s']:.1f} s  "
           f"makespan {r['makespan_s']:.0f} s  switches {r['model_switches']}")
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(r, f, indent=1)
+    common.write_json(_OUT.value, r)
 
 
 if __name__ == "__main__":

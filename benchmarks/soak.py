@@ -27,13 +27,12 @@ call, how many of its prompt tokens were held on device and on host.
 Writes the samples and a summary as JSON (--json_out), optionally a plot (--plot), and prints a table
 and a headline. The load average is recorded at the start, at each sample and at the end.
 
-  .venv/bin/python benchmarks/soak.py --sessions=3000 --json_out=/tmp/soak.json --plot=docs/benchmarks/soak.png
-  .venv/bin/python benchmarks/soak.py --sessions=3000 --nonamed   # anonymous sessions, inferred at the gateway
+  .venv/bin/python -m benchmarks.soak --sessions=3000 --json_out=/tmp/soak.json --plot=docs/benchmarks/soak.png
+  .venv/bin/python -m benchmarks.soak --sessions=3000 --nonamed   # anonymous sessions, inferred at the gateway
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -52,6 +51,7 @@ import openai
 from absl import app, flags, logging
 from tqdm import tqdm
 
+from benchmarks import common
 from talaria_jax.launch.local_servers import free_port
 from talaria_jax.serve import load
 
@@ -538,9 +538,8 @@ def main(argv):
           f"{machine['load_end'][0]:.2f} at the end; soak {soak_s / 60:.1f} min, all {sm['total_s'] / 60:.1f} min")
     print(headline(sm))
     if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(dict(config=config, machine=machine, summary=sm, headline=headline(sm), samples=samples), f,
-                      indent=1)
+        common.write_json(_JSON.value, dict(config=config, machine=machine, summary=sm, headline=headline(sm),
+                                            samples=samples))
         print(f"wrote {_JSON.value}")
     if _PLOT.value:
         plot(samples, bound, _PLOT.value, f"soak: {n} sessions x {_CALLS.value} calls through talaria-route, "

@@ -1,10 +1,11 @@
 """Rollout tokens/s with and without suffix-tree speculation, on recorded agentic trajectories.
 
 The workload is `benchmarks/data/agent_trajectories.json` (multi-turn trajectories of
-SmolLM2-135M-Instruct in `agent_env.py`'s toy repositories, several siblings per task): every turn
-is a request (its recorded prompt, its recorded length, the recorded seed and temperature), in the
-order a synchronous RL loop issues them (turn by turn, siblings side by side). For each batch size B
-the requests run in waves of B concurrent requests through three engines on the same weights:
+SmolLM2-135M-Instruct in the toy repositories of `talaria_jax.rollout.agent_env`, several siblings
+per task): every turn is a request (its recorded prompt, its recorded length, the recorded seed and
+temperature), in the order a synchronous RL loop issues them (turn by turn, siblings side by side).
+For each batch size B the requests run in waves of B concurrent requests through three engines on
+the same weights:
 
   plain   no speculation
   always  suffix drafts of up to --max_spec_tokens tokens at every step
@@ -15,26 +16,25 @@ starts the speculating engines with empty suffix trees. The outputs of all three
 (seeded sampling draws the same tokens with or without drafts); the table gives tokens/s, the
 ratios to plain, the tokens accepted per speculative step and the policy's drafts at that batch.
 
-  .venv/bin/python benchmarks/spec_decode.py                     # batches 1, 4, 16, 64
-  .venv/bin/python benchmarks/spec_decode.py --batches=1,4 --out=/tmp/spec.json
+  .venv/bin/python -m benchmarks.spec_decode                     # batches 1, 4, 16, 64
+  .venv/bin/python -m benchmarks.spec_decode --batches=1,4 --out=/tmp/spec.json
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from absl import app, flags
 
-import agent_env
-import common
+from benchmarks import common
+from talaria_jax.rollout import agent_env
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "4", "16", "64"], "Concurrent requests per wave.")
 _REQUESTS = flags.DEFINE_integer("min_requests", 8, "Requests per batch size at least (waves of B: max(B, this)).")
 _SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "Draft tokens per request and step at most.")
 _TREE = flags.DEFINE_bool("tree", False, "Tree drafts instead of chains.")
 _REPS = flags.DEFINE_integer("reps", 1, "Timed runs of each wave per engine (best of).")
-_DATA = flags.DEFINE_string("data", str(agent_env.DEFAULT_PATH), "Recorded trajectories.")
+_DATA = flags.DEFINE_string("data", str(common.TRAJECTORIES), "Recorded trajectories.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (the recording's: 0.8).")
 _KV_MIB = flags.DEFINE_integer("kv_mib", agent_env.KV_BYTES >> 20, "KV pool of each engine (MiB).")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
@@ -118,7 +118,6 @@ def main(argv):
         rows.append(row)
         print(f"batch {b}: plain {row['plain_tok_s']:.1f} tok/s, always x{row['always_ratio']:.2f}, "
               f"auto x{row['auto_ratio']:.2f} (policy drafts {row['policy_drafts']}), same output: {same}", flush=True)
-    load = os.getloadavg()[0]
     pol = engines["auto"].spec_policy()
     print("\nstep cost curve measured by the policy (ms; all-padding steps):")
     common.print_markdown_table([("tokens", "t", "d"), ("plain step", "plain", ".1f"), ("verifying step", "verify", ".1f")],
@@ -130,11 +129,9 @@ def main(argv):
          ("always / plain", "always_ratio", ".2f"), ("auto / plain", "auto_ratio", ".2f"),
          ("accepted / spec step", "always_accepted_per_step", ".2f"), ("auto: steps speculated", "auto_spec_share", ".0%"), ("policy drafts", "policy_drafts", "d"),
          ("same output", "same_output", "")], rows)
-    print(f"\nload average after: {load:.2f} (2 cores: above ~1 the timings are noisy)")
+    print(f"\n{common.load_after()}")
     print("paper (WAR, low load): 1.4x rollout throughput from speculation")
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump({"rows": rows, "plain_s": pol.plain_s, "verify_s": pol.verify_s}, f, indent=1)
+    common.write_json(_OUT.value, {"rows": rows, "plain_s": pol.plain_s, "verify_s": pol.verify_s})
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ constrained side under a schema of a list of records long enough that most answe
 rep by rep (common.interleave), best of --reps. The host time of the grammar masks per draw is
 the engine's own count (EngineStats.grammar_mask_s over grammar_masks).
 
-  .venv/bin/python benchmarks/structured_decode.py                 # batches 1 and 16
-  .venv/bin/python benchmarks/structured_decode.py --reps=5 --max_tokens=128
+  .venv/bin/python -m benchmarks.structured_decode                 # batches 1 and 16
+  .venv/bin/python -m benchmarks.structured_decode --reps=5 --max_tokens=128
 """
 from __future__ import annotations
 
@@ -19,18 +19,13 @@ import time
 
 from absl import app, flags
 
-import common
+from benchmarks import common
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Concurrent requests.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed runs of each side (best of), interleaved.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 96, "Output tokens per request at most.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
-SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 20, "maxItems": 40, "items": {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "year": {"type": "integer"},
-                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
-    "required": ["name", "year", "tags"], "additionalProperties": False}}},
-    "required": ["records"], "additionalProperties": False}
 TOPICS = ["a library", "a city", "a band", "a garden", "a school", "a museum", "a river", "a market", "a team",
           "a forest", "a festival", "a ship", "a bakery", "a mountain", "a theatre", "a station"]
 
@@ -52,7 +47,7 @@ def main(argv):
     machine = common.Machine.start(threads=os.cpu_count())
     eng = Engine(lm.model, EngineConfig(max_seqs=max(batches), max_tokens_per_step=256, max_model_len=1024,
                                         prefix_cache=False), tokenizer=tok)
-    g = grammar.json_schema(SCHEMA)
+    g = grammar.json_schema(common.RECORDS_SCHEMA)
     rows = []
     for b in batches:
         asks = [[{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON."}] for i in range(b)]
@@ -91,9 +86,7 @@ def main(argv):
          ("json / plain", "ratio", ".2f"), ("mask per draw (us)", "mask_us_per_draw", ".0f"),
          ("json tokens", "json_tokens", "d")], rows)
     print(machine.report())
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+    common.write_json(_OUT.value, {"rows": rows}, machine)
 
 
 if __name__ == "__main__":

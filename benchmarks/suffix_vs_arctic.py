@@ -15,8 +15,8 @@ first steps of each turn). `--replicas=8` replays each trajectory 8 times under 
 sequences in flight: 8 tasks x 32 siblings) to time a batch of 256; the copies run in lockstep, so
 they add no new text to draft from, and the accepted lengths stay about those of the recording.
 
-  .venv/bin/python benchmarks/suffix_vs_arctic.py
-  .venv/bin/python benchmarks/suffix_vs_arctic.py --replicas=8 --tree=chain --json=/tmp/suffix.json
+  .venv/bin/python -m benchmarks.suffix_vs_arctic
+  .venv/bin/python -m benchmarks.suffix_vs_arctic --replicas=8 --tree=chain --json=/tmp/suffix.json
 
 The reference is built from source (C++/nanobind; its build requirements pull torch and cmake into
 pip's isolated build env, it needs neither to run; CMake must be pointed at the venv's Python):
@@ -27,15 +27,14 @@ pip's isolated build env, it needs neither to run; CMake must be pointed at the 
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import time
 
 import numpy as np
 from absl import app, flags
 
-import agent_env
-import common
+from benchmarks import common
+from talaria_jax.rollout import agent_env
 
 _SPEC = flags.DEFINE_integer("max_spec_tokens", 16, "Draft tokens per sequence and step at most.")
 _FACTOR = flags.DEFINE_float("max_spec_factor", 1.0, "A match of m tokens drafts at most factor x m + offset.")
@@ -46,7 +45,7 @@ _TREE = flags.DEFINE_enum("tree", "both", ["both", "chain", "tree"], "Draft shap
 _LIMIT = flags.DEFINE_integer("limit", None, "Use only the first N trajectories.")
 _REPLICAS = flags.DEFINE_integer("replicas", 1, "Copies of each trajectory in flight (8: a 256-sequence batch).")
 _REPS = flags.DEFINE_integer("reps", 3, "Replays per drafter; drafting time: the best.")
-_DATA = flags.DEFINE_string("data", str(agent_env.DEFAULT_PATH), "Recorded trajectories.")
+_DATA = flags.DEFINE_string("data", str(common.TRAJECTORIES), "Recorded trajectories.")
 _JSON = flags.DEFINE_string("json", None, "Write the results as JSON here.")
 
 
@@ -165,12 +164,10 @@ def main(argv):
          ("mean batch", "mean_batch", ".1f"), ("ms/batch", "batch_ms", ".2f"), ("ms/seq", "seq_ms", ".4f"),
          ("full batch", "full_batch", "d"), ("ms/full batch", "full_batch_ms", ".2f"),
          ("accepted ours/arctic", "accepted_ratio", ".3f"), ("time ours/arctic", "time_ratio", ".2f")], rows)
-    if _JSON.value:
-        names = ("max_spec_tokens", "max_spec_factor", "max_spec_offset", "min_token_prob", "max_depth", "limit",
-                 "replicas", "reps")
-        with open(_JSON.value, "w") as f:
-            json.dump(dict(flags={k: flags.FLAGS[k].value for k in names}, trajectories=len(trajs), rows=rows), f,
-                      indent=1)
+    names = ("max_spec_tokens", "max_spec_factor", "max_spec_offset", "min_token_prob", "max_depth", "limit",
+             "replicas", "reps")
+    common.write_json(_JSON.value, dict(flags={k: flags.FLAGS[k].value for k in names}, trajectories=len(trajs),
+                                        rows=rows))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The prepared device check (benchmarks/device_check.py) runs end to end in its CPU smoke mode."""
+"""The prepared device check (`python -m benchmarks.device_check`) runs end to end in its CPU smoke mode."""
 import json
 import os
 import pathlib
@@ -16,8 +16,8 @@ ENV = dict(os.environ, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
 
 def test_device_check_small_runs_on_cpu(tmp_path):
     out = tmp_path / "dc.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--small", "--batches=2",
-                          "--reps=1", f"--out={out}"], capture_output=True, text=True, timeout=300, env=ENV)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--small", "--batches=2", "--reps=1",
+                          f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["engine_greedy_equals_reference"] and res["pool_addresses_stable"]
@@ -51,14 +51,12 @@ def test_device_check_small_runs_on_cpu(tmp_path):
 def test_a_failed_section_is_recorded_and_the_next_runs(tmp_path):
     out = tmp_path / "dc.json"
     script = f"""
-import sys
-sys.path.insert(0, {str(ROOT / "benchmarks")!r})
-import device_check as dc
+from benchmarks import device_check as dc
 res = {{}}
 dc.run_section(res, "broken", lambda: 1 / 0, print, {str(out)!r})
 dc.run_section(res, "fine", lambda: [{{"x": 1}}], print, {str(out)!r})
 """
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["broken"] == {"error": "ZeroDivisionError: division by zero"} and res["fine"] == [{"x": 1}]

@@ -1,27 +1,14 @@
-"""The toy agentic environment of benchmarks/agent_env.py (tool commands, the test runner, the reward)
-and its recorded trajectories (well-formed token streams). No model runs here."""
-import importlib.util
+"""The toy agentic environment of talaria_jax.rollout.agent_env (tool commands, the test runner, the
+reward) and its recorded trajectories in benchmarks/data (well-formed token streams). No model runs here."""
 import json
 import pathlib
-import sys
 import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from talaria_jax.rollout import agent_env
 
-
-def _load_agent_env():
-    """benchmarks/agent_env.py as a module: benchmarks/ is a folder of scripts (no package), and putting it
-    on sys.path would let its common.py shadow other modules for the rest of the session."""
-    spec = importlib.util.spec_from_file_location("agent_env", ROOT / "benchmarks" / "agent_env.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["agent_env"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-agent_env = _load_agent_env()
+TRAJECTORIES = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "agent_trajectories.json"
 VOCAB = 49152  # SmolLM2's vocabulary
 USER_TURN = [198, 1, 4093, 198]  # "\n<|im_start|>user\n" after the <|im_end|> (2) that closes a reply
 ASSISTANT_TURN = [2, 198, 1, 520, 9531, 198]  # "<|im_end|>\n<|im_start|>assistant\n"
@@ -156,13 +143,13 @@ def test_first_messages_hold_the_worked_example_then_the_task():
 
 @pytest.fixture(scope="module")
 def recording():
-    return json.loads(agent_env.DEFAULT_PATH.read_text())["header"], agent_env.load_trajectories()
+    return json.loads(TRAJECTORIES.read_text())["header"], agent_env.load_trajectories(TRAJECTORIES)
 
 
 def test_recording_header(recording):
     header, trajectories = recording
     assert header["model"] == "smollm2-135m-instruct" and header["vocab_size"] == VOCAB
-    assert header["command"].startswith("python benchmarks/agent_env.py") and header["date"]
+    assert header["command"].startswith("python ") and header["date"]  # the command that wrote it
     flags = header["flags"]
     assert len(trajectories) == len(flags["tasks"]) * flags["samples_per_task"]
     assert {(t.task, t.sibling) for t in trajectories} == {(task, k) for task in flags["tasks"]

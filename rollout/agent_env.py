@@ -10,33 +10,27 @@ module with one bug, its tests, a README) held in a dict; the agent works it thr
   run_tests                a pytest-like report; the tests never exec model-written code: a small
                            interpreter (`_Interp`) walks the module's AST, with bounded values and steps
 
-The reward is 1 once every test passes, which also ends the episode. The driver runs the embedded
-SmolLM2-135M-Instruct through the paged `Engine`, all trajectories of all tasks as one batch per
-turn, and writes each turn's full prompt (the context the model saw) and sampled response as token
-ids, so the next turn's prompt is exactly the previous prompt + response + the tool's message.
+The reward is 1 once every test passes, which also ends the episode. `record` runs a model (the
+embedded SmolLM2-135M-Instruct) through the paged `Engine`, all trajectories of all tasks as one
+batch per turn, and keeps each turn's full prompt (the context the model saw) and sampled response
+as token ids, so the next turn's prompt is exactly the previous prompt + response + the tool's message.
 
-  .venv/bin/python benchmarks/agent_env.py            # rewrites benchmarks/data/agent_trajectories.json
-
-Benchmark scripts read the recording with `import agent_env; agent_env.load_trajectories()` (run as
-`python benchmarks/NAME.py`, as they import `common`), or `from benchmarks.agent_env import
-load_trajectories` with the repository root on sys.path.
+The recording the benchmarks replay is benchmarks/data/agent_trajectories.json, written by
+`python -m benchmarks.record_trajectories` (`record`, then `save_trajectories`) and read with
+`load_trajectories(path)`; this module holds no path of its own. `env_factory` is the same
+environment as a `RolloutService.rollout` environment (benchmarks/rollout_throughput.py runs it live).
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
-import datetime
 import gzip
 import hashlib
 import json
 import operator
 import pathlib
 import re
-import shlex
-import sys
-import time
 
-DEFAULT_PATH = pathlib.Path(__file__).resolve().parent / "data" / "agent_trajectories.json"
 MODEL = "smollm2-135m-instruct"
 USAGE = "usage: ls | cat FILE | edit FILE LINE NEW_TEXT | run_tests"
 MAX_OBSERVATION_CHARS = 1500  # longer tool output is cut, as agent harnesses do
@@ -517,8 +511,8 @@ class Trajectory:
         return self.end == "solved"
 
 
-def load_trajectories(path: str | pathlib.Path = DEFAULT_PATH) -> list[Trajectory]:
-    """The trajectories of a recording written by this script (.json, or .json.gz)."""
+def load_trajectories(path: str | pathlib.Path) -> list[Trajectory]:
+    """The trajectories of a recording written by `save_trajectories` at `path` (.json, or .json.gz)."""
     path = pathlib.Path(path)
     raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     return [Trajectory(t["task"], t["sibling"], t["seed"], [Turn(**u) for u in t["turns"]], t["end"])
@@ -645,48 +639,3 @@ def summary(trajectories: list[Trajectory]) -> str:
             f"tokens, {prompt} prompt tokens (summed over turns); solved {sum(t.solved for t in trajectories)} "
             f"({', '.join(solved) or 'none'})")
 
-
-def _define_flags():
-    """The script's flags; defined only when run as a script, so importing the module (tests, other
-    benchmarks) does not register --seed or --max_tokens beside the launchers' own."""
-    from absl import flags
-
-    return dict(
-        tasks=flags.DEFINE_list("tasks", list(TASKS), f"Task ids, of {', '.join(TASKS)}."),
-        samples=flags.DEFINE_integer("samples_per_task", 4, "Sibling trajectories per task.", lower_bound=1),
-        max_turns=flags.DEFINE_integer("max_turns", 5, "Model turns per trajectory at most.", lower_bound=1),
-        max_tokens=flags.DEFINE_integer("max_tokens", 96, "Tokens per reply at most.", lower_bound=1),
-        temperature=flags.DEFINE_float("temperature", 0.8, "Sampling temperature.", lower_bound=0.0),
-        seed=flags.DEFINE_integer("seed", 0, "Seed of the engine and of every trajectory's sampling.", lower_bound=0),
-        out=flags.DEFINE_string("out", str(DEFAULT_PATH), "Where to write the trajectories (.json, or .json.gz)."),
-    )
-
-
-def main(argv, f) -> None:
-    del argv
-    from absl import app, logging
-
-    from talaria_jax.launch.common import load_on_devices
-
-    logging.set_verbosity(logging.WARNING)
-    unknown = [t for t in f["tasks"].value if t not in TASKS]
-    if unknown:
-        raise app.UsageError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
-    t0 = time.perf_counter()
-    lm = load_on_devices(MODEL, 1, dtype=None, compilation_cache=None)
-    trajectories = record(lm, [TASKS[t] for t in f["tasks"].value], f["samples"].value, f["max_turns"].value,
-                          f["max_tokens"].value, f["temperature"].value, f["seed"].value)
-    header = dict(model=MODEL, command=shlex.join(["python", *sys.argv]), seed=f["seed"].value,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  flags={v.name: v.value for v in f.values()}, vocab_size=lm.cfg.vocab_size,
-                  eos_ids=list(lm.cfg.eos_ids), max_model_len=MAX_MODEL_LEN,
-                  first_messages={t: first_messages(TASKS[t]) for t in f["tasks"].value})
-    size = save_trajectories(f["out"].value, header, trajectories)
-    print(f"{summary(trajectories)}; wrote {f['out'].value} ({size / 1024:.0f} KiB) in {time.perf_counter() - t0:.0f} s")
-
-
-if __name__ == "__main__":
-    from absl import app
-
-    _flags = _define_flags()
-    app.run(lambda argv: main(argv, _flags))
