@@ -167,7 +167,8 @@ def bench_models(model: str | None, hidden: int, layers: int, folder: str, max_p
     """The model both sides of a benchmark run: `model` (a named model, a .gguf file or an HF folder),
     else a random fp32 Llama of `hidden` x `layers` saved as HF safetensors in `folder`. Returns (ours:
     a ShardedModel loaded by talaria_jax in fp32, the path transformers loads, parameter count). A `model`
-    of another kind (a config name, an Orbax folder) is a usage error naming --model."""
+    of another kind (a config name, an Orbax folder), or one that does not load, is a usage error naming
+    --model."""
     import jax
     from absl import app
 
@@ -175,14 +176,17 @@ def bench_models(model: str | None, hidden: int, layers: int, folder: str, max_p
     from talaria_jax.weights import load_model
     from talaria_jax.weights.named import resolve
 
-    if model:
-        kind, path = resolve(model)
-        if kind not in ("gguf", "hf"):
-            raise app.UsageError(f"--model={model}: the HF side needs a GGUF or an HF folder, not {kind}")
-    else:
-        path = pathlib.Path(folder)
-        save_random_llama(path, dict(hf_config(hidden, layers), max_position_embeddings=max_position))
-    ours = load_model(path, make_mesh(jax.devices()[:1]), dtype="float32", use_cache=False).model
+    try:
+        if model:
+            kind, path = resolve(model)
+            if kind not in ("gguf", "hf"):
+                raise app.UsageError(f"--model={model}: the HF side needs a GGUF or an HF folder, not {kind}")
+        else:
+            path = pathlib.Path(folder)
+            save_random_llama(path, dict(hf_config(hidden, layers), max_position_embeddings=max_position))
+        ours = load_model(path, make_mesh(jax.devices()[:1]), dtype="float32", use_cache=False).model
+    except ValueError as e:  # CheckpointError: a name or files that do not load
+        raise app.UsageError(f"--model={model}: {e}") from None
     return ours, path, ours.cfg.param_count()
 
 
@@ -213,6 +217,16 @@ def llama_config(hidden: int, layers: int, max_position: int = 4096):
                        num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], ffn_size=hf["intermediate_size"],
                        norm_eps=hf["rms_norm_eps"], max_position=max_position, weight_dtype="float32",
                        kv_dtype="float32", dtype="float32")
+
+
+def llama_1b_shape():
+    """The ~1.1B-parameter Llama-shaped ModelConfig of the GPU checks ("llama-1b-shape"): bf16 weights and
+    KV, positions for a 32K prefix plus a chunk (device_check.py's decode model, step_audit.py)."""
+    from talaria_jax.models.config import ModelConfig
+
+    return ModelConfig(name="llama-1b-shape", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16,
+                       num_kv_heads=8, head_dim=128, ffn_size=5632, dtype="bfloat16", weight_dtype="bfloat16",
+                       kv_dtype="bfloat16", max_position=65536)
 
 
 def save_random_llama(path: str, config: dict) -> int:

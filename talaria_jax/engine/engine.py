@@ -54,7 +54,14 @@ class CheckedRequest:
     sampling params. That engine's `add_request` takes it as it is; any other engine checks it again."""
     prompt: tuple[int, ...]
     params: SamplingParams
-    checked_by: object = dataclasses.field(default=None, repr=False, compare=False)
+    # the checking engine's token, set by the engine alone (a copy by dataclasses.replace has none)
+    checked_by: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def _by(cls, token: object, prompt: tuple[int, ...], params: SamplingParams) -> CheckedRequest:
+        checked = cls(prompt, params)
+        object.__setattr__(checked, "checked_by", token)
+        return checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +270,12 @@ class Engine:
     def drafter(self) -> SuffixDrafter | None:
         return self.scheduler.drafter
 
+    @property
+    def context_limit(self) -> int:
+        """The most tokens a request may hold, prompt and output: max_model_len, or fewer where the
+        KV pool is smaller."""
+        return min(self.config.max_model_len, self.pool_spec.num_slots)
+
     # ---- queries (what an instance asks of its engines) -------------------------------------------
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -328,7 +341,9 @@ class Engine:
         """The checks of `add_request` without queueing anything: the request checked, which this
         engine's add_request takes as it is (a server checks a request once, when it arrives), or the
         RequestError that add_request would raise. A `CheckedRequest` of this engine as the prompt
-        is not checked again: only `params`, if given (the choices of one prompt)."""
+        is not checked again: only `params`, if given (the choices of one prompt). Safe off the thread
+        that steps the engine: it reads only what is fixed at construction (the vocabulary, the
+        context limit, the tokenizer) and the grammar cache, which has its own lock."""
         if isinstance(prompt, CheckedRequest) and prompt.checked_by is self._checks and params is None:
             return prompt
         return self._check(prompt, params)
@@ -339,7 +354,7 @@ class Engine:
                 params = prompt.params
             if prompt.checked_by is self._checks:
                 self._check_params(len(prompt.prompt), params)
-                return CheckedRequest(prompt.prompt, params, self._checks)
+                return CheckedRequest._by(self._checks, prompt.prompt, params)
             prompt = prompt.prompt
         if params is None:
             params = SamplingParams()
@@ -354,14 +369,16 @@ class Engine:
                     raise RequestError(f"prompt token {i} is {t!r}, not an integer token id")
                 if not 0 <= t < vocab:
                     raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
+        # (ints of mixed numpy types make no int array: each is an int token id, checked above)
+        ids = tuple(arr.tolist()) if arr is not None else tuple(int(t) for t in ids)
         self._check_params(len(ids), params)
-        return CheckedRequest(tuple(arr.tolist()), params, self._checks)
+        return CheckedRequest._by(self._checks, ids, params)
 
     def _check_params(self, prompt_tokens: int, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model.cfg.vocab_size)
-        limit = min(self.config.max_model_len, self.pool_spec.num_slots)
+        limit = self.context_limit
         if prompt_tokens + params.max_tokens > limit:
             raise RequestError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"context limit of {limit} tokens")

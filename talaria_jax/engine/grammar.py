@@ -141,8 +141,8 @@ class Grammars:
         return _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
 
     def check(self, grammar: str) -> None:
-        """GrammarError naming what the library refuses in `grammar`."""
-        self.constraint(grammar)
+        """GrammarError naming what the library refuses in `grammar` (which is compiled and kept)."""
+        self._matcher(grammar)
 
     def constraint(self, grammar: str) -> Constraint:
         """A new request's state under `grammar` (compiled once, then copied).
@@ -150,6 +150,10 @@ class Grammars:
         Raises:
             GrammarError: `grammar` is not a grammar string, or the library refuses it.
         """
+        return Constraint(self._matcher(grammar).deep_copy(), self.vocab_size)
+
+    def _matcher(self, grammar: str):
+        """`grammar`'s compiled matcher, at its start (never advanced: constraints are copies)."""
         if not isinstance(grammar, str) or not grammar:
             raise GrammarError(f"grammar must be a non-empty string, got {type(grammar).__name__}")
         with self._mu:
@@ -164,7 +168,7 @@ class Grammars:
                 self._compiled[grammar] = m
                 while len(self._compiled) > self.cache_size:
                     self._compiled.popitem(last=False)
-        return Constraint(m.deep_copy(), self.vocab_size)
+        return m
 
 
 def _ll_tokenizer(tok: Any, vocab_size: int, eos_ids: Sequence[int]):

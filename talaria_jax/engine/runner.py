@@ -402,6 +402,15 @@ class Runner:
         return StepInputs(b.tokens, b.positions, meta, b.slots, b.seq, b.logits_idx, b.sampling, b.allowed,
                           b.allowed_at)
 
+    def lower(self, b: StepBatch, params=None, kv=None) -> jax.stages.Lowered:
+        """The step program for `b` lowered, not run (`.compile()` it to read the compiled program:
+        benchmarks/step_audit.py). `params` and `kv` (None: this runner's) may be abstract
+        (`jax.ShapeDtypeStruct`s), so a model's step can be read without its weights or its pool."""
+        params = params if params is not None else (self.model.state if self.slot is None else self.slot.array)
+        with jax.set_mesh(self.model.mesh):
+            return self._step.lower(self.model.graphdef, params, self.kv if kv is None else kv, self.inputs(b),
+                                    layout=self.layout)
+
     def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
         params = self.model.state if self.slot is None else self.slot.array
         with jax.set_mesh(self.model.mesh):

@@ -274,7 +274,7 @@ async def _prepare(request: Request, chat: bool, probing: bool = False, body: An
     if chat:
         await asyncio.to_thread(_constrain, served, p)
     if p.max_tokens is None:  # chat's default: the rest of the context
-        room = served.engine.config.max_model_len - len(prompt)
+        room = served.engine.context_limit - len(prompt)
         p.params = [dataclasses.replace(x, max_tokens=max(1, min(limits.max_tokens, room))) for x in p.params]
     how = _identified(request) if p.session is not None else None
     if p.session is None and p.cache_key is not None:

@@ -533,6 +533,10 @@ def test_a_checked_request_is_taken_as_it_is_by_its_engine_only(dense1, monkeypa
     assert other.prompt is checked.prompt and other.params.seed == 3 and len(seen) == 2
     with pytest.raises(RequestError, match="exceeds the context limit of 16"):
         small.add_request(checked, None)  # checked by another engine: checked again
+    with pytest.raises(RequestError, match="exceeds the context limit of 64"):  # a copy is no engine's check
+        eng.add_request(dataclasses.replace(checked, params=dataclasses.replace(GREEDY, max_tokens=60)), None)
+    mixed = eng.check_request([np.uint64(1), np.int64(2), 3], GREEDY)  # no common int dtype: each an int
+    assert mixed.prompt == (1, 2, 3) and all(type(t) is int for t in mixed.prompt)
     with pytest.raises(RequestError, match="exceeds the context limit of 64"):
         eng.check_request(checked, dataclasses.replace(GREEDY, max_tokens=60))
     outs = []
