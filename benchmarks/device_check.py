@@ -64,10 +64,7 @@ def bench_config(small: bool):
     if small:
         return ModelConfig(name="small", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                            head_dim=32, ffn_size=256, dtype="float32", weight_dtype="float32", kv_dtype="float32")
-    # ~1.1B parameters, Llama-shaped, bf16 weights and KV; positions for a 32K prefix plus a chunk
-    return ModelConfig(name="llama-1b-shape", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16,
-                       num_kv_heads=8, head_dim=128, ffn_size=5632, dtype="bfloat16", weight_dtype="bfloat16",
-                       kv_dtype="bfloat16", max_position=65536)
+    return common.llama_1b_shape()
 
 
 @functools.cache
