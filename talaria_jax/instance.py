@@ -421,11 +421,29 @@ class Instance(DerivedQueries):
         self.tokens.forget(session_id)
 
     def switch_model(self, model: str) -> None:
+        """Loads `model` at the next chunk. Calls of the active model still in flight are paused: their
+        engine is not stepped until its model is active again, and their KV stays on device (or goes
+        to host memory: `release_paused`); they go on as if uninterrupted. Calls admitted but not yet
+        started must start first, and a sleep-mode instance (`drop_kv_on_switch`) pauses none."""
         if model not in self.served:
             raise ValueError(f"instance {self.name} does not host model {model!r}")
-        if self._calls or self._pending:
-            raise RuntimeError(f"instance {self.name}: switch to {model} with calls in flight")
+        if self._pending or (self.drop_kv_on_switch and self._calls):
+            raise RuntimeError(f"instance {self.name}: switch to {model} with calls "
+                               f"{'admitted but not started' if self._pending else 'in flight (sleep mode)'}")
         self._switch_to = model
+
+    def paused(self) -> list[Call]:
+        """Calls in flight of models other than the active one (`switch_model` paused them)."""
+        return [c for c in self._calls.values() if c.model != self._active]
+
+    def release_paused(self, model: str, to_host: bool = True) -> int:
+        """Frees the device pages of `model`'s paused calls (`Engine.preempt_running`): their KV stays
+        cached on device until pages run short, and with `to_host` it is also copied to host memory, to be
+        restored when they resume (else recomputed). Nothing of their output is lost. The calls
+        released."""
+        if model == self._active:
+            raise RuntimeError(f"instance {self.name}: {model} is active; only a paused model's calls are released")
+        return len(self.served[model].engine.preempt_running(to_host))
 
     def stage_model(self, model: str) -> bool:
         """Asks for `model`'s weights to be copied into the staging area at the next step boundary

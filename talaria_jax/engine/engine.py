@@ -436,6 +436,16 @@ class Engine:
         return Request(request_id, checked.prompt, p, SequencePages(self.page_size), owner=owner,
                        constraint=constraint)
 
+    def preempt_running(self, to_host: bool = True) -> list[str]:
+        """Pauses this engine's running requests: each goes back to the head of the waiting queue with
+        its pages freed, and continues where it stopped when a later step admits it again: the same
+        tokens and logprobs as a run without the pause (`EngineScheduler.preempt_running`). Its full
+        pages stay in the prefix cache (if on) until something needs them; with `to_host` its KV is
+        also copied to host memory and restored from there, else recomputed. For an instance that
+        serves another model's calls in between and needs their pages. The ids of the requests paused."""
+        self._sync_arena()  # a lost KV buffer: nothing of it may be copied or cached
+        return [r.id for r in self.scheduler.preempt_running(to_host)]
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request; its pages are freed and its partial output is returned (None if it is not
         in flight). For an add_request request this output is its last report: its new_token_ids are

@@ -42,8 +42,8 @@ class EngineStats:
     aborted: int = 0
     step_failures: int = 0
     restored_tokens: int = 0  # prompt-prefix tokens copied back from host memory instead of prefilled
-    offloaded_tokens: int = 0  # tokens of finished keep_kv requests copied to host memory
-    offload_failures: int = 0  # keep_kv requests that finished without their KV (the copy failed)
+    offloaded_tokens: int = 0  # tokens copied to host memory: of finished keep_kv requests, and of preempted ones
+    offload_failures: int = 0  # host copies that failed (a keep_kv request finished without its KV, or a preempted one recomputes)
     prefix_query_tokens: int = 0  # tokens admitted requests looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages instead of a prefill
     prefix_evicted_pages: int = 0  # cached pages freed because pages ran out
@@ -282,6 +282,27 @@ class EngineScheduler:
                 self.stats.grammar_masks += len(allowed)
             sample = Sample(req.params, req.seed, len(req.output), allowed)
         return Chunk(req.id, start, tokens, tuple(req.seq.pages), draft, sample, restore)
+
+    def preempt_running(self, to_host: bool) -> list[Request]:
+        """Sends every running request back to the head of the waiting queue, in its order, freeing its
+        pages; the requests it sent. Nothing is lost: a request keeps its output and continues from the
+        same position and seed when admitted again. With `to_host` (and a host tier) its computed KV is
+        copied to host memory first and restored then (its full pages also stay in the prefix cache,
+        if any); else, or where the copy fails, that KV is recomputed."""
+        sent = list(self.running)
+        for req in reversed(sent):
+            if to_host and self.host is not None and req.num_computed:
+                tokens = req.known_tokens()[:req.num_computed]  # the last token has no KV yet
+                try:
+                    req.restore = self.host.offload(req.seq.pages, tokens, req.session)
+                    self.stats.offloaded_tokens += len(tokens)
+                except Exception:  # e.g. host memory exhausted: recomputed at admission instead
+                    self.stats.offload_failures += 1
+            if self.prefix_cache is not None and req.num_computed:
+                self.prefix_cache.insert(self.prefix_key(req.cache_salt), req.known_tokens()[:req.num_computed],
+                                         req.seq.pages)
+            self._preempt(req)
+        return sent
 
     def _preempt(self, req: Request) -> None:
         req.seq.release(self.allocator)
