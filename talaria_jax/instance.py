@@ -396,7 +396,7 @@ class Instance(DerivedQueries):
             return True
         for rid, c in list(self._calls.items()):
             eng = self.served[c.model].engine
-            if c.key == call.key and eng.is_waiting(rid):
+            if c.key == call.key and c.model == self._active and eng.is_waiting(rid):  # (a paused call has output)
                 eng.abort(rid)
                 del self._calls[rid], self._reusable[rid]
                 return True
@@ -420,16 +420,20 @@ class Instance(DerivedQueries):
         self.kv.forget(session_id)
         self.tokens.forget(session_id)
 
-    def switch_model(self, model: str) -> None:
-        """Loads `model` at the next chunk. Calls of the active model still in flight are paused: their
-        engine is not stepped until its model is active again, and their KV stays on device (or goes
-        to host memory: `release_paused`); they go on as if uninterrupted. Calls admitted but not yet
-        started must start first, and a sleep-mode instance (`drop_kv_on_switch`) pauses none."""
+    def switch_model(self, model: str, pause: bool = False) -> None:
+        """Loads `model` at the next chunk; refused while the active model has calls in flight, unless
+        `pause`: then they are paused, their engine not stepped until their model is
+        active again, their KV kept on device (or in host memory: `release_paused`), and they go on
+        as if uninterrupted. Calls admitted but not yet started must start first, and a sleep-mode
+        instance (`drop_kv_on_switch`) pauses none. The scheduler's policies do not pause (its queries
+        count paused calls as running)."""
         if model not in self.served:
             raise ValueError(f"instance {self.name} does not host model {model!r}")
-        if self._pending or (self.drop_kv_on_switch and self._calls):
-            raise RuntimeError(f"instance {self.name}: switch to {model} with calls "
-                               f"{'admitted but not started' if self._pending else 'in flight (sleep mode)'}")
+        running = any(c.model == self._active for c in self._calls.values())  # (not those paused before)
+        if self._pending or (running and (not pause or self.drop_kv_on_switch)):
+            why = ("admitted but not started" if self._pending else "in flight (sleep mode)" if pause else
+                   "in flight (pause=True pauses them)")
+            raise RuntimeError(f"instance {self.name}: switch to {model} with calls {why}")
         self._switch_to = model
 
     def paused(self) -> list[Call]:
@@ -443,7 +447,7 @@ class Instance(DerivedQueries):
         released."""
         if model == self._active:
             raise RuntimeError(f"instance {self.name}: {model} is active; only a paused model's calls are released")
-        return len(self.served[model].engine.preempt_running(to_host))
+        return len(self.served[model].engine.preempt_running(to_host and self.kv.use_host))
 
     def stage_model(self, model: str) -> bool:
         """Asks for `model`'s weights to be copied into the staging area at the next step boundary

@@ -250,7 +250,9 @@ class EngineScheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            req.num_computed = req.cached = cached
+            req.num_computed = cached
+            if not req.output:  # (a paused request's resumption finds its own output cached: not the prompt's)
+                req.cached = min(cached, len(req.prompt))
             if self.prefix_cache is not None:
                 query_tokens += req.num_tokens - 1
                 hit_tokens += hit

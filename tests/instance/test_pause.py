@@ -57,8 +57,8 @@ def run(inst: Instance) -> list[Call]:
     return done
 
 
-def switch(inst: Instance, model: str) -> None:
-    inst.switch_model(model)
+def switch(inst: Instance, model: str, pause: bool = False) -> None:
+    inst.switch_model(model, pause=pause)
     assert chunk(inst) == [] and inst.active_model() == model
 
 
@@ -84,25 +84,29 @@ def uninterrupted(inst):
     return {c.session: inst.outputs[c.key] for c in calls}
 
 
-@pytest.mark.parametrize("released", [None, "device", "host"])
+@pytest.mark.parametrize("released", [None, "device", "host", "host-only"])
 def test_paused_calls_resume_as_if_uninterrupted(inst, uninterrupted, released):
-    """A's calls run a few steps, B's and C's calls are served in between (two switches away from A),
-    then A's resume: their KV kept on device, released to the prefix cache, or copied to host memory
-    and restored after the device copy is gone."""
+    """A's calls run a few steps (their KV ends mid-page), B's and C's calls are served in between (two
+    switches away from A), then A's resume: their KV kept in their pages; released to the prefix
+    cache (its full pages) and recomputed past them; released with a host copy, which tops up what
+    the cache keeps; or restored from the host copy alone, the device copy gone."""
     fresh(inst)
     switch(inst, "A")
     calls = a_calls(inst)
     for c in calls:
         inst.admit(c)
-    for _ in range(4):  # a prefill, then decode steps
+    for _ in range(3):  # a prefill, then decode steps: 37 + 2 and 21 + 2 tokens computed, mid-page
         assert chunk(inst) == []
-    switch(inst, "B")
+    with pytest.raises(RuntimeError, match="pause=True"):
+        inst.switch_model("B")
+    switch(inst, "B", pause=True)
     assert {c.key for c in inst.paused()} == {c.key for c in calls}
-    a_stats = inst.served["A"].engine.stats
-    preempted, offloaded = a_stats.preemptions, a_stats.offloaded_tokens
+    a_stats, allocator = inst.served["A"].engine.stats, inst.arena.allocator
+    preempted, offloaded, free = a_stats.preemptions, a_stats.offloaded_tokens, allocator.num_free
     if released is not None:
-        assert inst.release_paused("A", to_host=released == "host") == 2 and a_stats.preemptions == preempted + 2
-        assert (a_stats.offloaded_tokens > offloaded) == (released == "host")
+        assert inst.release_paused("A", to_host=released.startswith("host")) == 2
+        assert a_stats.preemptions == preempted + 2 and allocator.num_free > free  # their partial pages
+        assert (a_stats.offloaded_tokens - offloaded) == (39 + 23 if released.startswith("host") else 0)
     b = call(inst, "b", "B", prompts(1)[0], SEEDED)
     inst.admit(b)
     assert [c.key for c in run(inst)] == [b.key]  # A's calls wait: their engine is not stepped
@@ -110,17 +114,19 @@ def test_paused_calls_resume_as_if_uninterrupted(inst, uninterrupted, released):
     c1 = call(inst, "c", "C", prompts(2)[1], GREEDY)
     inst.admit(c1)
     assert [c.key for c in run(inst)] == [c1.key]
-    if released == "host":
+    if released == "host-only":
         inst.served["A"].engine.clear_prefix_cache()  # the device copy is gone: the host copy restores
-    restored = inst.stats.restored_tokens
+    restored, hits = inst.stats.restored_tokens, a_stats.prefix_hit_tokens
     switch(inst, "A")
     assert {c.key for c in run(inst)} == {c.key for c in calls} and not inst.paused()
-    if released == "host":
-        assert inst.stats.restored_tokens > restored
+    # from the cache: the full pages (32 + 16 tokens); from host: the rest, or all of it
+    assert a_stats.prefix_hit_tokens - hits == (0 if released in (None, "host-only") else 32 + 16)
+    assert inst.stats.restored_tokens - restored == {"host": 7 + 7, "host-only": 39 + 23}.get(released, 0)
     for c in calls:
         out, ref = inst.outputs[c.key], uninterrupted[c.session]
         assert out.token_ids == ref.token_ids, c.session
         np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-6)
+        assert out.cached_tokens == ref.cached_tokens  # what the first admission found: the prompt's
 
 
 def test_a_switch_waits_for_admitted_calls_and_only_paused_models_release(inst):
@@ -129,7 +135,7 @@ def test_a_switch_waits_for_admitted_calls_and_only_paused_models_release(inst):
     calls = a_calls(inst)
     inst.admit(calls[0])
     with pytest.raises(RuntimeError, match="admitted but not started"):
-        inst.switch_model("B")
+        inst.switch_model("B", pause=True)
     with pytest.raises(RuntimeError, match="A is active"):
         inst.release_paused("A")
     run(inst)
