@@ -222,10 +222,14 @@ class HostTier:
         if self.memory_kind is None:  # device memory: bounded by what the caller granted
             self.capacity_bytes = min(self.device_fallback_bytes, self.capacity_bytes if self.capacity_bytes is not None
                                       else self.device_fallback_bytes)
-        self._gather = jax.jit(self._counted(functools.partial(_gather, spec=spec, mesh=mesh)),
-                               out_shardings=self.transfer_sharding)
-        self._scatter = jax.jit(self._counted(functools.partial(_scatter, spec=spec, mesh=mesh)), donate_argnums=0,
-                                out_shardings=arena_sharding(mesh))
+        # the two programs of a transfer (see the module docstring): `gather(pool, idx)` copies pages `idx`
+        # of the pool into a compact array (sharded as `transfer_sharding`); `scatter(pool, data, idx)`
+        # writes such an array into pages `idx` of the donated pool and returns it. Out-of-bounds indices
+        # (`spec.num_pages`): zeros gathered, nothing scattered.
+        self.gather = jax.jit(self._counted(functools.partial(_gather, spec=spec, mesh=mesh)),
+                              out_shardings=self.transfer_sharding)
+        self.scatter = jax.jit(self._counted(functools.partial(_scatter, spec=spec, mesh=mesh)), donate_argnums=0,
+                               out_shardings=arena_sharding(mesh))
 
     def _counted(self, fn):
         @functools.wraps(fn)  # programs keep their names (jit(_gather)) in logs and profiles
@@ -356,8 +360,8 @@ class HostTier:
         for n in padded_page_counts(max_pages):
             idx = np.full(n, self.spec.num_pages, np.int32)
             with jax.set_mesh(self.mesh):
-                host = jax.device_put(self._gather(pool, idx), self.host_sharding)
-                pool = self._scatter(pool, jax.device_put(host, self.transfer_sharding), idx)
+                host = jax.device_put(self.gather(pool, idx), self.host_sharding)
+                pool = self.scatter(pool, jax.device_put(host, self.transfer_sharding), idx)
         return pool
 
     def _pages_for(self, num_tokens: int) -> int:
@@ -378,7 +382,7 @@ class HostTier:
         idx[:len(pages)] = pages
         victims = self._victims(self._copy_bytes(len(pages)))
         with jax.set_mesh(self.mesh):
-            dev = self._gather(pool, idx)
+            dev = self.gather(pool, idx)
         data = jax.device_put(dev, self.host_sharding)
         self._evict(victims)  # only now: for a moment the budget is exceeded by this one copy
         return HostKV(data, len(pages), token_ids, self.source, self._track(data, session))
@@ -423,7 +427,7 @@ class HostTier:
         # host to device in the copy's own layout; the scatter gathers a split copy back into the pool's
         data = jax.device_put(kv.data, self.transfer_sharding)
         with jax.set_mesh(self.mesh):
-            return self._scatter(pool, data, idx)
+            return self.scatter(pool, data, idx)
 
 
 def _split_spec(pspec: PartitionSpec, spec: PoolSpec, mesh: Mesh) -> tuple[PartitionSpec, int, str]:

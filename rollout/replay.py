@@ -42,8 +42,8 @@ from talaria_jax.rollout.placement import PlacementRequest, PrefixIndex, Replica
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 
-__all__ = ["ReplicaShape", "ReplayedStep", "TrajectoryRecord", "TurnRecord", "read_jsonl", "records_of",
-           "replay_step", "synthetic_step", "write_jsonl"]
+__all__ = ["ReplicaShape", "ReplayedStep", "TrajectoryRecord", "TurnRecord", "accepted_tokens", "read_jsonl",
+           "records_of", "replay_step", "synthetic_step", "write_jsonl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,7 @@ class _Replica:
         return len(self.queue) + len(self.running)
 
 
-def _accepted(draft: Draft, truth: Sequence[int]) -> int:
+def accepted_tokens(draft: Draft, truth: Sequence[int]) -> int:
     """Draft tokens a verifier accepts when the tokens that come next are `truth`: the longest path
     from the root (parent -1) whose tokens are truth's, in the draft's depth-first order."""
     node, n = -1, 0
@@ -414,7 +414,7 @@ class _StepReplay:
             d = drafts.get(x.rid)
             n = 1
             if d is not None:  # the drafts stand for the tokens left; a bonus token follows them
-                a = _accepted(d, out[at:min(at + len(d), len(out) - 1)])
+                a = accepted_tokens(d, out[at:min(at + len(d), len(out) - 1)])
                 rep.policy.observe(len(d), a, d.score)
                 res.drafted += len(d)
                 res.accepted += a

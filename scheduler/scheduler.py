@@ -39,9 +39,10 @@ class _InstanceState:
     quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
 
 
-def _hold_until(r: Reservation, hold: float) -> float:
-    """How long a drained slot is held for reservation `r`'s return: `hold` past its start; with a
-    hinted return (`r.back_s`), until that return with its margin, or not at all when it comes later."""
+def hold_until(r: Reservation, hold: float) -> float:
+    """The time until which a drained slot is held for reservation `r`'s return (`r.start_s`: not held):
+    `hold` past its start; with a hinted return (`r.back_s`), until that return with its margin, or not
+    at all when it comes after the hold."""
     if r.back_s is None:
         return r.start_s + hold
     if r.back_s > r.start_s + hold:
@@ -406,7 +407,7 @@ class Scheduler:
                 # than switching away and back would cost
                 nxt = st.mux.after(m, demand, self.slot_priority(inst, now))
                 hold = min(p.hold_s, 2.0 * inst.estimate_switch_s(nxt)) if nxt is not None else p.hold_s
-                holds = [_hold_until(r, hold) for r in st.budget.live_for(m, now)]
+                holds = [hold_until(r, hold) for r in st.budget.live_for(m, now)]
                 until = min(max(holds, default=now), slot.deadline_s)
                 if until > now:
                     return until

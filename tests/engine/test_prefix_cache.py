@@ -1,6 +1,8 @@
 """Automatic prefix caching: the PrefixCache radix tree on its own (match, insert, eviction order,
 refcounts, keys), and in the engine against the full-sequence reference (multi-turn sessions,
 siblings sharing a system prompt, tenant salts, memory pressure)."""
+import tracemalloc
+
 import jax
 import numpy as np
 import pytest
@@ -136,12 +138,21 @@ def test_protection_expires_and_protected_goes_last():
 
 
 def test_protect_makes_no_empty_roots():
+    # a key the cache kept with no pages and no protection would hold a hundred bytes or more for
+    # good: the 10k keys here would leave most of a megabyte behind
     cache = PrefixCache(PageAllocator(4), page_size=1)
-    for i in range(100):
-        cache.protect(f"gone-{i}", None)  # lifting a protection that was never set
-    cache.protect("s", 10.0)
-    cache.protect("s", None)  # lifted with no pages under it
-    assert not cache._roots
+    gone, lifted = [f"gone-{i}" for i in range(5000)], [f"s-{i}" for i in range(5000)]
+    tracemalloc.start()
+    try:
+        for key in gone:
+            cache.protect(key, None)  # lifting a protection that was never set
+        for key in lifted:
+            cache.protect(key, 10.0)
+            cache.protect(key, None)  # lifted with no pages under it
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 20_000
 
 
 def test_keys_isolate_tenants_and_weights(dense1):

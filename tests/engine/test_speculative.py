@@ -13,7 +13,7 @@ from talaria_jax.engine.engine import Engine, EngineConfig
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.models import init_model, load_model_config
 from talaria_jax.engine.spec.policy import SpecPolicy
-from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter, SuffixTree, TokenScan, _best_draft
+from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter, SuffixTree, TokenScan, best_draft
 from talaria_jax.engine.spec.verify import verify
 from talaria_jax.sharding import make_mesh
 
@@ -73,7 +73,7 @@ class _SubstringOps:
         pattern = tuple(pattern[-self.depth:])
         matches = [(k, self.counts[pattern[-k:]], pattern[-k:]) for k in range(len(pattern), 0, -1)
                    if pattern[-k:] in self.counts]
-        return _best_draft(matches, self, max_tokens, cfg, self.depth)
+        return best_draft(matches, self, max_tokens, cfg, self.depth)
 
 
 def _random_edit(t, seqs, rng, remove_p):

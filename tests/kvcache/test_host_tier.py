@@ -27,7 +27,7 @@ def _filled_pool(spec, mesh, seed=0):
     full = rng.randn(*shape).astype(np.float32)
     data = jax.device_put(full, tier.device_sharding)
     with jax.set_mesh(mesh):
-        pool = tier._scatter(pool, data, np.arange(spec.num_pages, dtype=np.int32))
+        pool = tier.scatter(pool, data, np.arange(spec.num_pages, dtype=np.int32))
     return pool, full
 
 
@@ -223,7 +223,7 @@ def test_a_copy_that_fails_to_arrive_evicts_nobody(monkeypatch):
     def lost(*args):
         raise RuntimeError("host memory exhausted in transfer")
 
-    monkeypatch.setattr(tier, "_gather", lost)
+    monkeypatch.setattr(tier, "gather", lost)
     with pytest.raises(RuntimeError, match="exhausted"):
         tier.offload(pool, [2], range(4))  # would evict a, but the copy never arrives
     assert not a.evicted and tier.usable(a) and tier.evictions == 0 and tier.used_bytes == pb

@@ -159,5 +159,5 @@ def test_writes_update_the_arena_in_place(tokens):
     tier = HostTier(spec, mesh)
     data = np.zeros((spec.num_layers, 2, 1, spec.page_size, spec.kv_heads, spec.head_dim), np.float32)
     with jax.set_mesh(mesh):
-        hlo = tier._scatter.lower(arena.array, data, np.zeros(1, np.int32)).compile().as_text()
+        hlo = tier.scatter.lower(arena.array, data, np.zeros(1, np.int32)).compile().as_text()
     assert _copies_of_at_least(hlo, numel) == []

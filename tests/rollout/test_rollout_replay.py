@@ -7,8 +7,8 @@ import pytest
 
 from talaria_jax.engine.spec import SpecConfig
 from talaria_jax.engine.spec.suffix import Draft
-from talaria_jax.rollout.replay import (ReplicaShape, TrajectoryRecord, TurnRecord, _accepted, read_jsonl, records_of,
-                                        replay_step, synthetic_step, write_jsonl)
+from talaria_jax.rollout.replay import (ReplicaShape, TrajectoryRecord, TurnRecord, accepted_tokens, read_jsonl,
+                                        records_of, replay_step, synthetic_step, write_jsonl)
 from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import load_hardware, load_models
 
@@ -66,11 +66,11 @@ def test_drafts_pay_when_the_text_repeats_and_stop_when_it_does_not():
 def test_a_draft_is_accepted_along_its_matching_path():
     # root -> 5 -> 6, and a second root branch 7 -> 8 (depth-first, most likely first)
     d = Draft(np.array([5, 6, 7, 8], np.int32), np.array([-1, 0, -1, 2], np.int32), np.ones(4, np.float32))
-    assert _accepted(d, [5, 6, 1]) == 2
-    assert _accepted(d, [7, 8]) == 2
-    assert _accepted(d, [7, 1]) == 1
-    assert _accepted(d, [6, 5]) == 0
-    assert _accepted(d, [5]) == 1
+    assert accepted_tokens(d, [5, 6, 1]) == 2
+    assert accepted_tokens(d, [7, 8]) == 2
+    assert accepted_tokens(d, [7, 1]) == 1
+    assert accepted_tokens(d, [6, 5]) == 0
+    assert accepted_tokens(d, [5]) == 1
 
 
 def test_trajectory_files_round_trip_and_bad_input_is_named(tmp_path):

@@ -575,13 +575,13 @@ def test_hints_name_the_bad_field_and_its_limit():
     assert not Hints() and Hints(priority=1) and Hints(calls_left=0).as_dict() == {"calls_left": 0}
 
 
-def _finished(hints: Hints, turns: int = 2):
+def _finished(hints: Hints, turns: int = 2, policy: str = "talaria"):
     """A scheduler whose session "a" has finished its first call (with `hints`) on instance i0."""
     inst = _inst("i0")
     calls = [Call("a", k, "m1", 1000 + 20 * k, 10, 1.0, 0.0 if k == 0 else None) for k in range(turns)]
     calls[0] = dataclasses.replace(calls[0], hints=hints)
     sessions = SessionTable(calls)
-    sched = Scheduler(get_policy("talaria"), [inst], sessions)
+    sched = Scheduler(get_policy(policy), [inst], sessions)
     sched.hints.min_checked = 0  # as if earlier sessions had borne their hints out
     sched.on_arrival(calls[0], 0.0)
     sessions.complete(calls[0], "i0", 3.0)
@@ -599,24 +599,40 @@ def test_a_call_hinted_last_reserves_nothing_and_ends_its_session():
 
 
 def test_hinted_tool_time_sets_the_reservation_and_the_slot_hold():
-    from talaria_jax.scheduler.scheduler import _hold_until
+    from talaria_jax.scheduler.scheduler import hold_until
 
     sched, _, _ = _finished(Hints(tool_s=0.5))
     r = sched.state["i0"].budget.reservations["a"]
     assert (r.horizon_s, r.back_s) == (1.5 * 0.5 + 1.0, 3.5)
-    assert _hold_until(r, 2.2) == 3.0 + 1.75  # held until the hinted return, with its margin
-    assert _hold_until(dataclasses.replace(r, back_s=10.0), 2.2) == 3.0  # back after the hold: not held
+    assert hold_until(r, 2.2) == 3.0 + 1.75  # held until the hinted return, with its margin
+    assert hold_until(dataclasses.replace(r, back_s=10.0), 2.2) == 3.0  # back after the hold: not held
     sched, _, _ = _finished(Hints(tool_s=100.0))  # far past the p90: no reservation, the KV may go to host
     assert "a" not in sched.state["i0"].budget.reservations
 
 
+def _slot_terms(hints: Hints, later: Hints | None = None):
+    """Session "a"'s weight (per second of its model's call) and calls left as the slot order sees
+    them at 4.0 s, after `_finished(hints)` and, with `later`, its next call sent with those hints:
+    "smith" weighs a model by its sessions' weights, "srpt" by their weights over their calls left,
+    so smith / srpt is the calls "a" has left. Also the last scheduler."""
+    prio = {}
+    for order in ("smith", "srpt"):
+        sched, inst, calls = _finished(hints, policy=f"talaria-{order}")
+        assert sched.withdraw(calls[0])  # (never admitted: taken back, so that it does not age as pending)
+        if later is not None:
+            sched.on_arrival(dataclasses.replace(calls[1], hints=later), 4.0)
+        prio[order] = sched.slot_priority(inst, 4.0)["m1"]
+    return prio["smith"], prio["smith"] / prio["srpt"], sched
+
+
 def test_calls_left_and_priority_hints_set_the_slot_order():
-    sched, inst, calls = _finished(Hints())
-    assert sched._left("a") == sched.lengths.left(1)  # no hint: the estimate
-    sched, inst, calls = _finished(Hints(calls_left=7, priority=2))
-    assert sched._left("a") == 7 and sched._weight("a") == 4.0
-    sched.on_arrival(dataclasses.replace(calls[1], hints=Hints(priority=-1)), 4.0)  # a later call's hints replace
-    assert sched._left("a") == sched.lengths.left(1) and sched._weight("a") == 0.5
+    one, left, sched = _slot_terms(Hints())  # no hint: weight 1, and the estimate of the calls left
+    assert left == pytest.approx(sched.lengths.left(1))
+    w, left, _ = _slot_terms(Hints(calls_left=7, priority=2))
+    assert left == pytest.approx(7) and w == pytest.approx(4.0 * one)
+    one, _, _ = _slot_terms(Hints(), later=Hints())
+    w, left, sched = _slot_terms(Hints(calls_left=7, priority=2), later=Hints(priority=-1))  # later hints replace
+    assert left == pytest.approx(sched.lengths.left(1)) and w == pytest.approx(0.5 * one)
 
 
 def test_a_higher_priority_call_is_admitted_first():
@@ -627,9 +643,8 @@ def test_a_higher_priority_call_is_admitted_first():
         sched.on_arrival(c, 0.0)
     assert [c.session for _, c in sorted(sched.state["i0"].pending, key=lambda tc: -tc[1].hints.priority)] == \
         ["high", "low"]
-    inst.switch_model("m1")
-    _run(inst)
-    sched._admit(inst, sched.state["i0"], "m1", 1.0)
+    assert sched.plan(inst, 0.0) is None and not sched.state["i0"].admitted  # a switch to m1 first
+    sched.plan(inst, _run(inst))  # m1 is active: its slot opens and admits
     assert [c.session for c, _ in sched.state["i0"].admitted.values()] == ["high", "low"]
 
 

@@ -57,7 +57,7 @@ def test_bad_flags_give_clear_errors():
     with pytest.raises(app.UsageError, match="--tool_gap_scale=-0.5 must be >= 0"):
         _main("--tool_gap_scale=-0.5")
     with pytest.raises(app.UsageError, match="--seeds: 'x' is not an integer"):
-        cli._parse_seeds(["x"])
+        _main("--seeds=x")
 
 
 def test_cluster_replay_places_by_router():

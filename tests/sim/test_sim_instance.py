@@ -113,11 +113,14 @@ def test_compacted_turn_reuses_only_its_prefix(on_device):
     # turn 0 leaves 1100 tokens of KV (device and host copy); turn 1 compacts: a 700-token prompt whose
     # first 300 tokens are the old prefix. Only those 300 come from cache (device, or restored from host
     # once the device copy is gone), the other 400 are prefilled, and the session then holds 710 tokens
-    inst = _inst()
+    inst = _inst(("m1", "m2"), drop_kv_on_switch=True)
     inst.switch_model("m1")
     t = _serve(inst, Call("s", 0, "m1", 1000, 100, 0.0, 0.0), _run(inst))
-    if not on_device:
-        inst._drop_dev_kv("s")
+    if not on_device:  # away to m2 and back: the switch (sleep mode) drops the device copy, not the host one
+        for m in ("m2", "m1"):
+            inst.switch_model(m)
+            t = _run(inst, t)
+    assert inst.cached_prefix("s", "m1") == type(inst.cached_prefix("s", "m1"))(1100 if on_device else 0, 1100)
     before = dataclasses.replace(inst.stats)
     _serve(inst, Call("s", 1, "m1", 700, 10, 0.0, prefix_tokens=300), t)
     st = inst.stats

@@ -336,7 +336,7 @@ class SuffixTree:
         pattern likely ends with, see match_own)."""
         nodes = self.match(pattern) if seq_id is None else self.match_own(seq_id, pattern)
         depth, count = self._depth, self._count
-        return _best_draft([(depth[n], count[n], n) if type(n) is int else (n[2], 1, n) for n in nodes], self.ops,
+        return best_draft([(depth[n], count[n], n) if type(n) is int else (n[2], 1, n) for n in nodes], self.ops,
                            max_tokens, cfg, self.max_depth, floor)
 
 
@@ -535,11 +535,11 @@ class TokenScan:
 
     def draft(self, pattern: Sequence[int], max_tokens: int, cfg: SpecConfig, floor: float = 0.0) -> Draft:
         """The best draft after pattern scoring above floor, else an empty one."""
-        return _best_draft(self._levels(pattern), _ScanOps(self._list), max_tokens, cfg, None, floor)
+        return best_draft(self._levels(pattern), _ScanOps(self._list), max_tokens, cfg, None, floor)
 
 
-def _best_draft(matches, ops, max_tokens: int, cfg: SpecConfig, max_depth: int | None = None,
-                floor: float = 0.0) -> Draft:
+def best_draft(matches, ops, max_tokens: int, cfg: SpecConfig, max_depth: int | None = None,
+               floor: float = 0.0) -> Draft:
     """The best-scoring draft over the matched suffixes (longest first; on equal scores the longer match,
     as arctic-inference). A shorter match that occurs no more often continues exactly like the longer
     one but may draft fewer tokens, so it is skipped, unless the longer one's draft may have been cut
@@ -547,7 +547,10 @@ def _best_draft(matches, ops, max_tokens: int, cfg: SpecConfig, max_depth: int |
     has more room). No draft of a match scores more than its token limit x the share of its
     occurrences that go on (each token's path probability is at most that): a match whose bound is
     not above the best score so far is skipped, and once the limit alone is not, the search stops
-    (every shorter match has a lower limit). Only drafts scoring above floor count (else: empty)."""
+    (every shorter match has a lower limit). Only drafts scoring above floor count (else: empty).
+    `matches`: (depth, count, node) of each matched suffix, longest first; `ops`: the counts and children
+    of those nodes (count, going_on, children, best_child, run: a trie's `_TrieOps`, a scan's `_ScanOps`,
+    or any other view of the same counts)."""
     best, score, last_count, last_room = Draft.empty(), floor, -1, True
     factor, offset = cfg.max_spec_factor, cfg.max_spec_offset + 1e-6
     draft = _tree_draft if cfg.tree else _chain_draft
