@@ -129,6 +129,17 @@ def local_view(rows: jax.Array, spec: PoolSpec) -> jax.Array:
     return rows.reshape(spec.num_pages, spec.rows, -1, spec.head_dim)
 
 
+def _as_bits(a: jax.Array) -> jax.Array:
+    """A 16-bit float array as the same bits in uint16 (others as they are): scattered and gathered so,
+    XLA:CPU moves only the rows a step writes or reads, where over bf16 it widens the whole arena to
+    f32 and back in every layer (benchmarks/step_audit.py)."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if jnp.dtype(a.dtype).itemsize == 2 else a
+
+
+def _from_bits(a: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
+
+
 def _layer_rows(spec: PoolSpec, layer: int, pages: jax.Array) -> jax.Array:
     """Flat row indices [*pages.shape, page_size] of layer `layer`'s K in `pages` (V: + page_size)."""
     return (pages * spec.rows + 2 * layer * spec.page_size)[..., None] + jnp.arange(spec.page_size)
@@ -145,8 +156,9 @@ def write_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, k: jax.Ar
         row = slots // ps * spec.rows + 2 * layer * ps + slots % ps  # padding: page == num_pages, out of bounds
         # one scatter of K and V together: at least two indices, since XLA turns a one-index scatter
         # into a select over the whole arena (a copy of it every step)
-        flat = flat.at[jnp.concatenate([row, row + ps])].set(jnp.concatenate([k, v]).astype(rows.dtype), mode="drop")
-        return flat.reshape(rows.shape)
+        new = _as_bits(jnp.concatenate([k, v]).astype(rows.dtype))
+        flat = _as_bits(flat).at[jnp.concatenate([row, row + ps])].set(new, mode="drop")
+        return _from_bits(flat, rows.dtype).reshape(rows.shape)
 
     arena_spec = arena_sharding(mesh).spec
     return on_each_device(local, mesh, (arena_spec, _heads(spec, mesh, 1), _heads(spec, mesh, 1), P()),
@@ -157,9 +169,9 @@ def read_kv(arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int, pages: jax
     """Layer `layer`'s K and V of `pages` (any shape S): two [*S, page_size, kv_heads, head_dim]."""
 
     def local(rows, pages):
-        flat = local_view(rows, spec).reshape(spec.num_pages * spec.rows, -1, spec.head_dim)
+        flat = _as_bits(local_view(rows, spec).reshape(spec.num_pages * spec.rows, -1, spec.head_dim))
         k = _layer_rows(spec, layer, pages)
-        return flat[k], flat[k + spec.page_size]
+        return _from_bits(flat[k], rows.dtype), _from_bits(flat[k + spec.page_size], rows.dtype)
 
     out = _heads(spec, mesh, pages.ndim + 1)
     return on_each_device(local, mesh, (arena_sharding(mesh).spec, P()), (out, out))(arena, pages)

@@ -124,22 +124,24 @@ def test_a_failed_step_tells_every_engine_on_the_arena(pair):
     assert ea.generate([pa], GREEDY, progress=False)[0].token_ids == greedy_generate(a, [pa], GREEDY.max_tokens)[0]
 
 
-def _copies_of_at_least(hlo: str, numel: int) -> list[str]:
-    """The copy instructions of a compiled program whose result has at least `numel` elements."""
+def _copies_of_at_least(hlo: str, numel: int, op: str = "copy") -> list[str]:
+    """The `op` instructions (copies; converts) of a compiled program, fused ones included, whose result
+    has at least `numel` elements."""
     out = []
     for line in hlo.splitlines():
-        m = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
+        m = re.search(rf"= \w+\[([\d,]*)\]\S* {op}\(", line)
         if m and math.prod(int(d) for d in m.group(1).split(",") if d) >= numel:
             out.append(line.strip())
     return out
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 5])
-def test_writes_update_the_arena_in_place(tokens):
+@pytest.mark.parametrize("tokens,kv_dtype", [(1, "float32"), (2, "float32"), (5, "float32"), (2, "bfloat16")])
+def test_writes_update_the_arena_in_place(tokens, kv_dtype):
     # XLA rewrites a one-index scatter into a select over its whole operand: a copy of the arena every
-    # step. The compiled step-like program and the host tier's restore must hold no arena-sized copy.
+    # step; and XLA:CPU widens a bf16 scatter or gather to the whole operand in f32 and back. The
+    # compiled step-like program and the host tier's restore must hold no arena-sized copy.
     mesh = make_mesh(jax.devices()[:1])
-    cfg = load_model_config("tiny-dense")
+    cfg = dataclasses.replace(load_model_config("tiny-dense"), kv_dtype=kv_dtype)
     arena = KVArena.for_models([cfg], mesh, 8, num_pages=256)
     spec = arena.spec_for(cfg)
     numel = arena.num_pages * arena.words
@@ -155,7 +157,7 @@ def test_writes_update_the_arena_in_place(tokens):
     args = (arena.array, k, np.arange(tokens, dtype=np.int32), np.zeros((1, 4), np.int32))
     with jax.set_mesh(mesh):
         hlo = jax.jit(step, donate_argnums=0).lower(*args).compile().as_text()
-    assert _copies_of_at_least(hlo, numel) == []
+    assert _copies_of_at_least(hlo, numel) == [] and _copies_of_at_least(hlo, numel, "convert") == []
     tier = HostTier(spec, mesh)
     data = np.zeros((spec.num_layers, 2, 1, spec.page_size, spec.kv_heads, spec.head_dim), np.float32)
     with jax.set_mesh(mesh):
