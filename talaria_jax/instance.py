@@ -5,8 +5,11 @@ preallocated flat device buffer per shard, shared by models of any shape, that e
 carves its parameters from inside the jitted step, so the slot's addresses never change. Every
 model's weights wait in pinned host memory; `stage_model` copies the next one host-to-device into a
 staging area while the current one serves, and the switch then moves it device-to-device into the
-slot (without staging, the switch loads it from host memory). On a CPU, `resident=True` keeps every
-model in its own arrays instead: no slot, and a switch moves nothing.
+slot (without staging, the switch loads it from host memory). On a CPU, `resident=True` keeps each
+model in arrays of its own instead, read as they are by every step (no carving): every model on the
+devices, so a switch moves nothing, or, with `weight_budget_bytes`, as many as the budget holds
+(``talaria_jax.weights.budget``): a switch to one that is not evicts the least recently used and copies
+it from host memory, as on a GPU, and staging starts that copy early where the budget has room.
 
 Each model has its own `Engine` (continuous batching, prefix cache on, a host tier): a call becomes
 one request whose prompt is its session's real history (earlier prompts and the tokens the model
@@ -52,9 +55,11 @@ from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 from talaria_jax.sim.instance import Switch
 from talaria_jax.tokenizer import Tokenizer
 from talaria_jax.weights.named import load_model
+from talaria_jax.weights.budget import DeviceWeights, held_bytes
 from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights, word_for
 
-__all__ = ["LOCAL_KV_BYTES", "Instance", "LiveTokens", "SessionTokens", "build_instances", "shapes_of"]
+__all__ = ["LOCAL_KV_BYTES", "Instance", "LiveTokens", "SessionTokens", "build_instances", "shapes_of",
+           "check_weight_budget", "resolve_weight_budget"]
 
 LOCAL_KV_BYTES = 512 * 2**20  # an instance's KV arena per device, all models: ~11K tokens of SmolLM2 (fp32, 45 KiB a token)
 
@@ -186,10 +191,13 @@ class Instance(DerivedQueries):
     `host_kv_bytes` bounds the host memory of all models' session KV copies together (`kv.budget`;
     None: unbounded): past it the least recently used copies are evicted, and a copy that does not fit
     is not kept; such a session's prefix is recomputed when it returns. `tokenizers`: a model's tokenizer
-    (for serving text; default: bytes). `resident`: every model keeps its own device arrays and no
-    weight slot is made, so a switch moves no weights (nothing is staged) and costs nothing: for a
-    CPU, whose device memory is host memory, and where a step over the slot copies every parameter
-    (XLA:CPU has no views into a buffer: decode about 4x slower, docs/benchmarks/model_switch.md).
+    (for serving text; default: bytes). `resident`: each model keeps its own device arrays and no
+    weight slot is made: for a CPU, whose device memory is host memory, and where a step over the slot
+    copies every parameter (XLA:CPU has no views into a buffer: decode about 4x slower,
+    docs/benchmarks/model_switch.md). Every model stays on the devices (a switch moves nothing) unless
+    `weight_budget_bytes` bounds their weights' bytes over all devices: then models take turns
+    (`DeviceWeights`), a switch to an evicted one copies it from host memory, and staging starts that
+    copy while another model serves where the budget has room beside it.
     `exclude_compiles`: a chunk's seconds leave out the tracing and compiling inside it
     (``compile_seconds``; counted in `stats.compile_s`), as a replay's clock should: a warm server
     compiles nothing, and a step shape first met inside a measured replay would otherwise count as
@@ -200,7 +208,7 @@ class Instance(DerivedQueries):
                  host_kv: bool = True, staging: bool = True, drop_kv_on_switch: bool = False,
                  kv_bytes_per_device: int | None = None, host_kv_bytes: int | None = None,
                  tokenizers: Mapping[str, Tokenizer] | None = None, resident: bool = False,
-                 exclude_compiles: bool = False):
+                 weight_budget_bytes: int | None = None, exclude_compiles: bool = False):
         if not models:
             raise ValueError(f"instance {name}: give at least one model")
         mesh = next(iter(models.values())).mesh
@@ -221,9 +229,13 @@ class Instance(DerivedQueries):
                                         memory_bytes_per_device=kv_bytes)
         cfg = dataclasses.replace(engine_config, prefix_cache=True, warmup=False, num_pages=None,
                                   kv_memory_bytes_per_device=None)
+        if weight_budget_bytes is not None and not resident:
+            raise ValueError(f"instance {name}: weight_budget_bytes needs resident=True (models in arrays of their "
+                             f"own); the weight slot holds one model at a time")
         self.resident = resident
         self.exclude_compiles = exclude_compiles
         self.slot: WeightSlot | None = None
+        self.weights: DeviceWeights | None = None  # with weight_budget_bytes: which models are on the devices
         self._resident_bytes = sum(a.nbytes for model in models.values() for a in model.param_arrays().values()) \
             if resident else 0
         if not resident:
@@ -244,6 +256,11 @@ class Instance(DerivedQueries):
                 eng = Engine(without_weights(model), cfg, tokenizer=(tokenizers or {}).get(m), arena=self.arena,
                              kv=kv, weight_slot=(self.slot, layouts[m]))
             self.served[m] = _Served(eng, host, shapes[m])
+        if weight_budget_bytes is not None:  # host copies first: each model's arrays are then freed
+            self.weights = DeviceWeights(models, weight_budget_bytes,
+                                         lambda m, state: self.served[m].engine.place_weights(state))
+            for m in models:
+                self.served[m].engine.place_weights(None)
         # the scheduler's page: one arena page over the instance's devices (ModelShape counts bytes the same way)
         self.page_bytes = self.arena.page_bytes_per_device * mesh.devices.size
         self.kv_bytes = self.arena.bytes_per_device * mesh.devices.size
@@ -263,6 +280,8 @@ class Instance(DerivedQueries):
         self.kv.use_host = host_kv
         if self.slot is not None:
             self.slot.drop_staged()
+        if self.weights is not None:
+            self.weights.evict_all()
         self._active: str | None = None
         self._staged: str | None = None  # the model in the staging area (staging or staged)
         self._stage_to: str | None = None
@@ -279,10 +298,14 @@ class Instance(DerivedQueries):
 
     def warmup(self) -> None:
         """Compiles every model's step shapes and host copies (each through the slot)."""
-        for s in self.served.values():
+        for m, s in self.served.items():
             if self.slot is not None:
                 self.slot.load(s.host)
+            if self.weights is not None:
+                self.weights.load(m)
             s.engine.warmup(progress=None)
+        if self.weights is not None:
+            self.weights.evict_all()
         self._active = self._staged = None  # the slot holds the last one warmed: the next switch loads
 
     def shapes(self) -> dict[str, ModelShape]:
@@ -299,18 +322,24 @@ class Instance(DerivedQueries):
     def weight_state(self, model: str) -> WeightState:
         if model == self._active:
             return WeightState.ACTIVE
+        if self.weights is not None:
+            if self.weights.on_device(model):
+                return WeightState.RESIDENT
+            if model == self.weights.staging:
+                return WeightState.STAGED if self.weights.staged_ready() else WeightState.STAGING
+            return WeightState.HOST
         if self.resident:
-            return WeightState.STAGED  # on the devices already: a switch moves nothing
+            return WeightState.RESIDENT  # on the devices already: a switch moves nothing
         if model == self._staged:
             return WeightState.STAGED if self.slot.staged_ready() else WeightState.STAGING
         return WeightState.HOST
 
     def estimate_switch_s(self, model: str) -> float:
         s, shape = self.weight_state(model), self.served[model].shape
-        if s == WeightState.ACTIVE or self.resident:
+        if s in (WeightState.ACTIVE, WeightState.RESIDENT):
             return 0.0
-        if s == WeightState.STAGED:
-            return self.cost.d2d_weights_s(shape)
+        if s == WeightState.STAGED:  # the slot's device-to-device copy (a model's own arrays: none)
+            return self.cost.d2d_weights_s(shape) if self.slot is not None else 0.0
         return self.cost.weight_load_s(shape)  # staging in progress: at most a whole load
 
     # --- InstanceAPI: KV pages --------------------------------------------------------------
@@ -333,11 +362,16 @@ class Instance(DerivedQueries):
                    if sid != exclude_session and sid not in busy and sid in self.tokens.history)
 
     def _device_bytes(self) -> float:
-        """Weight slot and staging area (when it holds a model), or every resident model's weights, plus
-        the KV pages in use."""
-        return self._weight_bytes(staged=self._staged is not None) + self.kv_pages_used() * self.page_bytes
+        """Weights on the devices (the slot, and its staging area when it holds a model; the models a budget
+        holds there, staging included; or every resident model), plus the KV pages in use."""
+        weights = self.weights.device_bytes() if self.weights is not None else \
+            self._weight_bytes(staged=self._staged is not None)
+        return weights + self.kv_pages_used() * self.page_bytes
 
     def _weight_bytes(self, staged: bool) -> int:
+        """The most the weights may take on the devices (`staged`: with the slot's staging area)."""
+        if self.weights is not None:
+            return self.weights.budget_bytes
         if self.slot is None:
             return self._resident_bytes
         return self.slot.bytes_per_device * self.slot.mesh.devices.size * (2 if staged else 1)
@@ -454,9 +488,15 @@ class Instance(DerivedQueries):
         (one staging area: False while it holds another model, or without staging)."""
         if not self.staging or model not in self.served:
             return False
-        if self.resident or model in (self._active, self._staged, self._stage_to):
+        if self.weights is not None:  # models in arrays of their own, under a budget
+            w = self.weights
+            if w.on_device(model) or model in (self._active, w.staging, self._stage_to):
+                return True
+            if w.staging is not None or self._stage_to is not None or not w.fits(model, keep=self._active):
+                return False
+        elif self.resident or model in (self._active, self._staged, self._stage_to):
             return True
-        if self._staged is not None or self._stage_to is not None:
+        elif self._staged is not None or self._stage_to is not None:
             return False
         self._stage_to = model
         return True
@@ -475,8 +515,12 @@ class Instance(DerivedQueries):
         if self._stage_to in (self._active, self._switch_to):
             self._stage_to = None  # a switch asked for in the same plan loads it anyway
         if self._stage_to is not None and self._switch_to is None:
-            self.slot.stage(self.served[self._stage_to].host)
-            self._staged, self._stage_to = self._stage_to, None
+            if self.weights is not None:
+                self.weights.stage(self._stage_to, keep=self._active)
+            else:
+                self.slot.stage(self.served[self._stage_to].host)
+                self._staged = self._stage_to
+            self._stage_to = None
         if self._switch_to is not None:
             model, self._switch_to = self._switch_to, None
             _, dur = self._timed(self._switch, model)
@@ -520,6 +564,8 @@ class Instance(DerivedQueries):
         old = self._active
         if old is not None and self.drop_kv_on_switch:  # sleep mode level 1 discards the KV cache
             self.kv.drop_device(old)
+        if self.weights is not None:
+            self.weights.load(model)
         if self.slot is not None:
             if self._staged == model:
                 self.slot.activate_staged()
@@ -581,15 +627,39 @@ def shapes_of(models: Mapping[str, ShardedModel], tp: int) -> dict[str, ModelSha
     return {n: ModelShape.from_config(m.cfg, m.cfg.weight_dtype, tp, name=n) for n, m in models.items()}
 
 
+WEIGHT_BUDGETS = ("all", "largest")  # the named weight budgets (`weight_budget_bytes`); else a number of bytes
+
+
+def check_weight_budget(budget: str | None) -> None:
+    """ValueError unless `budget` is None, one of WEIGHT_BUDGETS or a number of bytes >= 1."""
+    if budget is not None and budget not in WEIGHT_BUDGETS and not (str(budget).isdigit() and int(budget) >= 1):
+        raise ValueError(f"weight budget must be one of {list(WEIGHT_BUDGETS)} or a number of bytes >= 1, "
+                         f"got {budget!r}")
+
+
+def resolve_weight_budget(budget: str | None, models: Mapping[str, ShardedModel]) -> int | None:
+    """The device bytes an instance's models' weights may take, over all its devices: None for "all" (or
+    None: every model stays on the devices), the largest model's for "largest" (one model of that size at
+    a time, smaller ones beside each other), or a number of bytes."""
+    check_weight_budget(budget)
+    if budget is None or budget == "all":
+        return None
+    if budget == "largest":
+        return max(held_bytes(m) for m in models.values())
+    return int(budget)
+
+
 def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig, *, instances: int = 2,
                     devices_per_instance: int = 1, engine_config: EngineConfig, tokens: SessionTokens | None,
                     seed: int = 0, kv_bytes_per_device: int | None = LOCAL_KV_BYTES, dtype: str | None = None,
-                    **instance_kw) -> list[Instance]:
+                    weight_budget: str | None = None, **instance_kw) -> list[Instance]:
     """`instances` real instances on disjoint devices, each hosting every model of `names` (what
     ``weights.load_model`` loads: a named model, a checkpoint, or a configs/models/ config with random
     weights from `seed`; or a mapping of served names to those) on one KV arena of
     `kv_bytes_per_device` per device (None: as engine_config says). `tokens`: the replay's token
-    source, shared by all; None: live serving (each instance its own `LiveTokens`)."""
+    source, shared by all; None: live serving (each instance its own `LiveTokens`). `weight_budget`:
+    models in arrays of their own (`resident`) taking turns under `resolve_weight_budget(weight_budget)`;
+    None: as `instance_kw` says (a weight slot unless resident)."""
     if instances < 1 or devices_per_instance < 1:
         raise ValueError(f"instances={instances} and devices_per_instance={devices_per_instance} must be >= 1")
     need = instances * devices_per_instance
@@ -602,6 +672,8 @@ def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig
         sources = names if isinstance(names, Mapping) else {n: n for n in names}
         loaded = {n: load_model(src, mesh=mesh, seed=seed, dtype=dtype) for n, src in sources.items()}
         models = {n: lm.model for n, lm in loaded.items()}
+        if weight_budget is not None:
+            instance_kw.update(resident=True, weight_budget_bytes=resolve_weight_budget(weight_budget, models))
         out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance), engine_config=engine_config,
                             tokens=tokens if tokens is not None else LiveTokens(),
                             kv_bytes_per_device=kv_bytes_per_device,

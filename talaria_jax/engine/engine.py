@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
@@ -487,6 +488,32 @@ class Engine:
         if self.drafter is not None:
             self.scheduler.drafter = SuffixDrafter(self.config.speculation)
 
+    def place_weights(self, state: Any) -> None:
+        """Steps read this engine's weights from `state`, the same weights (its fingerprint: nothing cached
+        is invalidated) in other device arrays of the model's structure, shapes and shardings
+        (`HostWeights.to_device` brings them back from host memory); None: the engine keeps no device copy
+        (an instance evicted it) and its steps are refused until one is placed. Not for an engine that
+        reads a shared weight slot.
+
+        Raises:
+            ValueError: the engine reads a weight slot, or `state` does not match the model's parameters.
+        """
+        if self.runner.slot is not None:
+            raise ValueError("place_weights: this engine reads its weights from a shared slot")
+        if state is None:
+            from talaria_jax.weights.slot import without_weights  # here: talaria_jax.weights imports orbax
+
+            self.model = without_weights(self.model)  # the arrays are freed once no one else holds them
+            self.runner.set_model(self.model, on_device=False)
+            return
+        want = [(v.shape, v.dtype, v.sharding) for v in jax.tree.leaves(self.model.state)]
+        got = [(v.shape, v.dtype, v.sharding) for v in jax.tree.leaves(state)]
+        if jax.tree.structure(state) != jax.tree.structure(self.model.state) or got != want:
+            raise ValueError(f"place_weights: the state does not match {self.model.cfg.name}'s parameters "
+                             f"(structure, shapes, dtypes and shardings)")
+        self.model = dataclasses.replace(self.model, state=state)
+        self.runner.set_model(self.model)
+
     def has_unfinished(self) -> bool:
         """Whether `step()` has anything left to do: requests to run, or progress still to hand out
         (an add_request request may have finished while generate() or a stream drove the engine)."""
@@ -567,6 +594,7 @@ class Engine:
         """Runs one step (plan, execute, update); returns the requests that gained a token (finished
         ones included)."""
         self._sync_arena()
+        self.runner.require_weights()  # before anything is planned: a refused step changes nothing
         plan = self.scheduler.schedule(self._drafts())
         if not plan:
             return []

@@ -232,6 +232,7 @@ class Runner:
         self.buckets = token_buckets(max_tokens_per_step)
         self.compilations = 0
         self.slot, self.layout = None, None  # see use_slot
+        self.on_device = True  # the model's own arrays hold its weights (see set_model)
         rep = replicated(model.mesh)
         jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("layout",), donate_argnames=("kv",),
                                 compiler_options=compiler_options)
@@ -250,6 +251,11 @@ class Runner:
             layout = layout or SlotLayout.of(self.model, word=slot.word)
             slot.check(layout)
         self.slot, self.layout = slot, layout if slot is not None else None
+
+    def set_model(self, model: ShardedModel, on_device: bool = True) -> None:
+        """Steps read `model`'s parameters (the same model's, in other arrays: `Engine.place_weights`);
+        `on_device` False: it has none on the devices (abstract), and steps are refused."""
+        self.model, self.on_device = model, on_device
 
     @property
     def kv(self) -> jax.Array:
@@ -383,16 +389,22 @@ class Runner:
         return (kv, *verify(logits, x.tokens, x.seq, d.draw_step, d.node_idx, d.parent, d.active, s.temperature,
                             s.top_k, s.top_p, s.seed, drawn_from))
 
-    def step(self, b: StepBatch) -> StepOutput:
+    def require_weights(self) -> None:
+        """ValueError unless the weights the step reads are on the devices (the slot holds this model's,
+        or its own arrays are placed)."""
         if self.slot is not None:
             self.slot.require_active(self.layout, self.model.fingerprint)
+        elif not self.on_device:
+            raise ValueError(f"{self.model.cfg.name}'s weights are not on the devices (evicted); place them first")
+
+    def step(self, b: StepBatch) -> StepOutput:
+        self.require_weights()
         return self._run(b, *self.tiling(b))
 
     def verify_step(self, b: StepBatch, d: DraftBatch) -> VerifyOutput:
         """A step whose sequences bring draft trees: every node's logits are computed and the drafts
         verified (engine/spec/verify.py). b.sampling's rows are the sequences of node_idx's rows."""
-        if self.slot is not None:
-            self.slot.require_active(self.layout, self.model.fingerprint)
+        self.require_weights()
         return self._run_verify(b, d, *self.tiling(b))
 
     def inputs(self, b: StepBatch, tiles=None) -> StepInputs:

@@ -26,6 +26,9 @@ _POLICIES = flags.DEFINE_list("policies", ["talaria", "round"], "Policies to com
 _RUNS = flags.DEFINE_integer("runs", 2, "Measured passes per policy, interleaved: their spread is the noise.",
                              lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted sessions.")
+_WEIGHTS = flags.DEFINE_string("weight_budget", "largest", "Device bytes the models' weights may take on each "
+                               "instance: 'largest' (the largest model's: the models take turns, and a switch to an "
+                               "evicted one copies it from host memory), a number of bytes, or 'all' (every model stays).")
 _SIM = flags.DEFINE_bool("sim", True, "Also replay the paper's workload in the simulator on 8 x H200.")
 
 QUESTION = "In two sentences: what does a coding agent do between two calls to its language model?"
@@ -73,13 +76,13 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
     script = demo_sessions(_SESSIONS.value, _CALLS.value, max_tokens=_MAX_TOKENS.value, tool_gap_s=_TOOL_GAP.value,
                            seed=_SEED.value)
     policies = [get_policy(p) for p in pols]
-    with demo_cluster(pols[0]) as cluster:
+    with demo_cluster(pols[0], _WEIGHTS.value) as cluster:
         say(f"instances up at {', '.join(cluster.urls)}")
         with cluster.gateway(policies[0]) as url:
             _first_answer(url, KEY, MODELS[0], say)
         calls = sum(len(s.observations) for s in script)
         say(f"{len(script)} agent sessions ({calls} calls: " + ", ".join(f"{s.id} {s.model}" for s in script)
-            + f") once under each policy, not measured: the step shapes they meet compile ...")
+            + ") once under each policy, not measured: the step shapes they meet compile ...")
         # each policy once: a pass that finds the KV an earlier pass left meets shapes of its own
         # (host-KV page copies, prefills after a cached prefix), which would compile in a measured pass
         cluster.compare(policies, script, start_gap_s=_START_GAP.value, progress=True)
@@ -117,10 +120,11 @@ def _real_engines(say: _Clock, pols: list[str]) -> dict:
     noise = max(abs(a[f"sct_{q}_s"] - b[f"sct_{q}_s"]) / mean[p][q] for p in pols for q in ("p50", "p90")
                 for a, b in zip(sums[p], sums[p][1:])) if _RUNS.value > 1 else math.nan
     switch_s = {p: stats[p]["switch_s"] / max(stats[p]["switches"], 1) for p in pols}
+    switches = {p: (stats[p]["switches"], stats[p]["switch_max_s"]) for p in pols}
     real_calls = [c.e2e_s for run in runs[pols[0]] for r in run for c in r.calls
                   if r.model not in RANDOM and c.error is None]
     call_s = float(np.median(real_calls)) if real_calls else math.nan
-    return {"best": best, "noise": noise, "switch_s": switch_s, "call_s": call_s, "stats": stats, "compiled": compiled,
+    return {"best": best, "noise": noise, "switch_s": switch_s, "switches": switches, "call_s": call_s, "stats": stats, "compiled": compiled,
             "first": {s.id: by[pols[0]][0][s.id] for s in script}, "script": script, "random": RANDOM}
 
 
@@ -159,9 +163,15 @@ def main(argv):
                        + ", ".join(q for q, r in ratios.items() if abs(r - 1) > noise) + ".")
         print(f"\n{b}/{a} SCT on this machine (best pass of each): p50 {ratios['p50']:.2f}x, "
               f"p90 {ratios['p90']:.2f}x; {verdict}")
-    print(f"Here a model switch takes {real['switch_s'][a]:.2f} s (every model stays in memory: a CPU's devices "
-          f"share the host's) and a SmolLM2 call about {real['call_s']:.1f} s. A call waits for the calls running "
-          "before it, never for weights: a policy changes the order of the calls here, not what a switch costs.")
+    switches = ", ".join(f"{p} {real['switches'][p][0]} switches of {real['switch_s'][p]:.2f} s on average, the "
+                         f"longest {real['switches'][p][1]:.2f} s" for p in pols)
+    if _WEIGHTS.value == "all":
+        print(f"Here every model stays on the devices, so a switch costs nothing ({switches}), and a SmolLM2 call "
+              f"takes about {real['call_s']:.1f} s: a policy changes the order of the calls, not what a switch costs.")
+    else:
+        print(f"Here the models take turns on the devices (weight budget: {_WEIGHTS.value}), so a switch to an "
+              f"evicted model copies its weights from host memory, as on a GPU ({switches}, measured over the "
+              f"passes), and a SmolLM2 call takes about {real['call_s']:.1f} s.")
     print("Compiling inside the measured passes (step shapes the warm-up passes did not meet; the calls waiting "
           "on it count it): " + ", ".join(f"{p} {real['compiled'][p]:.1f} s" for p in pols) + ".")
     print(f"\nfirst replies ({a}):")

@@ -38,7 +38,7 @@ from absl import app, flags
 from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.scheduler.policies import DEFAULT_POLICIES, get_policy
 from talaria_jax.sim.cluster import replay
-from talaria_jax.sim.hardware import load_hardware
+from talaria_jax.sim.hardware import GIB, load_hardware
 from talaria_jax.sim.compare import run_replay, trace_shapes
 from talaria_jax.sim.instance import CapacityError
 from talaria_jax.sim.traces import HINT_MODES, read_jsonl, with_hints
@@ -70,6 +70,9 @@ flags.DEFINE_string("timeline", "", "Write each policy's model slots per instanc
 flags.DEFINE_enum("backend", "sim", ["sim", "local"], "sim: simulated instances; local: real JAX instances here.")
 flags.DEFINE_list("local_models", ["smollm2-135m-instruct", "tiny-dense", "tiny-moe"],
                   "--backend=local: the models each instance hosts (named models or configs/models/ names).")
+flags.DEFINE_string("local_weight_budget", "largest", "--backend=local: device bytes each instance's models' "
+                    "weights may take: 'largest' (the largest model's; the models take turns and a switch to an "
+                    "evicted one copies it from host memory), a number of bytes, or 'all' (every model stays).")
 flags.DEFINE_enum("local_trace", "12x4", ["12x4", "12x3", "mixed"], "--backend=local without --trace: the local "
                   "trace (talaria_jax.local.LOCAL_TRACES): 12 sessions of 4 calls, of 3, or of mixed lengths.")
 flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model pairs (name=local); default: the "
@@ -133,12 +136,15 @@ def plot_cdf(res: dict, path: str) -> None:
 
 def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers: int, local_models: Sequence[str],
               model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0,
-              seeds: Sequence[int] = (0,), hints: str = "trace", local_trace: str = "12x4") -> dict:
+              seeds: Sequence[int] = (0,), hints: str = "trace", local_trace: str = "12x4",
+              weight_budget: str = "largest") -> dict:
     """Replays every policy on real instances (after a warm-up replay of each; the compiling a measured
     replay still meets is left out of its chunks' seconds), the policies interleaved seed by seed, then
     the simulator on the same calls, models, hardware and tool-time jitter (seeded per call as in the
     simulator; kernel time is the real engine's own). `trace` None: `local.LOCAL_TRACES[local_trace]`.
-    The results carry the load average before the first replay."""
+    `weight_budget`: the models keep arrays of their own and take turns on each instance's devices under
+    it (``instance.resolve_weight_budget``; "all": every model stays); the simulator's instances get the same
+    device memory (weights plus the KV arena). The results carry the load average before the first replay."""
     load_average = os.getloadavg()[0]
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax import local
@@ -151,8 +157,11 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     longest = max(c.context_after for c in calls)
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
     insts = build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
-                            engine_config=ec, tokens=SessionTokens(), exclude_compiles=True)
+                            engine_config=ec, tokens=SessionTokens(), exclude_compiles=True,
+                            weight_budget=weight_budget)
     shapes = insts[0].shapes()
+    # the simulator's device memory is the real instance's: the weights it may hold and its KV arena
+    hw = dataclasses.replace(hw, hbm_gib_per_gpu=insts[0].capacity / devices_per_instance / GIB, memory_utilization=1.0)
     # One unreported replay per policy first compiles the step shapes and copies it meets. Batches move with
     # the seeds' tool times, so a measured replay still meets new shapes (a dozen programs of 2-7 s each in
     # one talaria replay of the mixed trace); the instances leave that compiling out of the chunks' seconds
@@ -163,6 +172,7 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
         local.replay_local(calls, get_policy(name), insts)
         print(f"{name}: warm-up replay in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     out: dict = {"backend": "local", "trace": trace or f"local-{local_trace}", "hardware": hw.name, "servers": servers,
+                 "weight_budget": weight_budget,
                  "models": list(local_models), "devices_per_instance": devices_per_instance, "seeds": list(seeds),
                  "hints": hints, "load_average": load_average, "policies": {}}
     keys = ("sct_p50_s", "sct_p95_s")
@@ -205,16 +215,17 @@ _GAP_SIGMA = 0.1  # tool-time jitter per call (the simulator's default), the sam
 def format_local_table(res: dict) -> str:
     load = f"; load average {res['load_average']:.2f} at the start" if "load_average" in res else ""
     lines = [f"local replay of `{res['trace']}` on {res['servers']} instances x {res['devices_per_instance']} device(s), "
-             f"models {', '.join(res['models'])}; simulator with hardware `{res['hardware']}`{load}", "",
+             f"models {', '.join(res['models'])}, weight budget {res.get('weight_budget', 'largest')}; simulator "
+             f"with hardware `{res['hardware']}`{load}", "",
              "| policy | measured SCT p50 (s) | p90 (s) | p95 (s) | simulated p50 (s) | p95 (s) | error p50 | error p95 "
-             "| switches | KV restored (tok) | prefix recomputed (tok) | worst session / round |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| switches | s per switch | KV restored (tok) | prefix recomputed (tok) | worst session / round |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, v in res["policies"].items():
         m, s, e = v["measured"], v["simulated"], v["relative_error"]
         worst = f"{v['worst_over_round']:.2f}x" if "worst_over_round" in v else "-"
         lines.append(f"| {name} | {m['sct_p50_s']:.1f} | {m['sct_p90_s']:.1f} | {m['sct_p95_s']:.1f} | {s['sct_p50_s']:.1f} "
                      f"| {s['sct_p95_s']:.1f} | {e['sct_p50_s']:+.0%} | {e['sct_p95_s']:+.0%} | {m['model_switches']:.0f} "
-                     f"| {m['kv_restored_tokens']:.0f} | {m['kv_recomputed_tokens']:.0f} | {worst} |")
+                     f"| {m['switch_time_s'] / max(m['model_switches'], 1):.2f} | {m['kv_restored_tokens']:.0f} | {m['kv_recomputed_tokens']:.0f} | {worst} |")
     same = res["same_order"]
     lines += ["", "tracing and compiling left out of the measured chunks (s per replay, means): "
               + ", ".join(f"{name} {v['measured'].get('compile_s', 0.0):.1f}" for name, v in res["policies"].items())]
@@ -315,7 +326,7 @@ def _main_local() -> None:
     seeds = _parse_seeds(FLAGS.seeds) if FLAGS["seeds"].present else [0]  # a local replay takes minutes
     res = run_local(FLAGS.trace if trace_given else None, hardware, FLAGS.policies, servers, FLAGS.local_models,
                     _parse_map(FLAGS.model_map), FLAGS.devices_per_instance, FLAGS.tool_gap_scale, seeds,
-                    FLAGS.hints, FLAGS.local_trace)
+                    FLAGS.hints, FLAGS.local_trace, FLAGS.local_weight_budget)
     print(format_local_table(res))
     _write_json(res)
 

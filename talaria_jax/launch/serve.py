@@ -44,6 +44,10 @@ _MAX_LEN = flags.DEFINE_integer("max_model_len", 2048, "Context limit (tokens)."
 _MAX_SEQS = flags.DEFINE_integer("max_seqs", 16, "Requests decoding at once.", lower_bound=1)
 _KV_MB = flags.DEFINE_integer("kv_mib_per_device", None, "KV pool per device in MiB (default: room for max_seqs "
                               "sequences of max_model_len).", lower_bound=1)
+_WEIGHTS = flags.DEFINE_string("weight_budget", None, "Models in arrays of their own, taking turns on the devices "
+                               "under a budget of weight bytes over the instance's devices: 'largest' (the largest "
+                               "model's), a number of bytes, or 'all' (every model stays); a switch to an evicted "
+                               "model copies it from host memory. Default: one weight slot the models share.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens_limit", 4096, "Largest max_tokens a request may ask.", lower_bound=1)
 _MAX_N = flags.DEFINE_integer("max_n", 8, "Largest n a request may ask.", lower_bound=1)
 _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body (bytes; larger: 413).",
@@ -86,7 +90,7 @@ _CONFIG = flags.DEFINE_string("config", None, "A YAML file of the whole instance
                               "--host_kv_bytes=auto).")
 # the flags an InstanceConfig replaces (--config gives them all at once)
 _INSTANCE_FLAGS = ("model", "served_model_name", "policy", "hardware", "tp", "dtype", "max_model_len", "max_seqs",
-                   "kv_mib_per_device", "max_tokens_limit", "max_n", "max_body_bytes", "tenant_secret", "speculate",
+                   "kv_mib_per_device", "weight_budget", "max_tokens_limit", "max_n", "max_body_bytes", "tenant_secret", "speculate",
                    "host_kv_bytes", "max_sessions", "session_ttl_s", "inferred_calls", "responses_stored",
                    "responses_ttl_s", "warmup", "tool_call_parser", "chat_template")
 _XLA_CACHE = flags.DEFINE_string("compilation_cache", None, "Persistent compilation cache folder (default "
@@ -149,7 +153,7 @@ def instance_config(keys: tuple[str, ...]):
         return InstanceConfig(dict(zip(names, _MODEL.value)), server, engine, policy=_POLICY.value,
                               hardware=_HARDWARE.value, devices=_TP.value, dtype=_DTYPE.value,
                               kv_bytes_per_device=_KV_MB.value * 2**20 if _KV_MB.value else None,
-                              host_kv_bytes=host_kv_bytes(_HOST_KV.value))
+                              host_kv_bytes=host_kv_bytes(_HOST_KV.value), weight_budget=_WEIGHTS.value)
     except ConfigError as e:
         raise app.UsageError(str(e)) from None
 

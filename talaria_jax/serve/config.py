@@ -22,6 +22,7 @@ import yaml
 
 from talaria_jax import config_io
 from talaria_jax.engine.engine import EngineConfig
+from talaria_jax.instance import check_weight_budget
 from talaria_jax.scheduler.policies import PolicyConfig, get_policy
 from talaria_jax.serve.protocol import Limits
 from talaria_jax.serve.tools import PARSERS
@@ -75,7 +76,10 @@ class InstanceConfig:
     the scheduler's estimates (configs/hardware/; None: cpu on the CPU backend, h200x8 elsewhere).
     `devices`: the instance's devices (its TP degree). `kv_bytes_per_device`: the KV arena of all its
     models, per device (None: as `engine` says); `host_kv_bytes`: host memory for session KV copies
-    (None: unbounded). `resident`: every model keeps its own device arrays (no weight slot; for a CPU)."""
+    (None: unbounded). `resident`: every model keeps its own device arrays (no weight slot; for a CPU).
+    `weight_budget`: models in arrays of their own taking turns on the devices under a budget, "largest"
+    (the largest model's bytes), a number of bytes over the instance's devices, or "all" (every model
+    stays); None: as `resident` says (``instance.resolve_weight_budget``)."""
     models: dict[str, str]
     server: ServerConfig
     engine: EngineConfig = EngineConfig(prefix_cache=True)
@@ -86,6 +90,7 @@ class InstanceConfig:
     kv_bytes_per_device: int | None = None
     host_kv_bytes: int | None = None
     resident: bool = False
+    weight_budget: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.models, dict) or not self.models or not all(
@@ -98,6 +103,10 @@ class InstanceConfig:
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise config_io.ConfigError(f"InstanceConfig.{f} must be a non-negative int or None, got {v!r}")
+        try:
+            check_weight_budget(self.weight_budget)
+        except ValueError as e:
+            raise config_io.ConfigError(f"InstanceConfig.weight_budget: {e}") from None
         if self.dtype not in (None, "float32", "bfloat16"):
             raise config_io.ConfigError(f"InstanceConfig.dtype must be float32, bfloat16 or None, got {self.dtype!r}")
         try:

@@ -38,7 +38,8 @@ def instance_apps(config: InstanceConfig, instances: int = 1) -> list:
     insts = build_instances(config.models, config.hardware_config(jax.default_backend()), instances=instances,
                             devices_per_instance=config.devices, engine_config=config.engine, tokens=None,
                             kv_bytes_per_device=config.kv_bytes_per_device, dtype=config.dtype,
-                            host_kv_bytes=config.host_kv_bytes, resident=config.resident)
+                            host_kv_bytes=config.host_kv_bytes, resident=config.resident,
+                            weight_budget=config.weight_budget)
     apps = []
     for inst in insts:
         ie = InstanceEngine(inst, config.policy_config(), session_ttl_s=s.session_ttl_s, max_sessions=s.max_sessions)
@@ -101,8 +102,8 @@ class LocalCluster:
         whose arguments `run_kw` are), `runs` times, interleaved (p1, p2, p1, p2, ...) so that a drift
         of the machine's load falls on every policy alike; each policy's results per run.
         `on_run(policy, run, results)` is called after each. `self.stats[policy]`: the instances'
-        model switches, switch seconds and KV tokens restored from host and recomputed, summed over
-        its last run."""
+        model switches, switch seconds (and the longest switch) and KV tokens restored from host and
+        recomputed, over its last run."""
         out: dict[str, list[list[SessionResult]]] = {p.name: [] for p in policies}
         for k in range(runs):
             for policy in policies:
@@ -112,6 +113,7 @@ class LocalCluster:
                 st = [ie.instance.stats for ie in self.engines]
                 self.stats[policy.name] = {"switches": sum(s.switches for s in st),
                                            "switch_s": sum(s.switch_s for s in st),
+                                           "switch_max_s": max((d for s in st for _, _, d in s.switch_log), default=0.0),
                                            "restored_tokens": sum(s.restored_tokens for s in st),
                                            "recomputed_tokens": sum(s.recomputed_tokens for s in st)}
                 if on_run is not None:
@@ -137,17 +139,20 @@ RANDOM = {"tiny-dense", "tiny-moe"}  # random weights: their replies are noise
 KEY = "sk-demo"
 
 
-def demo_cluster(policy: str) -> LocalCluster:
+def demo_cluster(policy: str, weight_budget: str = "largest") -> LocalCluster:
     """`make demo`'s and `benchmarks/serve_load.py`'s cluster: two local instances (one device each)
     hosting `MODELS` under `policy`, with the compilation cache on (the second instance loads what the
-    first compiled), every model resident in its own arrays (`Instance`'s `resident`: a step over a
-    weight slot copies every parameter on a CPU). Call it before JAX starts (it asks for two CPU devices). Programs compile as step
-    shapes first occur (warming every shape of 3 models x 2 instances up front takes minutes here and
-    more executables than a CPU process maps)."""
+    first compiled). Each model keeps arrays of its own (a step over a weight slot copies every parameter
+    on a CPU), and they take turns on the devices under `weight_budget` (``instance.resolve_weight_budget``:
+    by default the largest model's bytes, so SmolLM2 and the others cannot all stay, and a switch to an
+    evicted model copies it from host memory; "all" keeps every model). Call it before JAX starts (it asks
+    for two CPU devices). Programs compile as step shapes first occur (warming every shape of 3 models x 2
+    instances up front takes minutes here and more executables than a CPU process maps)."""
     config = InstanceConfig({m: m for m in MODELS}, ServerConfig((KEY,)), policy=policy, hardware="cpu",
                             engine=EngineConfig(page_size=16, max_seqs=8, max_tokens_per_step=256, max_model_len=4096,
                                                 prefix_cache=True, warmup=False),
-                            kv_bytes_per_device=LOCAL_KV_BYTES, resident=True)  # (a bad policy fails here)
+                            kv_bytes_per_device=LOCAL_KV_BYTES, resident=True,
+                            weight_budget=weight_budget)  # (a bad policy or budget fails here)
     simulate_cpu_devices(2)
     enable_compilation_cache()
     return LocalCluster.build(config, instances=2)

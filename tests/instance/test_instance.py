@@ -107,7 +107,7 @@ def test_resident_models_switch_without_moving_weights(models4):
     # nothing in the scheduler's estimate, and the session's tokens are still the model's own
     inst = instance(models4, resident=True)
     assert inst.slot is None and inst.estimate_switch_s("B") == 0.0
-    assert not inst.stage_model("B") or inst.weight_state("B") == WeightState.STAGED
+    assert not inst.stage_model("B") or inst.weight_state("B") == WeightState.RESIDENT
     serve(inst, Call("s", 0, "A", 40, 8, 1.0, start_s=0.0))
     serve(inst, Call("o", 0, "B", 30, 8, 1.0, start_s=0.0))
     s1 = Call("s", 1, "A", 64, 10, 1.0)

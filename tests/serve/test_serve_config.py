@@ -34,6 +34,8 @@ def test_a_file_gives_the_whole_instance_typed(tmp_path):
     assert InstanceConfig.from_file(path, api_keys=("sk-a",), host_kv_bytes=5).host_kv_bytes == 5  # absent: given
     path.write_text(FILE.replace("host_kv_bytes: 0", "host_kv_bytes: null"))
     assert InstanceConfig.from_file(path, api_keys=("sk-a",), host_kv_bytes=5).host_kv_bytes is None  # unbounded
+    path.write_text(FILE.replace("policy: round", "policy: round\nweight_budget: largest"))
+    assert InstanceConfig.from_file(path, api_keys=("sk-a",)).weight_budget == "largest"
     path.write_text(FILE.replace("server: {", "server: {api_keys: [sk-file], "))
     assert InstanceConfig.from_file(path, api_keys=("sk-a",)).server.api_keys == ("sk-file",)  # the file's win
 
@@ -46,6 +48,8 @@ def test_a_file_gives_the_whole_instance_typed(tmp_path):
     (("policy: round", "polcy: round"), "unknown field(s) ['polcy']"),
     (("max_seqs: 4", "max_seqs: four"), "instance.yaml.engine.max_seqs: expected int"),
     (("models: {tiny: tiny-dense, moe: tiny-moe}", "models: {}"), "InstanceConfig.models"),
+    (("policy: round", "policy: round\nweight_budget: most"),
+     "InstanceConfig.weight_budget: weight budget must be one of ['all', 'largest'] or a number of bytes"),
 ])
 def test_a_bad_field_is_named(tmp_path, change, says):
     path = tmp_path / "instance.yaml"
