@@ -48,12 +48,21 @@ def _drain(eng) -> None:
         eng.step()
 
 
+def _load(inst: Instance, model: str) -> None:
+    """`model`'s weights on `inst`'s devices now: into the slot, or its own arrays under a weight budget
+    (`Instance.weights`); every model's already where the models stay resident."""
+    if inst.weights is not None:
+        inst.weights.load(model)
+    elif inst.slot is not None:
+        inst.slot.load(inst.served[model].host)
+        inst.slot.array.block_until_ready()
+
+
 def measure_model(inst: Instance, model: str, **kw) -> list[Point]:
-    """Decode and prefill step times of `model` on `inst` (its weights loaded into the slot);
-    `measure_engine`'s keywords."""
-    s = inst.served[model]
-    inst.slot.load(s.host)
-    return measure_engine(s.engine, model, **kw)
+    """Decode and prefill step times of `model` on `inst` (its weights loaded first); `measure_engine`'s
+    keywords."""
+    _load(inst, model)
+    return measure_engine(inst.served[model].engine, model, **kw)
 
 
 def measure_engine(eng, model: str, *, batches=(1, 4), contexts=(64, 512), prompts=(64, 256),
@@ -142,13 +151,29 @@ def measure_colocated(engines: Sequence, *, batch: int = 4, context: int = 1024,
 
 
 def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3) -> dict[str, float]:
-    """Seconds of: a weight load from pinned host memory, a staged switch (device to device), and a
-    `tokens`-token KV offload and restore; with the bytes each moved."""
+    """Seconds of: a weight load from pinned host memory, a staged switch (the slot's device-to-device
+    copy; a model in its own arrays under a weight budget: taking the arrived copy), and a `tokens`-token
+    KV offload and restore; with the bytes each moved."""
     s = inst.served[model]
-    eng, slot = s.engine, inst.slot
-    res: dict[str, float] = {"weight_bytes": float(s.host.layout.bytes_per_device * slot.mesh.devices.size)}
+    eng, slot, weights = s.engine, inst.slot, inst.weights
+    if slot is None and weights is None:
+        raise ValueError("measure_copies: the instance's models stay resident (no weights to copy)")
+    nbytes = weights.nbytes(model) if weights is not None else s.host.layout.bytes_per_device * slot.mesh.devices.size
+    res: dict[str, float] = {"weight_bytes": float(nbytes)}
     load, d2d = [], []
     for _ in range(reps):
+        if weights is not None:
+            weights.evict_all()
+            t = time.perf_counter()
+            weights.load(model)
+            load.append(time.perf_counter() - t)
+            weights.evict_all()
+            weights.stage(model, keep=None)
+            weights.wait_staged()
+            t = time.perf_counter()
+            weights.load(model)
+            d2d.append(time.perf_counter() - t)
+            continue
         t = time.perf_counter()
         slot.load(s.host)
         slot.array.block_until_ready()
@@ -159,7 +184,7 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
         slot.activate_staged()
         slot.array.block_until_ready()
         d2d.append(time.perf_counter() - t)
-    res["weight_load_s"], res["d2d_s"] = min(load), min(d2d)
+    res["weight_load_s"], res["d2d_s"] = min(load), max(min(d2d), 1e-6)
     rng = np.random.default_rng(1)
     eng.add_request(rng.integers(0, eng.model.cfg.vocab_size, tokens).tolist(),  # runs on after its prefill
                     SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -185,11 +210,11 @@ def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3)
 
 
 class KeepStaging:
-    """Called before each step, keeps a staging copy of `host` in flight in `slot` (a ``WeightSlot``):
-    it issues ``slot.stage(host)`` whenever nothing is staging or the last copy has arrived. Between
-    an arrival and the next call nothing is in flight, so a step slowed by the copy is slightly
-    under-counted. `copies` counts the copies issued; `settle` waits for the one in flight and frees
-    the staging buffer."""
+    """Called before each step, keeps a staging copy of `host` in flight in `slot` (a ``WeightSlot``, or
+    `StagingBeside` a weight budget's active model): it issues ``slot.stage(host)`` whenever nothing is
+    staging or the last copy has arrived. Between an arrival and the next call nothing is in flight, so
+    a step slowed by the copy is slightly under-counted. `copies` counts the copies issued; `settle`
+    waits for the one in flight and frees the staging buffer."""
 
     def __init__(self, slot, host):
         self.slot, self.host, self.copies = slot, host, 0
@@ -202,6 +227,32 @@ class KeepStaging:
     def settle(self) -> None:
         self.slot.wait_staged()
         self.slot.drop_staged()
+
+
+class StagingBeside:
+    """A weight budget's staging (``DeviceWeights``) in a ``WeightSlot``'s terms, for `KeepStaging`:
+    `stage(model)` copies `model` to the devices beside `active` (a fresh copy each time)."""
+
+    def __init__(self, weights, active: str):
+        self.weights, self.active = weights, active
+
+    @property
+    def staged(self) -> str | None:
+        return self.weights.staging
+
+    def staged_ready(self) -> bool:
+        return self.weights.staged_ready()
+
+    def stage(self, model: str) -> None:
+        self.weights.drop_staged()
+        if not self.weights.stage(model, keep=self.active):
+            raise ValueError(f"calibration: {model} does not fit the weight budget beside {self.active}")
+
+    def wait_staged(self) -> None:
+        self.weights.wait_staged()
+
+    def drop_staged(self) -> None:
+        self.weights.drop_staged()
 
 
 def start_synthetic_decode(eng, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
@@ -265,8 +316,9 @@ def measure_staging(inst: Instance, model: str, staged: str, *, batch: int = 4, 
     if model == staged:
         raise ValueError(f"measure_staging: the staged model must differ from the active one ({model!r})")
     s = inst.served[model]
-    inst.slot.load(s.host)
-    keep = KeepStaging(inst.slot, inst.served[staged].host)
+    _load(inst, model)
+    keep = KeepStaging(inst.slot, inst.served[staged].host) if inst.weights is None else \
+        KeepStaging(StagingBeside(inst.weights, model), staged)
     idle, staging = [], []
     for r in range(reps):
         i, b = decode_step_times(s.engine, batch, context, steps, keep, seed=r)
@@ -292,7 +344,7 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
     """The profile whose cost model best reproduces `points` and `copies` (least squares, see module
     doc), with ``staging_step_slowdown`` from the `measure_staging` results `staging` and
     ``colocated_step_slowdown`` `colocated` (`measure_colocated`'s, at least 1)."""
-    n = inst.slot.mesh.devices.size
+    n = inst.arena.mesh.devices.size
     shapes = inst.shapes()
     # unit rates: the probe's decode seconds x n x GB are the bytes a step reads
     probe = HardwareConfig(name=name, num_gpus=n, hbm_gib_per_gpu=1.0, memory_utilization=1.0, hbm_bw_gbps=1.0,
@@ -341,7 +393,8 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
     return dataclasses.replace(
         best, hbm_gib_per_gpu=max(1.0, capacity / GIB), pcie_h2d_gbps=h2d / n / GB,
         pcie_d2h_gbps=copies["kv_bytes"] / copies["kv_offload_s"] / n / GB,
-        weight_load_efficiency=weight_h2d / h2d, d2d_gbps=max(1.0, 2 * copies["weight_bytes"] / copies["d2d_s"] / n / GB),
+        weight_load_efficiency=weight_h2d / h2d,
+        d2d_gbps=min(1e5, max(1.0, 2 * copies["weight_bytes"] / copies["d2d_s"] / n / GB)),
         host_memory_gb=mem, host_reserve_gb=mem / 4, staging_step_slowdown=staging_slowdown(staging),
         colocated_step_slowdown=max(1.0, colocated))
 

@@ -35,6 +35,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["smollm2-135m-instruct", "tiny-dense", "tiny-moe"], "Models to time (as talaria-replay --backend=local hosts them).")
 flags.DEFINE_integer("devices_per_instance", 1, "Devices (TP) of the instance measured.")
 flags.DEFINE_string("out", "configs/hardware/cpu.yaml", "Where to write the profile.")
+flags.DEFINE_string("weight_budget", "largest", "The instance's weights, as talaria-replay --backend=local "
+                    "(--local_weight_budget) and make demo serve them: 'largest', a number of bytes or 'all' (models "
+                    "in arrays of their own under that budget), or 'slot' (one weight slot the models share).")
 flags.DEFINE_integer("steps", 6, "Decode steps timed per point (the median is kept).")
 flags.DEFINE_enum("engine", "instance", ["instance", "rollout"], "Whose steps to time: a Talaria instance's, or "
                   "two rollout replicas' engines on this host (with the slowdown when both step at once).")
@@ -88,21 +91,29 @@ def main(argv: Sequence[str]) -> None:
 
     hw0 = dataclasses.replace(load_hardware("h200x8"), num_gpus=FLAGS.devices_per_instance)  # estimates unused here
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=1040, warmup=False)
+    budget = None if FLAGS.weight_budget == "slot" else FLAGS.weight_budget
     inst = build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
-                           engine_config=ec, tokens=SessionTokens())[0]
+                           engine_config=ec, tokens=SessionTokens(), weight_budget=budget)[0]
     points, colocated = [], 1.0
     if rollout:
         points, colocated = rollout_points(FLAGS.models, FLAGS.devices_per_instance)
     for m in [] if rollout else FLAGS.models:
         print(f"timing {m} ...", file=sys.stderr)
         points += calibration.measure_model(inst, m, steps=FLAGS.steps)
-    biggest = max(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device)
+    size = {m: s.weight_bytes for m, s in inst.shapes().items()}
+    biggest = max(FLAGS.models, key=size.get)
     copies = calibration.measure_copies(inst, biggest)
     staging = []
-    if len(FLAGS.models) > 1 and not rollout:  # each model decoding while the biggest other one stages
-        by_size = sorted(FLAGS.models, key=lambda m: inst.served[m].host.layout.bytes_per_device, reverse=True)
+    w = inst.weights
+    beside = lambda m, o: w is None or w.budget_bytes is None or w.nbytes(m) + w.nbytes(o) <= w.budget_bytes
+    if len(FLAGS.models) > 1 and not rollout:  # each model decoding while the biggest other one that fits stages
+        by_size = sorted(FLAGS.models, key=size.get, reverse=True)
         for m in FLAGS.models:
-            other = next(o for o in by_size if o != m)
+            other = next((o for o in by_size if o != m and beside(m, o)), None)
+            if other is None:
+                print(f"{m}: no other model fits the weight budget beside it (nothing stages while it serves)",
+                      file=sys.stderr)
+                continue
             print(f"timing {m} while {other} stages ...", file=sys.stderr)
             staging.append((m, other, calibration.measure_staging(inst, m, other, steps=FLAGS.steps)))
     hw = calibration.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem, staging=[r for _, _, r in staging],
@@ -122,7 +133,8 @@ def main(argv: Sequence[str]) -> None:
     print(f"staging_step_slowdown: {hw.staging_step_slowdown:.3g} (mean ratio, at least 1)")
     whose = "rollout replica" if rollout else "instance"
     header = (f"Measured by talaria-calibrate on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs,\n"
-              f"{FLAGS.devices_per_instance} simulated device(s) per {whose}; models {', '.join(FLAGS.models)}).\n"
+              f"{FLAGS.devices_per_instance} simulated device(s) per {whose}; models {', '.join(FLAGS.models)};\n"
+              f"weights: {'one slot' if FLAGS.weight_budget == 'slot' else 'own arrays, budget ' + FLAGS.weight_budget}).\n"
               f"Rates are effective ones (efficiencies 1, but kv_bw_efficiency: the KV reads' share of the weights'\n"
               f"rate); step_overhead_us is the fitted fixed cost of a step; compute_memory_overlap 1 or 0: a step\n"
               f"takes the longer of its compute and memory times, or their sum (whichever fitted better);\n"

@@ -118,6 +118,11 @@ class DeviceWeights:
         self._staging = (model, self._to_device(model))
         return True
 
+    def wait_staged(self) -> None:
+        """Blocks until the staged model's arrays have arrived (at once when nothing is staged)."""
+        if self._staging is not None:
+            jax.block_until_ready(self._staging[1])
+
     def drop_staged(self) -> None:
         self._staging = None
 

@@ -89,7 +89,7 @@ def test_fit_recovers_a_profile_from_its_own_points():
     points += [calibration.Point("tiny-dense", "prefill", 1, n, cost.prefill_s(shape, n)) for n in (64, 256)]
     points += [calibration.Point("tiny-dense", "verify", b, 512, cost.verify_batch_s(shape, [(1 + d, 512)] * b), d)
                for b, d in ((1, 6), (4, 3), (8, 5))]
-    inst = types.SimpleNamespace(slot=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.zeros(1))),
+    inst = types.SimpleNamespace(arena=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.zeros(1))),
                                  shapes=lambda: {"tiny-dense": shape}, capacity=2**30)
     copies = dict(kv_bytes=1e6, kv_restore_s=1e-3, kv_offload_s=1e-3, weight_bytes=1e8, weight_load_s=0.05, d2d_s=0.01)
     hw = calibration.fit(points, copies, inst, name="t", colocated=1.4)
@@ -98,3 +98,27 @@ def test_fit_recovers_a_profile_from_its_own_points():
     assert hw.verify_token_overhead_us == pytest.approx(2000.0, rel=0.05)  # verified tokens cost 2 ms more
     for p, pred in calibration.predicted(hw, inst, points):
         assert p.kind == "prefill" or pred == pytest.approx(p.seconds, rel=1e-3)
+
+
+def test_a_weight_budget_instance_is_measured_through_its_own_copies():
+    """Under a weight budget the load is a host-to-device copy of the model's own arrays, a staged switch
+    takes the arrived copy, and a staging copy beside the active model is kept in flight, then freed."""
+    from talaria_jax.instance import Instance, SessionTokens, shapes_of
+    from talaria_jax.sim.toys import TOY_HW
+    from talaria_jax.weights.budget import held_bytes
+
+    mesh = make_mesh(jax.devices()[:1])
+    models = {n: init_model(load_model_config(n), mesh, seed=1) for n in ("tiny-dense", "tiny-moe")}
+    inst = Instance("i0", models, dataclasses.replace(TOY_HW, num_gpus=1), shapes_of(models, 1),
+                    engine_config=EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=128,
+                                               num_pages=32, warmup=False),
+                    tokens=SessionTokens(), resident=True, weight_budget_bytes=sum(map(held_bytes, models.values())))
+    copies = calibration.measure_copies(inst, "tiny-moe", tokens=24, reps=1)
+    assert copies["weight_bytes"] == held_bytes(models["tiny-moe"]) and copies["weight_load_s"] > 0
+    assert 0 < copies["d2d_s"] < copies["weight_load_s"]  # no copy left to make
+    calibration.measure_model(inst, "tiny-dense", batches=(1,), contexts=(16,), prompts=(16,), steps=1)
+    w = inst.weights
+    keep = calibration.KeepStaging(calibration.StagingBeside(w, "tiny-dense"), "tiny-moe")
+    idle, staging = calibration.decode_step_times(inst.served["tiny-dense"].engine, batch=2, context=16, steps=3,
+                                                  keep=keep)
+    assert len(staging) == 3 and keep.copies >= 1 and w.staging is None and w.on_device("tiny-dense")
