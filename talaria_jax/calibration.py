@@ -245,7 +245,8 @@ class StagingBeside:
 
     def stage(self, model: str) -> None:
         self.weights.drop_staged()
-        if not self.weights.stage(model, keep=self.active):
+        self.weights.evict(model)  # a copy on the devices already would leave nothing to stage
+        if not self.weights.stage(model, keep=self.active) or self.weights.staging != model:
             raise ValueError(f"calibration: {model} does not fit the weight budget beside {self.active}")
 
     def wait_staged(self) -> None:

@@ -28,7 +28,12 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, where)
+        for a in inner[:-1]:  # the first of the union's types the value is
+            try:
+                return _coerce(a, value, where)
+            except ConfigError:
+                pass
+        return _coerce(inner[-1], value, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")

@@ -236,8 +236,7 @@ class Instance(DerivedQueries):
         self.exclude_compiles = exclude_compiles
         self.slot: WeightSlot | None = None
         self.weights: DeviceWeights | None = None  # with weight_budget_bytes: which models are on the devices
-        self._resident_bytes = sum(a.nbytes for model in models.values() for a in model.param_arrays().values()) \
-            if resident else 0
+        self._resident_bytes = sum(map(held_bytes, models.values())) if resident else 0
         if not resident:
             # one word for all models' rows, as wide as most of their bytes (mixed precisions share a slot)
             word = word_for([leaf for model in models.values() for leaf in SlotLayout.of(model).leaves])

@@ -237,6 +237,7 @@ class Engine:
         # grammar-constrained requests' masks (llguidance's view of the tokenizer, built at the first)
         self.grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, tuple(self.model.cfg.eos_ids))
         self._checks = object()  # what this engine's CheckedRequests carry
+        self._placed = False  # an owner places the weights (place_weights)
         self._last = StepReport()  # what the last step computed (run_step reports it)
         # add_request requests with progress step() has not handed out yet, in the order they made it
         self._unreported: dict[Request, None] = {}
@@ -301,6 +302,8 @@ class Engine:
         two up to max_pages_per_seq, a handful), so a steady workload with offloads and restores
         compiles nothing more. Nothing in the pool changes. progress: a bar, none, or (None) one
         only on a terminal."""
+        if self.runner.slot is None:  # (a slot's warm-up runs whatever the slot holds)
+            self.runner.require_weights()
         t0, steps, copies = time.perf_counter(), self.runner.compilations, self.host_tier.compilations
         self.runner.warmup(progress)
         self.runner.kv = self.host_tier.warmup(self.runner.kv, self.max_pages_per_seq)
@@ -476,9 +479,9 @@ class Engine:
         if self.requests:
             raise RequestError(f"update_weights: {len(self.requests)} requests are in flight; finish or abort them "
                                f"first")
-        if self.runner.slot is not None:
-            raise RequestError("update_weights: this engine reads its weights from a shared slot (an instance's); "
-                               "load them through the instance")
+        if self.runner.slot is not None or self._placed:
+            raise RequestError("update_weights: an instance places this engine's weights (a shared slot or a weight "
+                               "budget); load them through the instance")
         self.model = with_params(self.model, params, tag=secrets.token_hex(8))
         self.runner.model = self.model
         self.host_tier.release_all()
@@ -489,17 +492,19 @@ class Engine:
             self.scheduler.drafter = SuffixDrafter(self.config.speculation)
 
     def place_weights(self, state: Any) -> None:
-        """Steps read this engine's weights from `state`, the same weights (its fingerprint: nothing cached
-        is invalidated) in other device arrays of the model's structure, shapes and shardings
-        (`HostWeights.to_device` brings them back from host memory); None: the engine keeps no device copy
-        (an instance evicted it) and its steps are refused until one is placed. Not for an engine that
-        reads a shared weight slot.
+        """Steps read this engine's weights from `state`, the same weights (its fingerprint: nothing
+        cached is invalidated) in other device arrays of the model's structure, shapes and shardings
+        (`weights.budget.DeviceWeights` brings them back from host memory); None: the engine keeps no
+        device copy (an instance evicted it) and its steps are refused until one is placed. Not for an
+        engine that reads a shared weight slot. Once placed, the owner keeps the weights:
+        `update_weights` is refused.
 
         Raises:
             ValueError: the engine reads a weight slot, or `state` does not match the model's parameters.
         """
         if self.runner.slot is not None:
             raise ValueError("place_weights: this engine reads its weights from a shared slot")
+        self._placed = True  # its owner keeps the weights (update_weights is refused: the owner's copy would differ)
         if state is None:
             from talaria_jax.weights.slot import without_weights  # here: talaria_jax.weights imports orbax
 

@@ -36,8 +36,11 @@ flags.DEFINE_list("models", ["smollm2-135m-instruct", "tiny-dense", "tiny-moe"],
 flags.DEFINE_integer("devices_per_instance", 1, "Devices (TP) of the instance measured.")
 flags.DEFINE_string("out", "configs/hardware/cpu.yaml", "Where to write the profile.")
 flags.DEFINE_string("weight_budget", "largest", "The instance's weights, as talaria-replay --backend=local "
-                    "(--local_weight_budget) and make demo serve them: 'largest', a number of bytes or 'all' (models "
-                    "in arrays of their own under that budget), or 'slot' (one weight slot the models share).")
+                    "(--local_weight_budget) and make demo serve them: 'largest' or a number of bytes (models in "
+                    "arrays of their own under that budget), or 'slot' (one weight slot the models share). Not "
+                    "'all': with every model resident there is no switch to time.")
+flags.register_validator("weight_budget", lambda v: v == "slot" or v == "largest" or (v.isdigit() and int(v) > 0),
+                         "must be 'largest', a number of bytes or 'slot'")
 flags.DEFINE_integer("steps", 6, "Decode steps timed per point (the median is kept).")
 flags.DEFINE_enum("engine", "instance", ["instance", "rollout"], "Whose steps to time: a Talaria instance's, or "
                   "two rollout replicas' engines on this host (with the slowdown when both step at once).")

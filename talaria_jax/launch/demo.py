@@ -29,6 +29,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted sessions.")
 _WEIGHTS = flags.DEFINE_string("weight_budget", "largest", "Device bytes the models' weights may take on each "
                                "instance: 'largest' (the largest model's: the models take turns, and a switch to an "
                                "evicted one copies it from host memory), a number of bytes, or 'all' (every model stays).")
+flags.register_validator("weight_budget", lambda v: v in ("all", "largest") or (v.isdigit() and int(v) > 0),
+                         "must be 'largest', 'all' or a number of bytes")
 _SIM = flags.DEFINE_bool("sim", True, "Also replay the paper's workload in the simulator on 8 x H200.")
 
 QUESTION = "In two sentences: what does a coding agent do between two calls to its language model?"

@@ -73,6 +73,8 @@ flags.DEFINE_list("local_models", ["smollm2-135m-instruct", "tiny-dense", "tiny-
 flags.DEFINE_string("local_weight_budget", "largest", "--backend=local: device bytes each instance's models' "
                     "weights may take: 'largest' (the largest model's; the models take turns and a switch to an "
                     "evicted one copies it from host memory), a number of bytes, or 'all' (every model stays).")
+flags.register_validator("local_weight_budget", lambda v: v in ("all", "largest") or (v.isdigit() and int(v) > 0),
+                         "must be 'largest', 'all' or a number of bytes")
 flags.DEFINE_enum("local_trace", "12x4", ["12x4", "12x3", "mixed"], "--backend=local without --trace: the local "
                   "trace (talaria_jax.local.LOCAL_TRACES): 12 sessions of 4 calls, of 3, or of mixed lengths.")
 flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model pairs (name=local); default: the "

@@ -90,7 +90,7 @@ class InstanceConfig:
     kv_bytes_per_device: int | None = None
     host_kv_bytes: int | None = None
     resident: bool = False
-    weight_budget: str | None = None
+    weight_budget: str | int | None = None
 
     def __post_init__(self):
         if not isinstance(self.models, dict) or not self.models or not all(

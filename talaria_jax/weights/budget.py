@@ -3,7 +3,8 @@
 An instance whose devices cannot hold every model's weights keeps each model's parameters in host
 memory (each shard beside its device, pinned where the backend has it: `jax.device_put` to the host
 memory kind, so nothing is gathered whole) and as many models on the devices, in arrays of their own,
-as `budget_bytes` allows. Bringing a model in (`load`) evicts the least recently used others until it
+as `budget_bytes` allows. (The models arrive on the devices and are copied to host memory from there,
+so the devices hold them all once, at start: a CPU's do.) Bringing a model in (`load`) evicts the least recently used others until it
 fits and copies it host-to-device (a real copy, as on a GPU; no program to compile), or takes the copy
 `stage` started earlier while another model served. A step reads a model's own arrays, so nothing is
 copied per step (a `WeightSlot` is carved inside every step instead, which XLA:CPU pays with a copy of
@@ -142,6 +143,14 @@ class DeviceWeights:
         jax.block_until_ready(state)
         self._on[model] = None
         self._place(model, state)
+
+    def evict(self, model: str) -> None:
+        """`model` back to host memory only (its staging copy too); not while `keep`ing it active."""
+        if self.staging == model:
+            self._staging = None
+        if model in self._on:
+            del self._on[model]
+            self._place(model, None)
 
     def evict_all(self) -> None:
         """Every model back to host memory only (a replay's fresh start)."""

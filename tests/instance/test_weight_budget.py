@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from talaria_jax.engine.engine import Engine, EngineConfig
+from talaria_jax.engine.engine import Engine, EngineConfig, RequestError
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.instance import Instance, LiveTokens, shapes_of
 from talaria_jax.models import init_model, load_model_config
@@ -145,6 +145,8 @@ def test_an_engine_without_its_weights_refuses_to_step_until_they_are_placed(mod
         eng.place_weights(models["A"].state)
     eng.place_weights(jax.device_put(jax.device_get(model.state), jax.tree.map(lambda v: v.sharding, model.state)))
     assert eng.generate([[1, 2, 3]], GREEDY)[0].token_ids == want
+    with pytest.raises(RequestError, match="an instance places this engine's weights"):
+        eng.update_weights(model.state)  # the owner's host copy would be the old weights
 
 
 def test_evicted_weights_leave_the_devices(models, budget):

@@ -36,6 +36,8 @@ def test_a_file_gives_the_whole_instance_typed(tmp_path):
     assert InstanceConfig.from_file(path, api_keys=("sk-a",), host_kv_bytes=5).host_kv_bytes is None  # unbounded
     path.write_text(FILE.replace("policy: round", "policy: round\nweight_budget: largest"))
     assert InstanceConfig.from_file(path, api_keys=("sk-a",)).weight_budget == "largest"
+    path.write_text(FILE.replace("policy: round", "policy: round\nweight_budget: 2000000000"))
+    assert InstanceConfig.from_file(path, api_keys=("sk-a",)).weight_budget == 2000000000  # a number of bytes
     path.write_text(FILE.replace("server: {", "server: {api_keys: [sk-file], "))
     assert InstanceConfig.from_file(path, api_keys=("sk-a",)).server.api_keys == ("sk-file",)  # the file's win
 

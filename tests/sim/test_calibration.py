@@ -119,6 +119,9 @@ def test_a_weight_budget_instance_is_measured_through_its_own_copies():
     calibration.measure_model(inst, "tiny-dense", batches=(1,), contexts=(16,), prompts=(16,), steps=1)
     w = inst.weights
     keep = calibration.KeepStaging(calibration.StagingBeside(w, "tiny-dense"), "tiny-moe")
+    assert w.on_device("tiny-moe")  # (measure_copies left it there): staging makes a fresh copy anyway
+    keep()
+    assert w.staging == "tiny-moe" and not w.on_device("tiny-moe") and keep.copies == 1
     idle, staging = calibration.decode_step_times(inst.served["tiny-dense"].engine, batch=2, context=16, steps=3,
                                                   keep=keep)
     assert len(staging) == 3 and keep.copies >= 1 and w.staging is None and w.on_device("tiny-dense")
