@@ -20,6 +20,11 @@ likely nodes first, each child scored by its path's probability).
 `SuffixDrafter` keeps the trees of one engine: one global tree per tenant (a request's
 `cache_salt`: no tenant drafts from another's text), with bounded memory (the oldest finished
 responses are evicted first), and a tree per request. `draft()` drafts a whole batch in one call.
+
+The drafter runs on a compiled backend where the package was built with it (`_suffix_native.cpp`, a C++
+extension built on install): the same trees and scans, the same drafts bit for bit, a step's batch
+extended and drafted in one call each. `SuffixDrafter(cfg, backend=...)` picks it: "auto" (the default:
+native where it imports), "native" or "python" (the classes here, which are its reference).
 """
 from __future__ import annotations
 
@@ -27,11 +32,33 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import sys
 from collections.abc import Sequence
 
 import numpy as np
 
 MAX_DRAFT_TOKENS = 31  # the verifier's ancestor mask is one int32 bit per draft token (plus the root)
+
+BACKENDS = ("auto", "native", "python")
+
+
+def _native_backend():
+    """The compiled backend (built on install where a C++ compiler is found) with its scores added as this
+    Python's sum() adds floats (3.12 compensates rounding), else None; and why not."""
+    try:
+        import talaria_jax.engine.spec._suffix_native as ext
+    except ImportError as e:  # pragma: no cover (an install without a compiler)
+        return None, str(e)
+    rng = np.random.default_rng(0)
+    samples = [(rng.random(n) * 0.7 ** np.arange(n)).tolist() for n in (3, 9, 16, 31, 31, 31)]
+    for compensated in (sys.version_info >= (3, 12), sys.version_info < (3, 12)):
+        ext.set_compensated_sum(compensated)
+        if all(ext.sum_floats(xs) == sum(xs) for xs in samples):
+            return ext, ""
+    return None, "its float sums differ from this Python's sum()"  # pragma: no cover
+
+
+native, NATIVE_ERROR = _native_backend()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -648,9 +675,21 @@ class SuffixDrafter:
     its prompt and output. Call `start` when a request arrives, `extend` with each new output token,
     `finish` when it ends, and `draft` for a batch before each step."""
 
-    def __init__(self, cfg: SpecConfig = SpecConfig()):
+    def __new__(cls, cfg: SpecConfig = SpecConfig(), backend: str = "auto"):
+        if cls is SuffixDrafter:
+            if backend not in BACKENDS:
+                raise ValueError(f"SuffixDrafter backend must be one of {BACKENDS}, got {backend!r}")
+            if backend == "native" and native is None:
+                raise ImportError(f"the compiled suffix drafter is not built: {NATIVE_ERROR}")
+            if backend != "python" and native is not None:
+                cls = NativeSuffixDrafter
+        return super().__new__(cls)
+
+    def __init__(self, cfg: SpecConfig = SpecConfig(), backend: str = "auto"):
+        """backend: "native" (the compiled one), "python" (this class), "auto" (native where built)."""
         cfg.validate()
         self.cfg = cfg
+        self.backend = "python"
         self.global_trees: dict[object, SuffixTree] = {}
         self._requests: dict[str, tuple[object, TokenScan, list[int]]] = {}  # id -> tenant, own text, last tokens
         self._finished: collections.OrderedDict[tuple[object, str], int] = collections.OrderedDict()
@@ -668,6 +707,12 @@ class SuffixDrafter:
         self.global_trees[tenant].extend(request_id, tokens)
         tail.extend(tokens)
         del tail[:-self.cfg.max_depth]
+
+    def extend_batch(self, request_ids: Sequence[str], tokens: Sequence[int]) -> None:
+        """One new output token for each request: `extend(rid, (tok,))` for each (the native backend
+        takes the batch in one call)."""
+        for rid, tok in zip(request_ids, tokens):
+            self.extend(rid, (tok,))
 
     def finish(self, request_id: str) -> None:
         """The request's own tree goes; its response stays in the global tree until evicted."""
@@ -706,3 +751,101 @@ class SuffixDrafter:
             own = tree.draft(tail, limit, self.cfg, floor=glob.score - 1e-9 if glob.score else 0.0)
             out.append(glob if glob.score > own.score else own)
         return out
+
+
+class NativeSuffixDrafter(SuffixDrafter):
+    """SuffixDrafter on the compiled backend (what `SuffixDrafter(cfg)` makes where it is built): the same
+    calls and drafts. Each (tenant, request id) whose text the trees hold has a slot, the sequence's id
+    in the native trees; `global_trees` maps tenants to views of their trees (`in`, `num_tokens`)."""
+
+    def __init__(self, cfg: SpecConfig = SpecConfig(), backend: str = "native"):
+        super().__init__(cfg, backend)
+        self.backend = "native"
+        self.global_trees: dict[object, _NativeTree] = {}
+        self._requests: dict[str, tuple[object, int]] = {}  # id -> tenant, slot
+        self._slots: dict[tuple[object, str], int] = {}
+        self._new_slot = itertools.count()
+        self._native = native.Drafter(cfg.max_spec_tokens, cfg.max_spec_factor, cfg.max_spec_offset,
+                                      cfg.min_token_prob, cfg.tree, cfg.max_depth, cfg.max_cached_tokens,
+                                      cfg.max_prompt_tokens)
+
+    def start(self, request_id: str, prompt: Sequence[int], tenant=None) -> None:
+        tree = self.global_trees.get(tenant)
+        if tree is None:
+            tree = self.global_trees[tenant] = _NativeTree(self, tenant, self._native.add_tenant())
+        old = self._requests.get(request_id)
+        if old is not None and old[0] != tenant:  # restarted under another tenant: its old own text goes
+            self._native.end(old[1])
+        slot = self._slots.get((tenant, request_id))
+        if slot is None:
+            slot = self._slots[(tenant, request_id)] = next(self._new_slot)
+        self._native.start(slot, tree.index, prompt)
+        self._requests[request_id] = (tenant, slot)
+
+    def extend(self, request_id: str, tokens: Sequence[int]) -> None:
+        self._native.extend(self._requests[request_id][1], tokens)
+
+    def extend_batch(self, request_ids: Sequence[str], tokens: Sequence[int]) -> None:
+        req = self._requests
+        self._native.extend_batch(np.fromiter((req[r][1] for r in request_ids), np.int64, len(request_ids)),
+                                  np.asarray(tokens, np.int32))
+
+    def finish(self, request_id: str) -> None:
+        entry = self._requests.get(request_id)
+        if entry is not None:
+            self._native.end(entry[1])
+        super().finish(request_id)
+        if entry is not None and request_id not in self.global_trees[entry[0]]:
+            self._slots.pop((entry[0], request_id), None)
+
+    def num_cached_tokens(self) -> int:
+        return self._native.num_tokens()
+
+    def draft(self, request_ids: Sequence[str], max_tokens: Sequence[int] | int | None = None) -> list[Draft]:
+        cap, n = self.cfg.max_spec_tokens, len(request_ids)
+        if max_tokens is None or isinstance(max_tokens, int):
+            limits = np.full(n, cap if max_tokens is None else max_tokens, np.int64)
+        else:
+            limits = np.asarray(max_tokens, np.int64)
+            n = min(n, len(limits))
+            limits = limits[:n]
+        req, none = self._requests, (None, -1)
+        slots = np.fromiter((req.get(r, none)[1] for r in request_ids[:n]), np.int64, n)
+        try:
+            toks, parents, probs, offsets, scores, match_len = self._native.draft(slots, limits)
+        except KeyError:
+            for r, limit in zip(request_ids, limits.tolist()):
+                if min(limit, cap) >= 1:
+                    req[r]  # the request that is not known: its KeyError
+            raise
+        offsets, scores, match_len = offsets.tolist(), scores.tolist(), match_len.tolist()
+        empty, out = Draft.empty, []
+        for i in range(n):
+            a, b = offsets[i], offsets[i + 1]
+            out.append(Draft(toks[a:b], parents[a:b], probs[a:b], scores[i], match_len[i]) if b > a else empty())
+        return out
+
+
+class _NativeTree:
+    """A tenant's global tree in a NativeSuffixDrafter, as far as the drafter's users see a SuffixTree:
+    `seq_id in tree`, `num_tokens`, `remove(seq_id)`."""
+
+    def __init__(self, drafter: NativeSuffixDrafter, tenant, index: int):
+        self.drafter, self.tenant, self.index = drafter, tenant, index
+
+    def __contains__(self, seq_id) -> bool:
+        slot = self.drafter._slots.get((self.tenant, seq_id))
+        return slot is not None and self.drafter._native.contains(self.index, slot)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.drafter._native.tree_tokens(self.index)
+
+    def remove(self, seq_id) -> None:
+        d = self.drafter
+        slot = d._slots.get((self.tenant, seq_id))
+        if slot is None:
+            return
+        d._native.remove(self.index, slot)
+        if d._requests.get(seq_id) != (self.tenant, slot):  # not in flight: its slot goes too
+            del d._slots[(self.tenant, seq_id)]
