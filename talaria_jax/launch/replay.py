@@ -72,9 +72,11 @@ flags.DEFINE_list("local_models", ["smollm2-135m-instruct", "tiny-dense", "tiny-
                   "--backend=local: the models each instance hosts (named models or configs/models/ names).")
 flags.DEFINE_string("local_weight_budget", "largest", "--backend=local: device bytes each instance's models' "
                     "weights may take: 'largest' (the largest model's; the models take turns and a switch to an "
-                    "evicted one copies it from host memory), a number of bytes, or 'all' (every model stays).")
-flags.register_validator("local_weight_budget", lambda v: v in ("all", "largest") or (v.isdigit() and int(v) > 0),
-                         "must be 'largest', 'all' or a number of bytes")
+                    "evicted one copies it from host memory), a number of bytes, 'all' (every model stays), or "
+                    "'slot' (one weight slot the models share, carved inside every step).")
+flags.register_validator("local_weight_budget",
+                         lambda v: v in ("all", "largest", "slot") or (v.isdigit() and int(v) > 0),
+                         "must be 'largest', 'all', 'slot' or a number of bytes")
 flags.DEFINE_enum("local_trace", "12x4", ["12x4", "12x3", "mixed"], "--backend=local without --trace: the local "
                   "trace (talaria_jax.local.LOCAL_TRACES): 12 sessions of 4 calls, of 3, or of mixed lengths.")
 flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model pairs (name=local); default: the "
@@ -145,8 +147,8 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     the simulator on the same calls, models, hardware and tool-time jitter (seeded per call as in the
     simulator; kernel time is the real engine's own). `trace` None: `local.LOCAL_TRACES[local_trace]`.
     `weight_budget`: the models keep arrays of their own and take turns on each instance's devices under
-    it (``instance.resolve_weight_budget``; "all": every model stays); the simulator's instances get the same
-    device memory (weights plus the KV arena). The results carry the load average before the first replay."""
+    it (``instance.resolve_weight_budget``; "all": every model stays; "slot": one weight slot they share);
+    the simulator's instances get the same device memory (weights plus the KV arena). The results carry the load average before the first replay."""
     load_average = os.getloadavg()[0]
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax import local
@@ -160,7 +162,7 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
     insts = build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
                             engine_config=ec, tokens=SessionTokens(), exclude_compiles=True,
-                            weight_budget=weight_budget)
+                            weight_budget=None if weight_budget == "slot" else weight_budget)
     shapes = insts[0].shapes()
     # the simulator's device memory is the real instance's: the weights it may hold and its KV arena
     hw = dataclasses.replace(hw, hbm_gib_per_gpu=insts[0].capacity / devices_per_instance / GIB, memory_utilization=1.0)

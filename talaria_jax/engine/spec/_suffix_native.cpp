@@ -67,7 +67,7 @@ struct DraftOut {
 // node << 32 | token -> child: open addressing, linear probing, backward-shift deletion.
 class ChildMap {
  public:
-  ChildMap() { rehash(1024); }
+  ChildMap() { rehash(16); }
   static uint64_t key(i32 node, i32 tok) { return (uint64_t(uint32_t(node)) << 32) | uint32_t(tok); }
   i32 get(uint64_t k) const {
     size_t i = hash(k) & mask_;
@@ -376,7 +376,9 @@ struct TNode {
 
 class Trie {
  public:
-  explicit Trie(i64 max_depth) : max_depth(max_depth) {}
+  explicit Trie(i64 max_depth) : max_depth(max_depth) {
+    if (max_depth < 1) throw py::value_error("max_depth must be >= 1");
+  }
 
   i64 max_depth;
   i64 num_nodes = 1, num_tokens = 0;
@@ -444,6 +446,7 @@ class Trie {
       i64 stop = std::min(len, i + max_depth);
       for (i64 j = i; j < stop; ++j) {
         i32 child = get(node, toks[j]);
+        if (child < 0) throw std::logic_error("suffix trie: a removed sequence's substring is missing");
         nd_[child].count -= 1;
         if (nd_[node].best == child) nd_[node].best = -2;  // (another child may be the best now)
         if (nd_[child].count == 0) {
@@ -736,7 +739,9 @@ class Scan {
   using Node = std::vector<i32>;  // the sorted end positions of a matched substring's occurrences
   using KidT = Kid<Node>;
 
-  explicit Scan(i64 max_depth) : max_depth(max_depth) {}
+  explicit Scan(i64 max_depth) : max_depth(max_depth) {
+    if (max_depth < 1) throw py::value_error("max_depth must be >= 1");
+  }
   i64 max_depth;
 
   void extend(const i32* in, size_t k) {
@@ -928,7 +933,9 @@ struct Req {
 
 class Drafter {
  public:
-  explicit Drafter(Cfg cfg) : cfg(cfg) {}
+  explicit Drafter(Cfg cfg) : cfg(cfg) {
+    if (cfg.max_depth < 1) throw py::value_error("max_depth must be >= 1");
+  }
   Cfg cfg;
 
   i32 add_tenant() {
@@ -937,6 +944,7 @@ class Drafter {
   }
 
   void start(i64 slot, i32 tenant, const std::vector<i32>& prompt) {
+    if (tenant < 0 || size_t(tenant) >= trees_.size()) throw py::index_error("no such tenant tree");
     Req r;
     r.tenant = tenant;
     r.scan = std::make_unique<Scan>(cfg.max_depth);
@@ -993,17 +1001,24 @@ std::vector<i32> to_i32(py::handle seq) {
 
 // Token ids from a list, tuple or array: a short list or tuple without numpy's per-call cost.
 std::vector<i32> tokens(py::handle seq) {
+  // Only exact ints (no __index__ can run Python code and change the list while it is read), each in
+  // int32's range as the numpy path requires.
   if (PyList_Check(seq.ptr()) || PyTuple_Check(seq.ptr())) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
     if (n <= 64) {
       std::vector<i32> out(static_cast<size_t>(n));
       PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        long long v = PyLong_AsLongLong(items[i]);
-        if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-        out[size_t(i)] = i32(v);
+      bool exact = true;
+      for (Py_ssize_t i = 0; i < n && exact; ++i) exact = PyLong_CheckExact(items[i]);
+      if (exact) {
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          long long v = PyLong_AsLongLong(items[i]);
+          if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+          if (v < INT32_MIN || v > INT32_MAX) throw py::value_error("token id out of int32 range");
+          out[size_t(i)] = i32(v);
+        }
+        return out;
       }
-      return out;
     }
   }
   return to_i32(seq);

@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import math
 import sys
 from collections.abc import Sequence
 
@@ -47,14 +48,14 @@ def _native_backend():
     Python's sum() adds floats (3.12 compensates rounding), else None; and why not."""
     try:
         import talaria_jax.engine.spec._suffix_native as ext
-    except ImportError as e:  # pragma: no cover (an install without a compiler)
-        return None, str(e)
-    rng = np.random.default_rng(0)
-    samples = [(rng.random(n) * 0.7 ** np.arange(n)).tolist() for n in (3, 9, 16, 31, 31, 31)]
-    for compensated in (sys.version_info >= (3, 12), sys.version_info < (3, 12)):
-        ext.set_compensated_sum(compensated)
-        if all(ext.sum_floats(xs) == sum(xs) for xs in samples):
-            return ext, ""
+        rng = np.random.default_rng(0)
+        samples = [(rng.random(n) * 0.7 ** np.arange(n)).tolist() for n in (3, 9, 16, 31, 31, 31)]
+        for compensated in (sys.version_info >= (3, 12), sys.version_info < (3, 12)):
+            ext.set_compensated_sum(compensated)
+            if all(ext.sum_floats(xs) == sum(xs) for xs in samples):
+                return ext, ""
+    except Exception as e:  # pragma: no cover (an install without a compiler, or a stale build)
+        return None, f"{type(e).__name__}: {e}"
     return None, "its float sums differ from this Python's sum()"  # pragma: no cover
 
 
@@ -93,8 +94,10 @@ class SpecConfig:
         for f in ("max_depth", "max_cached_tokens", "max_prompt_tokens"):
             if getattr(self, f) < 1:
                 raise ValueError(f"SpecConfig.{f} must be >= 1, got {getattr(self, f)}")
-        if self.max_spec_factor <= 0:
-            raise ValueError(f"SpecConfig.max_spec_factor must be > 0, got {self.max_spec_factor}")
+        if not 0 < self.max_spec_factor < math.inf:
+            raise ValueError(f"SpecConfig.max_spec_factor must be > 0 and finite, got {self.max_spec_factor}")
+        if not math.isfinite(self.max_spec_offset):
+            raise ValueError(f"SpecConfig.max_spec_offset must be finite, got {self.max_spec_offset}")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"SpecConfig.min_token_prob must be in [0, 1], got {self.min_token_prob}")
 
@@ -685,6 +688,9 @@ class SuffixDrafter:
                 cls = NativeSuffixDrafter
         return super().__new__(cls)
 
+    def __getnewargs__(self):  # a copy or unpickled drafter keeps its backend
+        return self.cfg, self.backend
+
     def __init__(self, cfg: SpecConfig = SpecConfig(), backend: str = "auto"):
         """backend: "native" (the compiled one), "python" (this class), "auto" (native where built)."""
         cfg.validate()
@@ -768,6 +774,10 @@ class NativeSuffixDrafter(SuffixDrafter):
         self._native = native.Drafter(cfg.max_spec_tokens, cfg.max_spec_factor, cfg.max_spec_offset,
                                       cfg.min_token_prob, cfg.tree, cfg.max_depth, cfg.max_cached_tokens,
                                       cfg.max_prompt_tokens)
+
+    def __reduce__(self):
+        raise TypeError("a compiled suffix drafter cannot be copied or pickled (its trees live in C++); "
+                        "use SuffixDrafter(cfg, backend='python')")
 
     def start(self, request_id: str, prompt: Sequence[int], tenant=None) -> None:
         tree = self.global_trees.get(tenant)
