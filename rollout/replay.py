@@ -153,12 +153,12 @@ class _Running:
 
 
 class _Replica:
-    def __init__(self, shape: ReplicaShape, spec: SpecConfig | None):
+    def __init__(self, shape: ReplicaShape, spec: SpecConfig | None, drafter: str = "auto"):
         self.shape = shape
         self.queue: list[tuple[tuple, int, _Running]] = []  # (priority, order, request)
         self.running: list[_Running] = []
         self.kv = PrefixIndex(shape.page_size, max(1, shape.kv_capacity() // shape.page_size))
-        self.drafter = SuffixDrafter(spec) if spec is not None else None
+        self.drafter = SuffixDrafter(spec, backend=drafter) if spec is not None else None
         self.policy = None
         if spec is not None:
             cost = CostModel(shape.hardware)
@@ -230,9 +230,10 @@ class _Host:
 
 def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, replicas: int,
                 placement: str = "cache_aware", spec: SpecConfig | None = None,
-                replicas_per_host: int = 1) -> ReplayedStep:
+                replicas_per_host: int = 1, drafter: str = "auto") -> ReplayedStep:
     """Replays one synchronous step of `trajectories` on `replicas` replicas of `shape`, placed by
-    `placement` (`rollout.placement.PLACEMENTS`), with suffix speculation when `spec` is given.
+    `placement` (`rollout.placement.PLACEMENTS`), with suffix speculation when `spec` is given
+    (`drafter`: the `SuffixDrafter` backend; the drafts, and so the replay, are the same with each).
 
     `replicas_per_host`: replicas that share one host's compute (replicas r // replicas_per_host
     alike). A step the cost model prices at w seconds takes w while its replica computes alone; while
@@ -257,19 +258,19 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
         total = sum(len(turn.prompt) + len(turn.output) for turn in t.turns)
         if total > kv_cap:
             raise ValueError(f"trajectory {t.id}: {total} tokens exceed a replica's KV ({kv_cap} tokens)")
-    return _StepReplay(shape, replicas, placement, spec, replicas_per_host).run(trajectories)
+    return _StepReplay(shape, replicas, placement, spec, replicas_per_host, drafter).run(trajectories)
 
 
 class _StepReplay:
     """The event loop of `replay_step`: arrivals of turns, steps that start and end on each replica."""
 
     def __init__(self, shape: ReplicaShape, replicas: int, placement: str, spec: SpecConfig | None,
-                 replicas_per_host: int):
+                 replicas_per_host: int, drafter: str = "auto"):
         self.shape, self.replicas, self.per_host = shape, replicas, replicas_per_host
         self.kv_cap = shape.kv_capacity()
         self.cost = CostModel(shape.hardware)
         self.place = make_placement(placement, replicas, shape.page_size, max(1, self.kv_cap // shape.page_size))
-        self.reps = [_Replica(shape, spec) for _ in range(replicas)]
+        self.reps = [_Replica(shape, spec, drafter) for _ in range(replicas)]
         self.res = ReplayedStep(0.0, 0, 0, 0, 0, 0, 0, [0.0] * replicas, [[] for _ in range(replicas)])
         self.events: list[_Event] = []
         self.order = itertools.count()

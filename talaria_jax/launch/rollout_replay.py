@@ -52,6 +52,8 @@ _SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "Draft tokens per sequence an
 _TRAJECTORIES = flags.DEFINE_string("trajectories", None, "A JSONL file of trajectories to replay instead.")
 _CONFIGS = flags.DEFINE_list("configs", list(CONFIGS), f"Configurations: {', '.join(CONFIGS)}.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated step.")
+_DRAFTER = flags.DEFINE_enum("drafter", "auto", ["auto", "native", "python"], "The suffix drafter's backend: the "
+                             "compiled one where built (auto), or the Python reference; the drafts are the same.")
 _SWEEP = flags.DEFINE_list("sweep", None, "Trajectories per replica: replay a generated step at each load and print "
                            "every configuration's tokens/s and WAR's ratios (--prompts is ignored).")
 _SWEEP_PLOT = flags.DEFINE_string("sweep_plot", None, "--sweep: plot each configuration's tokens/s over the "
@@ -91,8 +93,9 @@ def plot_timelines(results: dict, path: str) -> None:
 
 
 def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec_tokens: int,
-                   replicas_per_host: int = 1):
-    """Each configuration's replay of the same step, as it ends: (name, ReplayedStep, seconds it took here)."""
+                   replicas_per_host: int = 1, drafter: str = "auto"):
+    """Each configuration's replay of the same step, as it ends: (name, ReplayedStep, seconds it took here);
+    `drafter`: the suffix drafter's backend."""
     from talaria_jax.engine.spec import SpecConfig
     from talaria_jax.rollout.replay import replay_step
 
@@ -100,7 +103,8 @@ def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec
         placement, speculate = CONFIGS[name]
         t = time.perf_counter()
         res = replay_step(trajs, shape, replicas, placement,
-                          SpecConfig(max_spec_tokens=max_spec_tokens) if speculate else None, replicas_per_host)
+                          SpecConfig(max_spec_tokens=max_spec_tokens) if speculate else None, replicas_per_host,
+                          drafter)
         yield name, res, time.perf_counter() - t
 
 
@@ -199,7 +203,8 @@ def main(argv: Sequence[str]) -> None:
         rows = []
         for v in sweep:
             trajs = generate(max(1, round(v * _REPLICAS.value / _SAMPLES.value)))
-            runs = replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value, _PER_HOST.value)
+            runs = replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value, _PER_HOST.value,
+                                  _DRAFTER.value)
             rows.append(dict(per_replica=v, trajectories=len(trajs), tokens=sum(t.output_tokens for t in trajs),
                              results={name: (res, wall) for name, res, wall in runs}))
             print(f"  {v} per replica: {len(trajs)} trajectories, replayed in "
@@ -213,7 +218,8 @@ def main(argv: Sequence[str]) -> None:
     tokens = sum(t.output_tokens for t in trajs)
     print(f"{len(trajs)} trajectories, {sum(len(t.turns) for t in trajs)} turns, {tokens} output tokens, on {where}",
           flush=True)
-    results = print_step(replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value, _PER_HOST.value))
+    results = print_step(replay_configs(trajs, shape, _REPLICAS.value, _CONFIGS.value, _SPEC.value, _PER_HOST.value,
+                                        _DRAFTER.value))
     if _PLOT.value:
         plot_timelines({name: res for name, (res, _) in results.items()}, _PLOT.value)
         print(f"wrote {_PLOT.value}")

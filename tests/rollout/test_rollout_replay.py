@@ -42,6 +42,17 @@ def test_every_token_is_generated_once_and_no_trajectory_ends_early(placement, s
     assert replay_step(trajs, SHAPE, 3, placement, spec).step_s == res.step_s  # deterministic
 
 
+def test_the_compiled_drafter_replays_the_step_the_python_one_does():
+    from talaria_jax.engine.spec import suffix
+
+    if suffix.native is None:
+        pytest.skip(f"the compiled suffix drafter is not built: {suffix.NATIVE_ERROR}")
+    trajs = step(repetition=0.8)
+    py, native = (replay_step(trajs, SHAPE, 3, "cache_aware", SPEC, drafter=d) for d in ("python", "native"))
+    assert native.accepted > 0 and (native.accepted, native.drafted, native.step_s) == (py.accepted, py.drafted,
+                                                                                         py.step_s)
+
+
 def test_cache_aware_placement_keeps_a_trajectory_where_its_kv_is():
     trajs = step()
     # a turn at home prefills its new tokens and the part page of the context before them at most
