@@ -54,8 +54,8 @@ from talaria_jax.sim.cost import CostModel
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 from talaria_jax.sim.instance import Switch
 from talaria_jax.tokenizer import Tokenizer
-from talaria_jax.weights.named import load_model
 from talaria_jax.weights.budget import DeviceWeights, held_bytes
+from talaria_jax.weights.named import load_model
 from talaria_jax.weights.slot import HostWeights, SlotLayout, WeightSlot, without_weights, word_for
 
 __all__ = ["LOCAL_KV_BYTES", "Instance", "LiveTokens", "SessionTokens", "build_instances", "shapes_of",

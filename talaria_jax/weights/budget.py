@@ -4,19 +4,18 @@ An instance whose devices cannot hold every model's weights keeps each model's p
 memory (each shard beside its device, pinned where the backend has it: `jax.device_put` to the host
 memory kind, so nothing is gathered whole) and as many models on the devices, in arrays of their own,
 as `budget_bytes` allows. (The models arrive on the devices and are copied to host memory from there,
-so the devices hold them all once, at start: a CPU's do.) Bringing a model in (`load`) evicts the least recently used others until it
-fits and copies it host-to-device (a real copy, as on a GPU; no program to compile), or takes the copy
-`stage` started earlier while another model served. A step reads a model's own arrays, so nothing is
-copied per step (a `WeightSlot` is carved inside every step instead, which XLA:CPU pays with a copy of
-every parameter). Whoever owns the models' engines learns of each placement through
-`place(model, state or None)`.
+so the devices hold them all once, at start: a CPU's do.) Bringing a model in (`load`) evicts the
+least recently used others until it fits and copies it host-to-device (a real copy, as on a GPU; no
+program to compile), or takes the copy `stage` started earlier while another model served. A step
+reads a model's own arrays, so nothing is copied per step (a `WeightSlot` is carved inside every step
+instead, which XLA:CPU pays with a copy of every parameter). Whoever owns the models' engines learns
+of each placement through `place(model, state or None)`.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import math
 
 import jax
 
