@@ -96,7 +96,7 @@ class HostKV:
     def host_bytes(self) -> int:
         """Bytes the copy really occupies, summed over the devices whose memory holds it: the padded page
         axis included, and every replica where its sharding could not split it (see HostTier)."""
-        return _held_bytes(self.data.sharding, self.data.shape, self.data.dtype)
+        return held_bytes(self.data.sharding, self.data.shape, self.data.dtype)
 
     def prefix(self, n: int) -> "HostKV":
         """The KV of the first `n` tokens: a view of the same host data with fewer pages (the tier's
@@ -143,7 +143,7 @@ def host_memory_kind(mesh: Mesh) -> str | None:
     return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
 
 
-def _held_bytes(sharding, shape, dtype) -> int:
+def held_bytes(sharding, shape, dtype) -> int:
     """Bytes an array of `shape` takes summed over the devices of `sharding` (replicas included)."""
     return len(sharding.device_set) * math.prod(sharding.shard_shape(tuple(shape))) * jnp.dtype(dtype).itemsize
 
@@ -294,7 +294,7 @@ class HostTier:
     def _copy_bytes(self, num_pages: int) -> int:
         shape = (self.spec.num_layers, 2, _padded(num_pages), self.spec.page_size, self.spec.kv_heads,
                  self.spec.head_dim)
-        return _held_bytes(self.host_sharding, shape, jnp.dtype(self.spec.dtype))
+        return held_bytes(self.host_sharding, shape, jnp.dtype(self.spec.dtype))
 
     def _victims(self, need: int) -> list:
         """The copies to evict so that `need` more bytes fit: least recently used first, protected ones
@@ -342,7 +342,7 @@ class HostTier:
 
     def _track(self, data: jax.Array, session: str | None) -> _Copy:
         key = next(self.budget.keys)
-        copy = _Copy(key, data, session, _held_bytes(data.sharding, data.shape, data.dtype))
+        copy = _Copy(key, data, session, held_bytes(data.sharding, data.shape, data.dtype))
         self._live[key] = (weakref.ref(copy), session, copy.host_bytes, id(self))
         weakref.finalize(copy, self._forget, key)  # the last HostKV holding it went: its memory is free
         return copy

@@ -108,7 +108,7 @@ def main(argv: Sequence[str]) -> None:
     copies = calibration.measure_copies(inst, biggest)
     staging = []
     w = inst.weights
-    beside = lambda m, o: w is None or w.budget_bytes is None or w.nbytes(m) + w.nbytes(o) <= w.budget_bytes
+    beside = lambda m, o: w is None or w.nbytes(m) + w.nbytes(o) <= w.budget_bytes
     if len(FLAGS.models) > 1 and not rollout:  # each model decoding while the biggest other one that fits stages
         by_size = sorted(FLAGS.models, key=size.get, reverse=True)
         for m in FLAGS.models:

@@ -13,38 +13,36 @@ of each placement through `place(model, state or None)`.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
+from talaria_jax.kvcache import host_tier
 from talaria_jax.kvcache.host_tier import host_memory_kind
 from talaria_jax.models.model import ShardedModel
 
 
 def held_bytes(model: ShardedModel) -> int:
     """Bytes `model`'s parameters take on the devices, summed over them (replicas included)."""
-    return sum(math.prod(v.sharding.shard_shape(v.shape)) * v.dtype.itemsize * len(v.sharding.device_set)
-               for v in jax.tree.leaves(model.state))
+    return sum(host_tier.held_bytes(v.sharding, v.shape, v.dtype) for v in jax.tree.leaves(model.state))
 
 
 class DeviceWeights:
-    """Which of `models` have their arrays on the devices, within `budget_bytes` over all devices (None:
-    every model, never evicted). Their parameters are copied to host memory here (the callers may then
+    """Which of `models` have their arrays on the devices, within `budget_bytes` over all devices. Their
+    parameters are copied to host memory here (the callers may then
     drop their device arrays); `place(model, state)` is called with a model's arrays when they arrive and
     with None when they are evicted. Every model starts in host memory only."""
 
-    def __init__(self, models: Mapping[str, ShardedModel], budget_bytes: int | None,
+    def __init__(self, models: Mapping[str, ShardedModel], budget_bytes: int,
                  place: Callable[[str, Any], None]):
         self.budget_bytes = budget_bytes
         self._place = place
         self._bytes = {m: held_bytes(model) for m, model in models.items()}
-        if budget_bytes is not None:
-            for m, n in self._bytes.items():
-                if n > budget_bytes:
-                    raise ValueError(f"weight_budget_bytes ({budget_bytes}) is smaller than {m}'s weights "
-                                     f"({n} bytes over all devices)")
+        for m, n in self._bytes.items():
+            if n > budget_bytes:
+                raise ValueError(f"weight_budget_bytes ({budget_bytes}) is smaller than {m}'s weights "
+                                 f"({n} bytes over all devices)")
         self._shardings = {m: jax.tree.map(lambda v: v.sharding, model.state) for m, model in models.items()}
         self._host = {}
         for m, model in models.items():
@@ -84,8 +82,6 @@ class DeviceWeights:
 
     def fits(self, model: str, keep: str | None) -> bool:
         """Whether `model` fits the budget beside `keep` (and a model being staged), others evicted."""
-        if self.budget_bytes is None:
-            return True
         held = self.nbytes(keep) if keep is not None and keep in self._on else 0
         staged = self.nbytes(self._staging[0]) if self._staging is not None else 0
         return held + staged + self.nbytes(model) <= self.budget_bytes
@@ -93,8 +89,6 @@ class DeviceWeights:
     def _room(self, need: int, keep: set[str]) -> bool:
         """Evicts the least recently used models outside `keep` until `need` more bytes fit the budget;
         False (nothing evicted) where even evicting them all would not make room."""
-        if self.budget_bytes is None:
-            return True
         victims = [m for m in self._on if m not in keep]
         free = self.budget_bytes - self.device_bytes()
         if free + sum(self.nbytes(m) for m in victims) < need:
@@ -102,8 +96,7 @@ class DeviceWeights:
         for m in victims:
             if free >= need:
                 break
-            del self._on[m]
-            self._place(m, None)
+            self.evict(m)
             free += self.nbytes(m)
         return True
 
@@ -144,7 +137,7 @@ class DeviceWeights:
         self._place(model, state)
 
     def evict(self, model: str) -> None:
-        """`model` back to host memory only (its staging copy too); not while `keep`ing it active."""
+        """`model` back to host memory only (its staging copy dropped too)."""
         if self.staging == model:
             self._staging = None
         if model in self._on:
@@ -155,5 +148,4 @@ class DeviceWeights:
         """Every model back to host memory only (a replay's fresh start)."""
         self._staging = None
         for m in list(self._on):
-            del self._on[m]
-            self._place(m, None)
+            self.evict(m)
