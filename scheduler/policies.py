@@ -65,6 +65,10 @@ class PolicyConfig:
     staging: bool = True  # stage the next model into a device staging area; D2D at the switch
     reservations: bool = True  # soft reservations: charge likely returns to the admission budget
     drop_kv_on_switch: bool = False  # sleep-mode level 1: device KV of the outgoing model is discarded
+    # round only: once the active model's slot is over, pause its running calls (their KV kept on
+    # device) for the next model's waiting calls when that gains their sessions more time than it
+    # costs the paused calls' sessions, and resume them right after (Scheduler._pause)
+    preempt: bool = True
     kv_ttl_s: float = 0.0  # Continuum-style pin of a finished call's KV (0 = off)
     slot_s: float = 20.0  # longest slot (a quantum for on_demand): ~8 full-weight switches, so switching stays under ~15% of time
     # A slot (round) or quantum (on_demand) lasts switches_per_slot x the switches it amortises (to each
@@ -115,11 +119,11 @@ class PolicyConfig:
 # drop KV at every switch, so a switch-bounded quantum multiplies their recomputes (co-resident p50
 # 395 s -> 632 s) and they keep the fixed quantum; composite restores KV from host and gains from it.
 _SERVERLESS = dict(multiplexer="on_demand", sp=False, host_kv=False, staging=False, reservations=False,
-                   drop_kv_on_switch=True, switches_per_slot=None)
+                   drop_kv_on_switch=True, switches_per_slot=None, preempt=False)
 
 POLICIES: dict[str, PolicyConfig] = {
     "talaria": PolicyConfig("talaria"),
-    "round": PolicyConfig("round", slot_order="round_robin", sp=False, host_kv=False, staging=False),
+    "round": PolicyConfig("round", slot_order="round_robin", sp=False, host_kv=False, staging=False, preempt=False),
     "load": PolicyConfig("load", router="load", **_SERVERLESS),
     "sticky": PolicyConfig("sticky", router="sticky", **_SERVERLESS),
     "composite": PolicyConfig("composite", router="kv", **{**_SERVERLESS, "host_kv": True, "switches_per_slot": 10.0},
@@ -129,6 +133,7 @@ POLICIES: dict[str, PolicyConfig] = {
     "talaria-no-hostkv": PolicyConfig("talaria-no-hostkv", host_kv=False),
     "talaria-no-staging": PolicyConfig("talaria-no-staging", staging=False),
     "talaria-no-reservations": PolicyConfig("talaria-no-reservations", reservations=False),
+    "talaria-no-preempt": PolicyConfig("talaria-no-preempt", preempt=False),
     # a variant, not the default: slots go to the model with the most unfinished sessions, 60 s long
     # (docs/traces.md: the best p50 at x1 and without tool time, behind talaria at p95)
     "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,

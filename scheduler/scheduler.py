@@ -36,6 +36,8 @@ class _InstanceState:
     admitted: dict[tuple[str, int], tuple[Call, float]] = dataclasses.field(default_factory=dict)
     finished: dict[str, float] = dataclasses.field(default_factory=dict)  # session -> when its last call finished here
     switching_to: str | None = None
+    pause_s: float | None = None  # a pause's switch is in flight: its slot lasts this long (`_pause`)
+    resume: str | None = None  # the model a pause paused: the next slot goes to it
     quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
 
 
@@ -187,7 +189,12 @@ class Scheduler:
         return self.lengths.left(done)
 
     def demand(self, inst: InstanceAPI) -> set[str]:
-        return {c.model for _, c in self.state[inst.name].pending}
+        """The models that want a slot: those with calls pending here, or paused here."""
+        st = self.state[inst.name]
+        models = {c.model for _, c in st.pending}
+        if inst.num_paused():
+            models |= {c.model for c, _ in st.admitted.values() if c.model != inst.active_model()}
+        return models
 
     def slot_priority(self, inst: InstanceAPI, now: float = 0.0) -> dict[str, float] | None:
         """The weight of each model in slot order (``RoundMultiplexer.next_model``); None for round-robin.
@@ -384,17 +391,24 @@ class Scheduler:
         if st.switching_to is not None:  # the switch issued earlier has completed
             model, st.switching_to = st.switching_to, None
             self._open_slot(inst, st, model, now)
+            if st.pause_s is not None:  # a pause's slot: its waiting calls' work, then back
+                mux.slot.deadline_s, mux.slot.bounded = min(mux.slot.deadline_s, now + st.pause_s), True
+                st.pause_s = None
+            elif model == st.resume:  # the paused calls resume: their slot had ended, so they drain
+                mux.slot.deadline_s, mux.slot.bounded, mux.slot.resumed, st.resume = now, True, True, None
         slot = mux.slot
         if slot is not None:
             m = slot.model
             self._bound_slot(inst, st, m)  # before SP, so SP never admits past the bounded deadline
             if now >= slot.deadline_s and self._keeps_slot(inst, st, m, now):
                 self._open_slot(inst, st, m, now)  # still first in slot order: a fresh slot, no drain
-                slot = mux.slot
+                mux.slot.resumed, slot = slot.resumed, mux.slot  # (resumed calls still paused no more)
             if p.sp and now < slot.deadline_s:
                 self._admit(inst, st, m, now, continuations_only=not p.sp_first_calls)  # session-prefill
             self._stage_next(inst, st, m, now)
-            if inst.num_running() or inst.num_waiting():
+            if inst.num_running() - inst.num_paused() or inst.num_waiting():
+                if p.preempt and now >= slot.deadline_s and not slot.resumed:
+                    self._pause(inst, st, m, now)
                 return None
             demand = self.demand(inst)
             if not demand - {m}:
@@ -412,7 +426,7 @@ class Scheduler:
                 if until > now:
                     return until
             mux.close()
-        nxt = mux.next_model(self.demand(inst), self.slot_priority(inst, now))
+        nxt = st.resume or mux.next_model(self.demand(inst), self.slot_priority(inst, now))
         if nxt is None:
             return None
         if inst.active_model() == nxt:
@@ -420,6 +434,40 @@ class Scheduler:
             return None
         self._switch(inst, st, nxt, now)
         return None
+
+    def _pause(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> bool:
+        """Pauses `model`'s running calls (their slot over) for the model next in slot order, when that
+        pays (``PolicyConfig.preempt``); whether it did. Without the pause, the next model's waiting
+        calls wait for the running ones to drain (`drain_s`); with it, the running calls wait for the
+        two switches (`pause_cost_s`) and the waiting calls' work (the longest one's estimated
+        service time, which bounds the pause's slot). A paused call's delay moves its session's end
+        by as much; a waiting call's gain moves its session's end by as much only if no later call
+        of the session waits again, so it counts once over the calls its session has left
+        (`_left`, as the "srpt" order weighs sessions). Each session weighted as in the slot order
+        (2**priority of its hinted call), the pause pays when
+        sum_waiting w / left * drain > sum_running w * (switches + work):
+        the short sessions' calls go past the long ones' (shortest remaining first).
+        The paused calls resume right after, and drain without being paused again (`Slot.resumed`),
+        so a model's calls are delayed by one pause at most. Only one pause at a time; only
+        calls whose pages are free beside the paused KV (nothing moves to host for a pause); only
+        once the active model's admitted calls have all started."""
+        if inst.num_paused() or inst.num_waiting():
+            return False
+        nxt = st.mux.after(model, self.demand(inst), self.slot_priority(inst, now))
+        waiting = [c for _, c in st.pending if c.model == nxt]
+        running = [c for c, _ in st.admitted.values() if c.model == model]
+        pages = sum(inst.pages_for(c.model, c.context_after) for c in waiting)
+        if not waiting or not running or pages > inst.kv_pages_free():
+            return False
+        work = max(inst.estimate_service_s(c) for c in waiting)
+        gain = sum(self._weight(c.session) / self._left(c.session) for c in waiting) * inst.drain_s()
+        loss = sum(self._weight(c.session) for c in running) * (inst.pause_cost_s(nxt, pages) + work)
+        if not gain > loss:
+            return False
+        st.mux.close()
+        inst.switch_model(nxt, pause=True)
+        st.switching_to, st.pause_s, st.resume = nxt, work, model
+        return True
 
     # --- serverless on-demand multiplexing (load, sticky, composite) ------------------------
     def _plan_on_demand(self, inst: InstanceAPI, st: _InstanceState, now: float) -> float | None:

@@ -399,6 +399,30 @@ class Instance(DerivedQueries):
     def num_running(self) -> int:
         return sum(s.engine.num_running() for s in self.served.values())
 
+    def num_paused(self) -> int:
+        return len(self.paused())
+
+    def drain_s(self) -> float:
+        """Seconds until the active model's running calls end: their longest run of decode steps left
+        (each call's max tokens less its output) at the cost model's step time for the batch now."""
+        if self._active is None:
+            return 0.0
+        running = self.served[self._active].engine.running
+        if not running:
+            return 0.0
+        steps = max(r.params.max_tokens - len(r.output) for r in running)
+        ctx = sum(r.num_tokens for r in running) + len(running) * steps // 2
+        return max(0, steps) * self.cost.decode_step_s(self.served[self._active].shape, len(running), ctx)
+
+    def pause_cost_s(self, model: str, pages: int) -> float:
+        """Seconds of the two switches a pause for `model` costs: to it, and back to the active model,
+        a reload unless both stay on the devices (resident, or both within the weight budget). The
+        KV arena is apart from the weights: `pages` (the scheduler checks them free) changes nothing."""
+        a = self._active
+        stays = a is None or (self.weights.fits(model, keep=a) if self.weights is not None else self.resident)
+        back = 0.0 if stays else self.cost.weight_load_s(self.served[a].shape)
+        return self.estimate_switch_s(model) + back
+
     def is_busy(self) -> bool:
         return self.busy_until is not None
 
@@ -458,8 +482,8 @@ class Instance(DerivedQueries):
         `pause`: then they are paused, their engine not stepped until their model is
         active again, their KV kept on device (or in host memory: `release_paused`), and they go on
         as if uninterrupted. Calls admitted but not yet started must start first, and a sleep-mode
-        instance (`drop_kv_on_switch`) pauses none. The scheduler's policies do not pause (its queries
-        count paused calls as running)."""
+        instance (`drop_kv_on_switch`) pauses none. `num_running` counts paused calls, `num_paused`
+        them alone (``PolicyConfig.preempt``: when the scheduler pauses)."""
         if model not in self.served:
             raise ValueError(f"instance {self.name} does not host model {model!r}")
         running = any(c.model == self._active for c in self._calls.values())  # (not those paused before)
@@ -467,6 +491,7 @@ class Instance(DerivedQueries):
             why = ("admitted but not started" if self._pending else "in flight (sleep mode)" if pause else
                    "in flight (pause=True pauses them)")
             raise RuntimeError(f"instance {self.name}: switch to {model} with calls {why}")
+        self.stats.pauses += int(running)
         self._switch_to = model
 
     def paused(self) -> list[Call]:

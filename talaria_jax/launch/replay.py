@@ -103,19 +103,19 @@ def format_table(res: dict) -> str:
              f"seeds {','.join(map(str, res['seeds']))}" + (f", tool gaps x{scale:g}" if scale != 1.0 else "")
              + (f", hints {res['hints']}" if res.get("hints", "trace") != "trace" else "")
              + " (figures are means over seeds)", "",
-             "| policy | SCT p50 (s) | SCT p95 (s) | SCT mean (s) | calls/s | switches | KV restored from host (Mtok) "
+             "| policy | SCT p50 (s) | SCT p95 (s) | SCT mean (s) | calls/s | switches | pauses | KV restored from host (Mtok) "
              "| prefix recomputed (Mtok) | talaria speed-up p50 / p95 | speed-up ceiling p50 / p95 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sp, ceil = res.get("talaria_speedup", {}), res.get("speedup_ceiling", {})
     pair = lambda d, n: f"{d[n]['p50']:.2f}x / {d[n]['p95']:.2f}x" if n in d else "-"
     for name, v in res["policies"].items():
         lines.append(f"| {name} | {v['sct_p50_s']:.0f} | {v['sct_p95_s']:.0f} | {v['sct_mean_s']:.0f} | "
-                     f"{v['calls_per_s']:.2f} | {v['model_switches']:.0f} | {v['kv_restored_tokens'] / 1e6:.1f} | "
+                     f"{v['calls_per_s']:.2f} | {v['model_switches']:.0f} | {v.get('pauses', 0):.0f} | {v['kv_restored_tokens'] / 1e6:.1f} | "
                      f"{v['kv_recomputed_tokens'] / 1e6:.1f} | {pair(sp, name)} | {pair(ceil, name)} |")
     if "floor" in res:
         f = res["floor"]
         lines.append(f"| floor (any policy) | {f['sct_p50_s']:.0f} | {f['sct_p95_s']:.0f} | {f['sct_mean_s']:.0f} "
-                     f"| | | | | | |")
+                     f"| | | | | | | |")
     return "\n".join(lines)
 
 
@@ -222,14 +222,14 @@ def format_local_table(res: dict) -> str:
              f"models {', '.join(res['models'])}, weight budget {res.get('weight_budget', 'largest')}; simulator "
              f"with hardware `{res['hardware']}`{load}", "",
              "| policy | measured SCT p50 (s) | p90 (s) | p95 (s) | simulated p50 (s) | p95 (s) | error p50 | error p95 "
-             "| switches | s per switch | KV restored (tok) | prefix recomputed (tok) | worst session / round |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| switches | pauses | s per switch | KV restored (tok) | prefix recomputed (tok) | worst session / round |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, v in res["policies"].items():
         m, s, e = v["measured"], v["simulated"], v["relative_error"]
         worst = f"{v['worst_over_round']:.2f}x" if "worst_over_round" in v else "-"
         lines.append(f"| {name} | {m['sct_p50_s']:.1f} | {m['sct_p90_s']:.1f} | {m['sct_p95_s']:.1f} | {s['sct_p50_s']:.1f} "
                      f"| {s['sct_p95_s']:.1f} | {e['sct_p50_s']:+.0%} | {e['sct_p95_s']:+.0%} | {m['model_switches']:.0f} "
-                     f"| {m['switch_time_s'] / max(m['model_switches'], 1):.2f} | {m['kv_restored_tokens']:.0f} | {m['kv_recomputed_tokens']:.0f} | {worst} |")
+                     f"| {m.get('pauses', 0):.0f} | {m['switch_time_s'] / max(m['model_switches'], 1):.2f} | {m['kv_restored_tokens']:.0f} | {m['kv_recomputed_tokens']:.0f} | {worst} |")
     same = res["same_order"]
     lines += ["", "tracing and compiling left out of the measured chunks (s per replay, means): "
               + ", ".join(f"{name} {v['measured'].get('compile_s', 0.0):.1f}" for name, v in res["policies"].items())]

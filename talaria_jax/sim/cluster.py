@@ -53,6 +53,7 @@ class ReplayResult:
             "calls_per_s": len(self.records) / self.makespan_s if self.makespan_s > 0 else 0.0,
             "makespan_s": self.makespan_s,
             "model_switches": sum(s.switches for s in st), "switch_time_s": sum(s.switch_s for s in st),
+            "pauses": sum(s.pauses for s in st),
             "compile_s": sum(s.compile_s for s in st),  # left out of a real instance's chunks (Instance.exclude_compiles)
             "kv_restored_tokens": sum(s.restored_tokens for s in st),
             "kv_recomputed_tokens": sum(s.recomputed_tokens for s in st),

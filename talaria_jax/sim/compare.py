@@ -18,7 +18,7 @@ from talaria_jax.sim.hardware import HardwareConfig, ModelShape, load_hardware, 
 from talaria_jax.sim.traces import Trace, TraceError, read_jsonl, with_hints
 
 _AGG_KEYS = ("sct_p50_s", "sct_p95_s", "sct_mean_s", "calls_per_s", "makespan_s", "model_switches", "switch_time_s",
-             "kv_restored_tokens", "kv_recomputed_tokens", "kv_device_hit_tokens", "prefill_tokens", "peak_hbm_fraction")
+             "pauses", "kv_restored_tokens", "kv_recomputed_tokens", "kv_device_hit_tokens", "prefill_tokens", "peak_hbm_fraction")
 
 
 def check_trace(calls: Trace, hw: HardwareConfig, shapes: dict[str, ModelShape], page_bytes: int = 4 * 2**20) -> None:

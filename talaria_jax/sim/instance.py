@@ -120,7 +120,8 @@ class SimInstance(DerivedQueries):
         self.kv_dev: dict[str, _DevKV] = {}
         self.kv_host: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
         self.waiting: list[_Req] = []
-        self.running: list[_Req] = []
+        self.running: list[_Req] = []  # the active model's calls in flight
+        self.paused: dict[str, list[_Req]] = {}  # model -> its calls a switch paused, their KV kept on device
         self.now = 0.0
         self.busy_until: float | None = None
         self.chunk: Switch | Prefill | Decode | None = None  # the chunk in flight
@@ -271,7 +272,34 @@ class SimInstance(DerivedQueries):
         return len(self.waiting)
 
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + self.num_paused()
+
+    def num_paused(self) -> int:
+        return sum(len(v) for v in self.paused.values())
+
+    def drain_s(self) -> float:
+        """Seconds until the active model's running calls end: their longest run of decode steps at
+        the batch's step time now (what waiting for them costs a call of another model)."""
+        if not self.running:
+            return 0.0
+        steps = max(r.remaining for r in self.running)
+        ctx = sum(r.ctx for r in self.running)
+        return steps * self.cost.decode_step_s(self.shapes[self._active], len(self.running),
+                                               ctx + len(self.running) * steps // 2)
+
+    def pause_cost_s(self, model: str, pages: int) -> float:
+        """Seconds of the two switches a pause for `model` costs: to it, and back to the active model,
+        a reload unless both models' weights fit beside the KV in flight; inf where `model`'s weights
+        and `pages` more KV pages do not fit beside the KV of the calls it would pause."""
+        a, m = self._active, self.shapes[model]
+        flight = (self._flight_pages + pages) * self.page_bytes
+        if self.weights[model] not in _ON_DEVICE and m.weight_bytes + flight > self.capacity:
+            return math.inf
+        back = 0.0
+        if a is not None and self.weights[model] not in _ON_DEVICE and \
+                self.shapes[a].weight_bytes + m.weight_bytes + flight > self.capacity:
+            back = self.cost.weight_load_s(self.shapes[a])
+        return self.estimate_switch_s(model) + back
 
     def is_busy(self) -> bool:
         return self.busy_until is not None
@@ -307,11 +335,19 @@ class SimInstance(DerivedQueries):
                 return True
         return False
 
-    def switch_model(self, model: str) -> None:
-        if self.running or self.waiting:
-            raise RuntimeError(f"instance {self.name}: switch to {model} with calls in flight")
+    def switch_model(self, model: str, pause: bool = False) -> None:
+        """Switches at the next chunk; with `pause`, the active model's running calls are paused (their
+        KV kept on device) and resume when their model is active again (`Instance.switch_model`)."""
         if model not in self.weights:
             raise ValueError(f"instance {self.name} does not host model {model!r}")
+        if self.waiting or (self.running and (not pause or self.drop_kv_on_switch)):
+            why = ("admitted but not started" if self.waiting else "in flight (sleep mode)" if pause else
+                   "in flight (pause=True pauses them)")
+            raise RuntimeError(f"instance {self.name}: switch to {model} with calls {why}")
+        if self.running:
+            self.paused[self._active] = self.running
+            self.running = []
+            self.stats.pauses += 1
         self._switch_to = model
 
     def stage_model(self, model: str) -> bool:
@@ -627,6 +663,7 @@ class SimInstance(DerivedQueries):
         if isinstance(chunk, Switch):
             self._active = chunk.model
             self._weights_lru[chunk.model] = now
+            self.running.extend(self.paused.pop(chunk.model, []))  # its paused calls resume
         elif isinstance(chunk, Prefill):
             self.running.extend(chunk.batch)
         elif isinstance(chunk, Decode):

@@ -10,8 +10,10 @@ import pytest
 
 from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.instance import Instance, LiveTokens, shapes_of
+from talaria_jax.instance import Instance, LiveTokens, SessionTokens, shapes_of
+from talaria_jax.local import replay_local
 from talaria_jax.models import init_model, load_model_config
+from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sharding import make_mesh
 from talaria_jax.sim.toys import TOY_HW
@@ -139,3 +141,22 @@ def test_a_switch_waits_for_admitted_calls_and_only_paused_models_release(inst):
     with pytest.raises(RuntimeError, match="A is active"):
         inst.release_paused("A")
     run(inst)
+
+
+def test_the_scheduler_pauses_a_real_instance_and_loses_nothing(inst):
+    """The talaria policy pauses A's long call for a short session of B (slots cut short so the pause
+    is decided within a few steps); every call's greedy tokens and logprobs equal a replay where
+    nothing is paused."""
+    calls = [Call("long", 0, "A", 40, 150, 0.0, 0.0), Call("short", 0, "B", 24, 6, 0.0, 0.02)]
+    out = {}
+    for name in ("talaria", "talaria-no-preempt"):
+        inst.tokens = SessionTokens()
+        res = replay_local(calls, get_policy(f"{name}[slot_s=0.01;min_slot_s=0]"), [inst])
+        out[name] = ({r.session: r.done_s for r in res.records}, inst.stats.pauses, inst.stats.switch_log,
+                     dict(inst.outputs))
+    (done, pauses, _, paused), (_, pauses0, _, ref) = out["talaria"], out["talaria-no-preempt"]
+    assert pauses == 1 and pauses0 == 0
+    assert done["short"] < done["long"]  # it went past the long call
+    for key, o in ref.items():
+        assert paused[key].token_ids == o.token_ids, key
+        np.testing.assert_allclose(paused[key].logprobs, o.logprobs, rtol=1e-5, atol=1e-6)
