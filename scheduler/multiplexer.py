@@ -20,7 +20,6 @@ class Slot:
     opened_s: float
     deadline_s: float
     bounded: bool = False  # the deadline already follows the cost of the switch out of this slot
-    resumed: bool = False  # it resumed calls a pause paused: they drain, paused no more (Scheduler._pause)
 
 
 class RoundMultiplexer:

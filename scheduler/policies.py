@@ -105,6 +105,9 @@ class PolicyConfig:
                              f"round_robin|most_sessions|smith|chain|srpt")
         if self.multiplexer not in ("round", "on_demand"):
             raise ValueError(f"policy {self.name}: multiplexer={self.multiplexer!r} not in round|on_demand")
+        if self.preempt and self.drop_kv_on_switch and self.multiplexer == "round":
+            raise ValueError(f"policy {self.name}: preempt=True pauses calls with their KV on device, which "
+                             f"drop_kv_on_switch=True discards at every switch")
         if self.slot_s <= 0:
             raise ValueError(f"policy {self.name}: slot_s={self.slot_s} must be > 0")
         if self.switches_per_slot is not None and self.switches_per_slot <= 0:

@@ -38,6 +38,7 @@ class _InstanceState:
     switching_to: str | None = None
     pause_s: float | None = None  # a pause's switch is in flight: its slot lasts this long (`_pause`)
     resume: str | None = None  # the model a pause paused: the next slot goes to it
+    paused_keys: set = dataclasses.field(default_factory=set)  # calls paused once (not again), until they finish
     quantum_start_s: float = 0.0  # when the on-demand multiplexer's active model started serving
 
 
@@ -370,8 +371,9 @@ class Scheduler:
             st.mux.bound(sum(inst.estimate_switch_s(m) for m in others))
 
     def _stage_next(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> None:
-        """Stages the model whose slot follows `model`'s (when staging is on)."""
-        nxt = st.mux.after(model, self.demand(inst), self.slot_priority(inst, now))
+        """Stages the model whose slot follows `model`'s (when staging is on): after a pause's slot,
+        the paused model."""
+        nxt = st.resume or st.mux.after(model, self.demand(inst), self.slot_priority(inst, now))
         if nxt is not None and self.policy.staging:
             inst.stage_model(nxt)
 
@@ -395,19 +397,22 @@ class Scheduler:
                 mux.slot.deadline_s, mux.slot.bounded = min(mux.slot.deadline_s, now + st.pause_s), True
                 st.pause_s = None
             elif model == st.resume:  # the paused calls resume: their slot had ended, so they drain
-                mux.slot.deadline_s, mux.slot.bounded, mux.slot.resumed, st.resume = now, True, True, None
+                mux.slot.deadline_s, mux.slot.bounded, st.resume = now, True, None
+        if st.resume is not None and st.resume not in self.demand(inst):
+            st.resume = None  # its paused calls were cancelled: nothing to go back to
+        pausing = st.resume is not None  # a pause's slot: not renewed, not held, then back
         slot = mux.slot
         if slot is not None:
             m = slot.model
             self._bound_slot(inst, st, m)  # before SP, so SP never admits past the bounded deadline
-            if now >= slot.deadline_s and self._keeps_slot(inst, st, m, now):
+            if now >= slot.deadline_s and not pausing and self._keeps_slot(inst, st, m, now):
                 self._open_slot(inst, st, m, now)  # still first in slot order: a fresh slot, no drain
-                mux.slot.resumed, slot = slot.resumed, mux.slot  # (resumed calls still paused no more)
+                slot = mux.slot
             if p.sp and now < slot.deadline_s:
                 self._admit(inst, st, m, now, continuations_only=not p.sp_first_calls)  # session-prefill
             self._stage_next(inst, st, m, now)
             if inst.num_running() - inst.num_paused() or inst.num_waiting():
-                if p.preempt and now >= slot.deadline_s and not slot.resumed:
+                if p.preempt and now >= slot.deadline_s and not pausing:
                     self._pause(inst, st, m, now)
                 return None
             demand = self.demand(inst)
@@ -416,7 +421,7 @@ class Scheduler:
                 if m in demand:
                     self._open_slot(inst, st, m, now)
                 return None
-            if p.reservations and p.sp and now < slot.deadline_s:
+            if p.reservations and p.sp and now < slot.deadline_s and not pausing:
                 # keep the slot for a reserved session's likely return, but (ski rental) never longer
                 # than switching away and back would cost
                 nxt = st.mux.after(m, demand, self.slot_priority(inst, now))
@@ -438,28 +443,35 @@ class Scheduler:
     def _pause(self, inst: InstanceAPI, st: _InstanceState, model: str, now: float) -> bool:
         """Pauses `model`'s running calls (their slot over) for the model next in slot order, when that
         pays (``PolicyConfig.preempt``); whether it did. Without the pause, the next model's waiting
-        calls wait for the running ones to drain (`drain_s`); with it, the running calls wait for the
-        two switches (`pause_cost_s`) and the waiting calls' work (the longest one's estimated
-        service time, which bounds the pause's slot). A paused call's delay moves its session's end
-        by as much; a waiting call's gain moves its session's end by as much only if no later call
-        of the session waits again, so it counts once over the calls its session has left
-        (`_left`, as the "srpt" order weighs sessions). Each session weighted as in the slot order
-        (2**priority of its hinted call), the pause pays when
+        calls wait for the running ones to drain (`drain_s`: from each call's tokens left, its
+        `max_tokens` less its output, so a live client's generous cap makes the drain look longer);
+        with it, the running calls wait for the two switches (`pause_cost_s`) and the waiting calls'
+        work (the sum of their estimated service times, an upper bound on their batch, which also
+        bounds the pause's slot). A paused call's delay moves its session's end by as much; a
+        waiting call's gain moves its session's end by as much only if no later call of the session
+        waits again, so it counts once over the calls its session has left (`_left`, as the "srpt"
+        order weighs sessions). Each session weighted as in the slot order (2**priority of its
+        hinted call), the pause pays when
         sum_waiting w / left * drain > sum_running w * (switches + work):
         the short sessions' calls go past the long ones' (shortest remaining first).
-        The paused calls resume right after, and drain without being paused again (`Slot.resumed`),
-        so a model's calls are delayed by one pause at most. Only one pause at a time; only
-        calls whose pages are free beside the paused KV (nothing moves to host for a pause); only
-        once the active model's admitted calls have all started."""
-        if inst.num_paused() or inst.num_waiting():
+        The pause's slot is not renewed and holds nothing for returns: the paused calls resume right
+        after, and a call once paused is not paused again, so a call is delayed by one pause at
+        most. Only one pause at a time; only for calls that fit the admission budget beside the
+        paused KV (nothing moves to host for a pause); only once the active model's admitted calls
+        have all started; never in sleep mode (`drop_kv_on_switch`)."""
+        if inst.num_paused() or inst.num_waiting() or self.policy.drop_kv_on_switch:
             return False
         nxt = st.mux.after(model, self.demand(inst), self.slot_priority(inst, now))
         waiting = [c for _, c in st.pending if c.model == nxt]
         running = [c for c, _ in st.admitted.values() if c.model == model]
-        pages = sum(inst.pages_for(c.model, c.context_after) for c in waiting)
-        if not waiting or not running or pages > inst.kv_pages_free():
+        st.paused_keys &= st.admitted.keys()
+        if not waiting or not running or any(c.key in st.paused_keys for c in running):
             return False
-        work = max(inst.estimate_service_s(c) for c in waiting)
+        pages = sum(inst.pages_for(c.model, c.context_after) for c in waiting)
+        if pages > inst.kv_pages_free() or \
+                (self.policy.reservations and not st.budget.fits(inst, waiting[0].session, pages, now)):
+            return False
+        work = sum(inst.estimate_service_s(c) for c in waiting)
         gain = sum(self._weight(c.session) / self._left(c.session) for c in waiting) * inst.drain_s()
         loss = sum(self._weight(c.session) for c in running) * (inst.pause_cost_s(nxt, pages) + work)
         if not gain > loss:
@@ -467,6 +479,7 @@ class Scheduler:
         st.mux.close()
         inst.switch_model(nxt, pause=True)
         st.switching_to, st.pause_s, st.resume = nxt, work, model
+        st.paused_keys |= {c.key for c in running}
         return True
 
     # --- serverless on-demand multiplexing (load, sticky, composite) ------------------------

@@ -418,8 +418,8 @@ class Instance(DerivedQueries):
         """Seconds of the two switches a pause for `model` costs: to it, and back to the active model,
         a reload unless both stay on the devices (resident, or both within the weight budget). The
         KV arena is apart from the weights: `pages` (the scheduler checks them free) changes nothing."""
-        a = self._active
-        stays = a is None or (self.weights.fits(model, keep=a) if self.weights is not None else self.resident)
+        a, w = self._active, self.weights
+        stays = a is None or (w.nbytes(a) + w.nbytes(model) <= w.budget_bytes if w is not None else self.resident)
         back = 0.0 if stays else self.cost.weight_load_s(self.served[a].shape)
         return self.estimate_switch_s(model) + back
 

@@ -292,12 +292,15 @@ class SimInstance(DerivedQueries):
         a reload unless both models' weights fit beside the KV in flight; inf where `model`'s weights
         and `pages` more KV pages do not fit beside the KV of the calls it would pause."""
         a, m = self._active, self.shapes[model]
-        flight = (self._flight_pages + pages) * self.page_bytes
-        if self.weights[model] not in _ON_DEVICE and m.weight_bytes + flight > self.capacity:
+        # what a switch cannot evict: the KV in flight (the paused calls' and the waiting calls') and
+        # a staging area's model
+        fixed = (self._flight_pages + pages) * self.page_bytes + sum(
+            self.shapes[o].weight_bytes for o, s in self.weights.items()
+            if o != model and s in (WeightState.STAGED, WeightState.STAGING))
+        if fixed + m.weight_bytes > self.capacity:
             return math.inf
         back = 0.0
-        if a is not None and self.weights[model] not in _ON_DEVICE and \
-                self.shapes[a].weight_bytes + m.weight_bytes + flight > self.capacity:
+        if a is not None and fixed + m.weight_bytes + self.shapes[a].weight_bytes > self.capacity:
             back = self.cost.weight_load_s(self.shapes[a])
         return self.estimate_switch_s(model) + back
 

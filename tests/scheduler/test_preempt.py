@@ -10,7 +10,7 @@ from talaria_jax.scheduler.policies import get_policy
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.instance import SimInstance
-from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES
+from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES, toy_model
 
 # On the toy hardware a decode step of m1 takes 0.1 s (10 GB of weights at 100 GB/s): the long call
 # runs ~20 s; a switch to a model on host loads 10 GB at 10 GB/s (1 s).
@@ -89,6 +89,35 @@ def test_sleep_mode_pauses_nothing():
         inst.switch_model("m2", pause=True)
 
 
-def test_policy_round_does_not_pause():
+def test_policy_round_does_not_pause_and_sleep_mode_refuses_pauses():
     assert not get_policy("round").preempt and get_policy("talaria").preempt
-    assert not dataclasses.replace(get_policy("talaria"), preempt=False).preempt
+    with pytest.raises(ValueError, match="drop_kv_on_switch=True discards"):
+        dataclasses.replace(get_policy("talaria"), drop_kv_on_switch=True)
+
+
+def test_a_pause_slot_is_not_renewed_while_its_model_keeps_arriving():
+    """Sessions of the other model keep arriving during the pause: its slot still ends on time (no
+    renewal, no hold), and the paused call resumes; the newcomers wait for its drain."""
+    calls = [LONG] + [Call(f"s{k:02d}", t, "m2", 100 + 50 * t, 5, 0.0, 0.5 * k if t == 0 else None)
+                      for k in range(1, 40) for t in range(3)]
+    t, st = done(calls, "talaria")
+    t0, _ = done(calls, "talaria-no-preempt")
+    log = [(s, m) for s, m, _ in st.switch_log]
+    k = [m for _, m in log].index("m2")
+    assert st.pauses == 1 and log[k + 1][1] == "m1"
+    # back within the waiting calls' summed work and the switches (5.2 s); renewed, it took 17 s
+    assert log[k + 1][0] - log[k][0] < 6.0
+    assert t["long"] - t0["long"] < 6.0
+
+
+def test_no_pause_where_the_switch_cannot_fit_beside_the_paused_kv():
+    """A staged model's weights and the paused call's KV leave no room for the waiting model's."""
+    shapes = {**TOY_SHAPES, "big": toy_model("big", weights_gb=17.0)}
+    inst = SimInstance("i0", TOY_HW, shapes, ("m1", "big", "m3"), host_kv=True, staging=True, drop_kv_on_switch=False)
+    inst.switch_model("m1")
+    inst.finish_chunk(inst.start_chunk(0.0))
+    inst.admit(Call("a", 0, "m1", 3500, 100, 0.0, 0.0))
+    inst.finish_chunk(inst.start_chunk(inst.now))
+    assert inst.stage_model("m3")
+    assert inst.pause_cost_s("big", inst.pages_for("big", 105)) == float("inf")
+    assert inst.pause_cost_s("m3", inst.pages_for("m3", 105)) < float("inf")  # the staged one itself fits
