@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 from talaria_jax.scheduler.session import Call
 
@@ -97,6 +97,7 @@ class InstanceAPI(Protocol):
     def is_busy(self) -> bool: ...
     def pressure(self) -> float: ...
     def estimate_service_s(self, call: Call) -> float: ...
+    def estimate_batch_s(self, calls: Sequence[Call]) -> float: ...  # one model's calls run together on their own
 
     # actions
     def admit(self, call: Call) -> None: ...

@@ -446,7 +446,7 @@ class Scheduler:
         calls wait for the running ones to drain (`drain_s`: from each call's tokens left, its
         `max_tokens` less its output, so a live client's generous cap makes the drain look longer);
         with it, the running calls wait for the two switches (`pause_cost_s`) and the waiting calls'
-        work (the sum of their estimated service times, an upper bound on their batch, which also
+        work (`estimate_batch_s`: one prefill of them all, then their decode as one batch; it also
         bounds the pause's slot). A paused call's delay moves its session's end by as much; a
         waiting call's gain moves its session's end by as much only if no later call of the session
         waits again, so it counts once over the calls its session has left (`_left`, as the "srpt"
@@ -471,7 +471,7 @@ class Scheduler:
         if pages > inst.kv_pages_free() or \
                 (self.policy.reservations and not st.budget.fits(inst, waiting[0].session, pages, now)):
             return False
-        work = sum(inst.estimate_service_s(c) for c in waiting)
+        work = inst.estimate_batch_s(waiting)
         gain = sum(self._weight(c.session) / self._left(c.session) for c in waiting) * inst.drain_s()
         loss = sum(self._weight(c.session) for c in running) * (inst.pause_cost_s(nxt, pages) + work)
         if not gain > loss:

@@ -434,6 +434,14 @@ class Instance(DerivedQueries):
         return self.cost.service_s(self.served[call.model].shape, call.prompt_tokens, call.output_tokens, cached,
                                    len(running) + 1, ctx)
 
+    def estimate_batch_s(self, calls: Sequence[Call]) -> float:
+        """Seconds of one model's `calls` run together on their own (`CostModel.batch_s`)."""
+        def cached(c: Call) -> int:
+            loc = self.cached_prefix(c.session, c.model)
+            return min(c.prompt_tokens, max(loc.device_tokens, loc.host_tokens))
+        return self.cost.batch_s(self.served[calls[0].model].shape, [(c.prompt_tokens, c.output_tokens, cached(c))
+                                                                     for c in calls]) if calls else 0.0
+
     # --- InstanceAPI: actions (carried out at the next step boundary) -------------------------
     def admit(self, call: Call) -> None:
         if call.model not in self.served:

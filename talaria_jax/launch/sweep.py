@@ -32,9 +32,9 @@ HARDWARE = ("h200x8", "h100x8")
 GENERATOR_SEEDS = (1, 2, 3)
 LENGTH_TRACES = ("short", "long", "bimodal")  # configs/traces/<name>-30.jsonl: other session lengths
 ARRIVAL_RATES = (0.02, 0.03, 0.05)  # sessions/s of the open-arrival load sweep
-# Short sessions, sparse: 60 sessions of mostly 3-9 calls (median 5, at most 9) arriving one every 20 s on average, tool
-# waits of seconds (median 3 s, p90 20 s): where holding room for a session's return has the least
-# to gain (a coding agent's sub-tasks, or a team's agents spread over the day).
+# Short sessions, sparse: 60 sessions of mostly 3-9 calls (median 5, at most 9) arriving one every
+# 20 s on average, tool waits of seconds (median 3 s, p90 20 s): where holding room for a session's
+# return has the least to gain (a coding agent's sub-tasks, or a team's agents spread over the day).
 SPARSE = TraceSpec(sessions=60, turns=5, turns_sigma=0.35, max_turns=9, arrival_rate_per_s=0.05, gap_median_s=3.0,
                    gap_p90_s=20.0)
 TIE = 0.02  # a rival within 2% of talaria does not beat it

@@ -104,6 +104,17 @@ class CostModel:
         return (self.prefill_s(m, prompt_tokens - cached, cached)
                 + output_tokens * self.decode_step_s(m, batch, context_tokens))
 
+    def batch_s(self, m: ModelShape, calls: Sequence[tuple[int, int, int]]) -> float:
+        """Estimated seconds of calls (prompt tokens, output tokens, cached tokens) run together from
+        an idle instance: one prefill step over their uncached prompts, then decode steps as one
+        batch until the longest output ends (its context the prompts plus half the longest output)."""
+        if not calls:
+            return 0.0
+        longest = max(o for _, o, _ in calls)
+        ctx = sum(p for p, _, _ in calls) + len(calls) * longest // 2
+        return (self.prefill_batch_s(m, [(p - c, c) for p, _, c in calls])
+                + longest * self.decode_step_s(m, len(calls), ctx))
+
     # --- copies ---------------------------------------------------------------------------
     def h2d_kv_s(self, m: ModelShape, tokens: int) -> float:
         """Seconds to restore `tokens` of session KV from host memory (all GPUs' links in parallel)."""

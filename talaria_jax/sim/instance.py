@@ -315,6 +315,14 @@ class SimInstance(DerivedQueries):
         ctx = sum(r.ctx for r in self.running) + call.prompt_tokens
         return self.cost.service_s(m, call.prompt_tokens, call.output_tokens, cached, batch, ctx)
 
+    def estimate_batch_s(self, calls: Sequence[Call]) -> float:
+        """Seconds of one model's `calls` run together on their own (`CostModel.batch_s`)."""
+        def cached(c: Call) -> int:
+            loc = self.cached_prefix(c.session, c.model)
+            return min(c.max_prefix_tokens, max(loc.device_tokens, loc.host_tokens))
+        return self.cost.batch_s(self.shapes[calls[0].model], [(c.prompt_tokens, c.output_tokens, cached(c))
+                                                               for c in calls]) if calls else 0.0
+
     # --- InstanceAPI: actions ---------------------------------------------------------------
     def admit(self, call: Call) -> None:
         if call.model not in self.weights:
