@@ -13,6 +13,8 @@ after one round of slots when its sessions' tool gaps make them the critical cha
 (Smith's rule per call with a fixed 60 s bound on a call's wait) and `talaria-srpt` (shortest
 remaining sessions first, aged only after all the work left: the best p50 in most regimes, up to
 25% behind the chain order at p95 with long tool gaps; docs/traces.md "Regime sweep").
+`talaria` also pauses a draining model's calls for another's when that pays (`preempt`,
+`Scheduler._pause`); `talaria-no-preempt` is the same policy without pausing.
 """
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ POLICIES: dict[str, PolicyConfig] = {
 }
 
 DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",
-                    "talaria-no-staging", "talaria-no-reservations", "talaria-round-robin")
+                    "talaria-no-staging", "talaria-no-reservations", "talaria-no-preempt", "talaria-round-robin")
 
 
 def get_policy(name: str) -> PolicyConfig:
