@@ -397,10 +397,12 @@ class Scheduler:
                 mux.slot.deadline_s, mux.slot.bounded = min(mux.slot.deadline_s, now + st.pause_s), True
                 st.pause_s = None
             elif model == st.resume:  # the paused calls resume: their slot had ended, so they drain
-                mux.slot.deadline_s, mux.slot.bounded, st.resume = now, True, None
+                if inst.num_running() - inst.num_paused():  # (unless they were all cancelled)
+                    mux.slot.deadline_s, mux.slot.bounded = now, True
+                st.resume = None
         if st.resume is not None and st.resume not in self.demand(inst):
             st.resume = None  # its paused calls were cancelled: nothing to go back to
-        pausing = st.resume is not None  # a pause's slot: not renewed, not held, then back
+        pausing = st.resume is not None  # a pause's slot: not renewed, no session-prefill, not held, then back
         slot = mux.slot
         if slot is not None:
             m = slot.model
@@ -408,7 +410,7 @@ class Scheduler:
             if now >= slot.deadline_s and not pausing and self._keeps_slot(inst, st, m, now):
                 self._open_slot(inst, st, m, now)  # still first in slot order: a fresh slot, no drain
                 slot = mux.slot
-            if p.sp and now < slot.deadline_s:
+            if p.sp and now < slot.deadline_s and not pausing:
                 self._admit(inst, st, m, now, continuations_only=not p.sp_first_calls)  # session-prefill
             self._stage_next(inst, st, m, now)
             if inst.num_running() - inst.num_paused() or inst.num_waiting():
@@ -454,18 +456,21 @@ class Scheduler:
         hinted call), the pause pays when
         sum_waiting w / left * drain > sum_running w * (switches + work):
         the short sessions' calls go past the long ones' (shortest remaining first).
-        The pause's slot is not renewed and holds nothing for returns: the paused calls resume right
-        after, and a call once paused is not paused again, so a call is delayed by one pause at
-        most. Only one pause at a time; only for calls that fit the admission budget beside the
-        paused KV (nothing moves to host for a pause); only once the active model's admitted calls
-        have all started; never in sleep mode (`drop_kv_on_switch`)."""
-        if inst.num_paused() or inst.num_waiting() or self.policy.drop_kv_on_switch:
+        The pause's slot admits no session-prefill, is not renewed and holds nothing for returns:
+        the paused calls resume right after, and a call once paused is not paused again, so a call
+        is delayed by one pause at most. Only one pause at a time; only for calls that fit the
+        admission budget beside the paused KV (nothing moves to host for a pause); only once the
+        active model's admitted calls have all started (sleep mode, which drops KV at a switch, is
+        refused with `preempt` by ``PolicyConfig``)."""
+        if inst.num_paused() or inst.num_waiting():
+            return False
+        running = [c for c, _ in st.admitted.values() if c.model == model]
+        st.paused_keys &= st.admitted.keys()
+        if not running or any(c.key in st.paused_keys for c in running):
             return False
         nxt = st.mux.after(model, self.demand(inst), self.slot_priority(inst, now))
         waiting = [c for _, c in st.pending if c.model == nxt]
-        running = [c for c, _ in st.admitted.values() if c.model == model]
-        st.paused_keys &= st.admitted.keys()
-        if not waiting or not running or any(c.key in st.paused_keys for c in running):
+        if not waiting:
             return False
         pages = sum(inst.pages_for(c.model, c.context_after) for c in waiting)
         if pages > inst.kv_pages_free() or \

@@ -404,15 +404,17 @@ class Instance(DerivedQueries):
 
     def drain_s(self) -> float:
         """Seconds until the active model's running calls end: their longest run of decode steps left
-        (each call's max tokens less its output) at the cost model's step time for the batch now."""
+        (each call's max tokens less its output, at most the tokens its context still has room for)
+        at the cost model's step time for the batch now."""
         if self._active is None:
             return 0.0
-        running = self.served[self._active].engine.running
-        if not running:
+        eng = self.served[self._active].engine
+        if not eng.running:
             return 0.0
-        steps = max(r.params.max_tokens - len(r.output) for r in running)
-        ctx = sum(r.num_tokens for r in running) + len(running) * steps // 2
-        return max(0, steps) * self.cost.decode_step_s(self.served[self._active].shape, len(running), ctx)
+        steps = max(0, max(min(r.params.max_tokens - len(r.output), eng.context_limit - r.num_tokens)
+                           for r in eng.running))
+        ctx = sum(r.num_tokens for r in eng.running) + len(eng.running) * steps // 2
+        return steps * self.cost.decode_step_s(self.served[self._active].shape, len(eng.running), ctx)
 
     def pause_cost_s(self, model: str, pages: int) -> float:
         """Seconds of the two switches a pause for `model` costs: to it, and back to the active model,

@@ -112,7 +112,7 @@ class CostModel:
             return 0.0
         longest = max(o for _, o, _ in calls)
         ctx = sum(p for p, _, _ in calls) + len(calls) * longest // 2
-        return (self.prefill_batch_s(m, [(p - c, c) for p, _, c in calls])
+        return (self.prefill_batch_s(m, [(max(0, p - c), min(c, p)) for p, _, c in calls])
                 + longest * self.decode_step_s(m, len(calls), ctx))
 
     # --- copies ---------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def test_a_pause_slot_is_not_renewed_while_its_model_keeps_arriving():
     log = [(s, m) for s, m, _ in st.switch_log]
     k = [m for _, m in log].index("m2")
     assert st.pauses == 1 and log[k + 1][1] == "m1"
-    # back within the waiting calls' summed work and the switches (5.2 s); renewed, it took 17 s
+    # back within the waiting calls' batch and the switches; renewed, the pause lasted 17.8 s
     assert log[k + 1][0] - log[k][0] < 6.0
     assert t["long"] - t0["long"] < 6.0
 
