@@ -413,8 +413,8 @@ class Instance(DerivedQueries):
             return 0.0
         steps = max(0, max(min(r.params.max_tokens - len(r.output), eng.context_limit - r.num_tokens)
                            for r in eng.running))
-        ctx = sum(r.num_tokens for r in eng.running) + len(eng.running) * steps // 2
-        return steps * self.cost.decode_step_s(self.served[self._active].shape, len(eng.running), ctx)
+        return self.cost.decode_run_s(self.served[self._active].shape, len(eng.running),
+                                      sum(r.num_tokens for r in eng.running), steps)
 
     def pause_cost_s(self, model: str, pages: int) -> float:
         """Seconds of the two switches a pause for `model` costs: to it, and back to the active model,

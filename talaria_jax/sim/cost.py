@@ -110,10 +110,13 @@ class CostModel:
         batch until the longest output ends (its context the prompts plus half the longest output)."""
         if not calls:
             return 0.0
-        longest = max(o for _, o, _ in calls)
-        ctx = sum(p for p, _, _ in calls) + len(calls) * longest // 2
         return (self.prefill_batch_s(m, [(max(0, p - c), min(c, p)) for p, _, c in calls])
-                + longest * self.decode_step_s(m, len(calls), ctx))
+                + self.decode_run_s(m, len(calls), sum(p for p, _, _ in calls), max(o for _, o, _ in calls)))
+
+    def decode_run_s(self, m: ModelShape, batch: int, context_tokens: int, steps: int) -> float:
+        """Seconds of `steps` decode steps of a batch holding `context_tokens` at the first, each step
+        priced at the run's middle context (every sequence grown by half the steps)."""
+        return steps * self.decode_step_s(m, batch, context_tokens + batch * steps // 2)
 
     # --- copies ---------------------------------------------------------------------------
     def h2d_kv_s(self, m: ModelShape, tokens: int) -> float:

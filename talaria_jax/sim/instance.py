@@ -282,10 +282,8 @@ class SimInstance(DerivedQueries):
         the batch's step time now (what waiting for them costs a call of another model)."""
         if not self.running:
             return 0.0
-        steps = max(r.remaining for r in self.running)
-        ctx = sum(r.ctx for r in self.running)
-        return steps * self.cost.decode_step_s(self.shapes[self._active], len(self.running),
-                                               ctx + len(self.running) * steps // 2)
+        return self.cost.decode_run_s(self.shapes[self._active], len(self.running), sum(r.ctx for r in self.running),
+                                      max(r.remaining for r in self.running))
 
     def pause_cost_s(self, model: str, pages: int) -> float:
         """Seconds of the two switches a pause for `model` costs: to it, and back to the active model,
@@ -641,7 +639,7 @@ class SimInstance(DerivedQueries):
 
     def _decode_s(self, d: Decode, k: int) -> float:
         """Seconds of the decode chunk `d` if it ran `k` steps."""
-        return self._stretch(d.slow, k * self.cost.decode_step_s(d.shape, d.batch, d.ctx + d.batch * k // 2)) * d.jitter
+        return self._stretch(d.slow, self.cost.decode_run_s(d.shape, d.batch, d.ctx, k)) * d.jitter
 
     def truncate_chunk(self, t: float) -> float | None:
         """Cuts the decode chunk in flight short at the first step boundary at or after `t` (an
