@@ -4,7 +4,7 @@ A session's KV can sit in two places: full pages in a model's device prefix cach
 model's engine through one KV arena), and its last host copy (a ``HostKV`` in that model's host tier,
 all tiers under one ``HostBudget``). The owner builds each model's prefix cache and host tier, which
 the model's engine is then handed, and keeps per session what the scheduler asks about: which model
-its last call ran on, its host copy, and how long it is protected. It answers one question for both
+its last call ran on, its host copy on each model it ran on, and how long it is protected. It answers one question for both
 places at once (`locate`: device tokens and host tokens, as sglang's `match_prefix` answers device and
 host hits in one result), and is the one place that protects, expires and forgets a session's KV.
 
@@ -47,7 +47,7 @@ class SessionKV:
         self.budget = HostBudget(host_kv_bytes)
         self.use_host = True  # whether host copies are kept and restored (a policy may turn it off)
         self.models: dict[str, ModelKV] = {}
-        self._host: dict[str, tuple[HostKV, str]] = {}  # session -> (its last host copy, model)
+        self._host: dict[str, dict[str, HostKV]] = {}  # session -> model -> its last host copy of that model
         self._model_of: dict[str, str] = {}  # session -> the model of its last call here
         self._until: dict[str, float] = {}  # session -> the end of its protection
 
@@ -82,10 +82,10 @@ class SessionKV:
 
     def host_copy(self, session: str, model: str) -> HostKV | None:
         """The session's host copy, if host copies are on, it is of `model`, and it was not evicted."""
-        h = self._host.get(session)
-        if not self.use_host or h is None or h[1] != model or not self.models[model].host_tier.usable(h[0]):
+        kv = self._host.get(session, {}).get(model)
+        if not self.use_host or kv is None or not self.models[model].host_tier.usable(kv):
             return None
-        return h[0]
+        return kv
 
     def locate(self, session: str, model: str, tenant: str | None, tokens: Sequence[int]) -> tuple[int, int]:
         """(device tokens, host tokens) of `tokens` (the session's context) held for `model`."""
@@ -111,17 +111,20 @@ class SessionKV:
         self._model_of[session] = model
 
     def kept(self, session: str, model: str, tenant: str | None, kv: HostKV) -> None:
-        """A finished call wrote its KV through to host (`kv`): it becomes the session's copy (the one it
-        replaces is released), and the device cache's pages it backs may be evicted first."""
+        """A finished call wrote its KV through to host (`kv`): it becomes the session's copy of `model`
+        (the one it replaces is released; its copies of other models stay), and the device cache's
+        pages it backs may be evicted first."""
         mkv = self.models[model]
         mkv.prefix_cache.mark_backed(mkv.key(tenant), kv.token_ids, lambda: mkv.host_tier.usable(kv))
-        old = self._host.get(session)
-        self._host[session] = (kv, model)
-        if old is not None and old[0] is not kv:
-            self.models[old[1]].host_tier.release(old[0])
+        mine = self._host.setdefault(session, {})
+        old = mine.get(model)
+        mine[model] = kv
+        if old is not None and old is not kv:
+            mkv.host_tier.release(old)
 
     def protect(self, session: str, until: float, tenant: str | None, tokens: Sequence[int]) -> None:
-        """Keeps the session's device pages on the path of `tokens` and its host copy until `until`."""
+        """Keeps the session's device pages on the path of `tokens` (its context on the model of its
+        last call here, the one it is expected back on) and its host copy of that model until `until`."""
         self._until[session] = until
         model = self._model_of.get(session)
         if model is None:
@@ -146,9 +149,8 @@ class SessionKV:
     def forget(self, session: str) -> None:
         """The session will not return: its host copy is released and its protection ended. Its device
         pages stay in the prefix cache (protected until the deadline given last), evicted as others."""
-        h = self._host.pop(session, None)
-        if h is not None:
-            self.models[h[1]].host_tier.release(h[0])
+        for model, kv in self._host.pop(session, {}).items():
+            self.models[model].host_tier.release(kv)
         self._unprotect_host(session)
         self._model_of.pop(session, None)
         self._until.pop(session, None)

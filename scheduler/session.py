@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 
 MAX_PRIORITY = 8
@@ -98,20 +99,30 @@ class Call:
         prefix_tokens when stated, else the whole prompt (cached KV beyond it is stale)."""
         return self.prompt_tokens if self.prefix_tokens is None else self.prefix_tokens
 
-    def reusable_prefix(self, previous_context: int) -> int:
-        """The effective reusable prefix, given the context the session held after its previous call
-        (0 before its first): that context, up to ``max_prefix_tokens``."""
-        return min(previous_context, self.max_prefix_tokens)
-
     @property
     def context_after(self) -> int:
         """KV tokens the session holds once this call has finished."""
         return self.prompt_tokens + self.output_tokens
 
 
+def reusable_prefixes(calls: Sequence[Call]) -> dict[tuple[str, int], int]:
+    """Each call's reusable prefix (`Call.key` -> tokens), from one session's calls in turn order: KV is
+    per model, so a call reuses what its session's previous call *on the same model* left (its
+    `context_after`), up to the smallest ``max_prefix_tokens`` of the calls since then (a compaction
+    on any model starts a new prefix for all of them). 0 for a model's first call in the session."""
+    out: dict[tuple[str, int], int] = {}
+    held: dict[str, int] = {}  # model -> the KV tokens of the session's context still valid for it
+    for c in calls:
+        out[c.key] = min(held.get(c.model, 0), c.max_prefix_tokens)
+        held = {m: min(t, c.max_prefix_tokens) for m, t in held.items()}
+        held[c.model] = c.context_after
+    return out
+
+
 @dataclasses.dataclass
 class Session:
-    """A session's calls in turn order, and where its last call ran."""
+    """A session's calls in turn order, and where its last call ran. A session's calls may name
+    different models; `model` is the one its next call is expected on."""
 
     id: str
     calls: list[Call]
@@ -120,10 +131,13 @@ class Session:
     arrived_s: float | None = None
     finished_s: float | None = None
     single: bool = False  # a call sent without a session: not an agent session
+    last_model: str | None = None  # the model of its last finished call
 
     @property
     def model(self) -> str:
-        return self.calls[0].model
+        """The model its next call is expected on: its last finished call's (its first call's before
+        any finished). A scheduler never reads a future call's model from a replayed trace."""
+        return self.last_model if self.last_model is not None else self.calls[0].model
 
     @property
     def done(self) -> bool:
@@ -157,7 +171,7 @@ class SessionTable:
         if call.turn != s.next_turn:
             raise AssertionError(f"call {call.key} completed out of order (expected turn {s.next_turn})")
         s.next_turn += 1
-        s.last_instance = instance
+        s.last_instance, s.last_model = instance, call.model
         if s.done:
             s.finished_s = now
         return s.next_call()

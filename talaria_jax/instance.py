@@ -67,18 +67,25 @@ LOCAL_KV_BYTES = 512 * 2**20  # an instance's KV arena per device, all models: ~
 class SessionTokens:
     """Token ids of every session, shared by all instances (a session may move between them).
 
-    A call's prompt is the session's history (its last prompt plus the tokens generated for it) and
-    then deterministic tokens, a function of (seed, session, position), up to `prompt_tokens`: the
-    tool's observation. So a session's every next prompt extends its last context, as an agent's does;
-    a call that compacts its context (``Call.prefix_tokens``) keeps only that much of the history and
-    continues with tokens of its own (a function of (seed, session, turn, position)).
-    The first `shared_prefix` positions are the same in every session: a system prompt all share."""
+    A call's prompt is the session's history on the call's model (its last prompt there plus the
+    tokens generated for it) and then deterministic tokens, a function of (seed, session, position), up
+    to `prompt_tokens`: the tool's observation (and what the session's other models said since). So a
+    session's every next prompt on a model extends its last context there, as an agent's does; a call
+    that compacts its context (``Call.prefix_tokens``) keeps only that much of the history, on every
+    model of the session, and continues with tokens of its own (a function of (seed, session, turn,
+    position)). The first `shared_prefix` positions are the same in every session: a system prompt all
+    share."""
 
     def __init__(self, seed: int = 0, shared_prefix: int = 0, tenant: Callable[[str], str | None] | None = None):
         """`tenant(session)`: the prefix-cache salt of a session's calls (default: one tenant, None)."""
         self.seed, self.shared_prefix = seed, shared_prefix
         self._tenant = tenant
-        self.history: dict[str, list[int]] = {}
+        self.history: dict[str, dict[str, list[int]]] = {}  # session -> model -> its last context there
+        self._cut: dict[str, set[str]] = {}  # session -> the models whose history a compaction cut since
+
+    def context(self, session: str, model: str) -> Sequence[int]:
+        """The session's last context on `model` (its last prompt and output there; empty if none)."""
+        return self.history.get(session, {}).get(model, ())
 
     def tenant(self, session: str) -> str | None:
         return self._tenant(session) if self._tenant is not None else None
@@ -93,10 +100,11 @@ class SessionTokens:
         return int.from_bytes(d, "little") % vocab
 
     def prompt(self, call: Call, vocab: int) -> list[int]:
-        h = self.history.get(call.session, [])
+        h = list(self.context(call.session, call.model))
         owner = call.session
-        if call.prefix_tokens is not None:  # a new prefix: the kept part of the history, then the summary
-            h, owner = h[:call.prefix_tokens], f"{call.session}/{call.turn}"
+        if call.prefix_tokens is not None or call.model in self._cut.get(call.session, ()):
+            # a new prefix: the kept part of the history, then the summary
+            h, owner = h[:call.max_prefix_tokens], f"{call.session}/{call.turn}"
         if len(h) > call.prompt_tokens:
             raise ValueError(f"call {call.key}: prompt_tokens={call.prompt_tokens} is shorter than the "
                              f"{len(h)} tokens the session already holds")
@@ -108,22 +116,35 @@ class SessionTokens:
         return engine.check_request(self.prompt(call, engine.model.cfg.vocab_size),
                                     SamplingParams(max_tokens=call.output_tokens, temperature=0.0, ignore_eos=True))
 
-    def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
-        self.history[session] = list(prompt) + list(output)
+    def finished(self, call: Call, prompt: tuple[int, ...], output: list[int]) -> None:
+        mine = self.history.setdefault(call.session, {})
+        mine[call.model] = list(prompt) + list(output)
+        cut = self._cut.setdefault(call.session, set())
+        cut.discard(call.model)
+        for m, h in mine.items():  # a compaction starts a new prefix on the session's other models too
+            if m != call.model and len(h) > call.max_prefix_tokens:
+                mine[m] = h[:call.max_prefix_tokens]
+                cut.add(m)
 
     def forget(self, session: str) -> None:
         self.history.pop(session, None)
+        self._cut.pop(session, None)
+
+    def clear(self) -> None:
+        """Forgets every session."""
+        self.history.clear()
+        self._cut.clear()
 
 
 class LiveTokens:
     """The token source of an `Instance` that serves live requests (`SessionTokens` replays a trace):
-    each call's real prompt and sampling parameters, and each session's last context (its last
-    prompt and the tokens generated for it), which the instance's prefix lookups follow. A session's
-    history is a compact int32 array (4 bytes a token, not a Python int's 28 and a list slot's 8): a
+    each call's real prompt and sampling parameters, and each session's last context on each model it
+    used (its last prompt there and the tokens generated for it), which the instance's prefix lookups
+    follow. A session's history is a compact int32 array (4 bytes a token, not a Python int's 28 and a list slot's 8): a
     server keeps up to --max_sessions of them."""
 
     def __init__(self):
-        self.history: dict[str, array.array] = {}
+        self.history: dict[str, dict[str, array.array]] = {}  # session -> model -> its last context there
         self.calls: dict[tuple[str, int], CheckedRequest] = {}
         self._salts: dict[str, str | None] = {}
         self._single: set[str] = set()
@@ -157,13 +178,17 @@ class LiveTokens:
     def returns(self, session: str) -> bool:
         return session not in self._single
 
+    def context(self, session: str, model: str) -> Sequence[int]:
+        """The session's last context on `model` (its last prompt and output there; empty if none)."""
+        return self.history.get(session, {}).get(model, ())
+
     def request(self, call: Call, engine: Engine) -> CheckedRequest:
         return self.calls[call.key]
 
-    def finished(self, session: str, prompt: tuple[int, ...], output: list[int]) -> None:
+    def finished(self, call: Call, prompt: tuple[int, ...], output: list[int]) -> None:
         h = array.array("i", prompt)
         h.extend(output)
-        self.history[session] = h
+        self.history.setdefault(call.session, {})[call.model] = h
 
 
 @dataclasses.dataclass
@@ -358,7 +383,7 @@ class Instance(DerivedQueries):
     def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
         busy = self._in_use()
         return sum(self.pages_for(model, self._device_tokens(sid, model)) for sid, model in self.kv.protected().items()
-                   if sid != exclude_session and sid not in busy and sid in self.tokens.history)
+                   if sid != exclude_session and sid not in busy)
 
     def _device_bytes(self) -> float:
         """Weights on the devices (the slot, and its staging area when it holds a model; the models a budget
@@ -376,13 +401,13 @@ class Instance(DerivedQueries):
         return self.slot.bytes_per_device * self.slot.mesh.devices.size * (2 if staged else 1)
 
     def _device_tokens(self, session: str, model: str) -> int:
-        return self.kv.device_tokens(model, self.tokens.tenant(session), self.tokens.history.get(session, ()))
+        return self.kv.device_tokens(model, self.tokens.tenant(session), self.tokens.context(session, model))
 
     def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
         if model not in self.served or session_id in self._in_use():
             return PrefixLocation()
         return PrefixLocation(*self.kv.locate(session_id, model, self.tokens.tenant(session_id),
-                                              self.tokens.history.get(session_id, ())))
+                                              self.tokens.context(session_id, model)))
 
     def prefix_of(self, session_id: str, model: str, prompt, cache_salt: str | None) -> PrefixLocation:
         """Tokens of `prompt` (ids) this instance holds for `model`: full pages in the device prefix
@@ -536,7 +561,9 @@ class Instance(DerivedQueries):
         return True
 
     def protect_kv(self, session_id: str, until_s: float) -> None:
-        self.kv.protect(session_id, until_s, self.tokens.tenant(session_id), self.tokens.history.get(session_id, ()))
+        model = self.kv.model_of(session_id)
+        context = self.tokens.context(session_id, model) if model is not None else ()
+        self.kv.protect(session_id, until_s, self.tokens.tenant(session_id), context)
 
     # --- chunks -----------------------------------------------------------------------------
 
@@ -631,7 +658,7 @@ class Instance(DerivedQueries):
             self._calls[rid] = call
             # tokens an earlier call computed KV for: all of the history but its last token, up to the
             # prefix a compacting call keeps
-            self._reusable[rid] = min(call.max_prefix_tokens, max(0, len(self.tokens.history.get(call.session, ())) - 1))
+            self._reusable[rid] = min(call.max_prefix_tokens, max(0, len(self.tokens.context(call.session, call.model)) - 1))
             self.kv.started(call.session, call.model)
 
     def finish_chunk(self, now: float) -> list[Call]:
@@ -650,7 +677,7 @@ class Instance(DerivedQueries):
         call = self._calls.pop(out.request_id)
         self.stats.recomputed_tokens += max(0, self._reusable.pop(out.request_id) - out.cached_tokens)
         self.outputs[call.key] = out
-        self.tokens.finished(call.session, out.prompt_token_ids, out.token_ids)
+        self.tokens.finished(call, out.prompt_token_ids, out.token_ids)
         if out.kv is not None:
             self.kv.kept(call.session, call.model, self.tokens.tenant(call.session), out.kv)
         return call

@@ -52,5 +52,5 @@ def replay_local(calls: Sequence[Call], policy: PolicyConfig, instances: Sequenc
         raise ValueError("the instances of a replay must share one SessionTokens (sessions move between them)")
     for inst in instances:
         inst.reset(host_kv=policy.host_kv, staging=policy.staging, drop_kv_on_switch=policy.drop_kv_on_switch)
-    instances[0].tokens.history.clear()
+    instances[0].tokens.clear()
     return run(calls, policy, instances, SessionTable(list(calls)), seed, tool_gap_factors(calls, seed, gap_jitter_sigma))

@@ -2,8 +2,8 @@
 
 Cells: tool-gap scale {0, 0.1, 0.25, 1} x hardware {h200x8, h100x8} x trace {the default trace file,
 the generator at seeds 1-3, the traces of short, long and bimodal sessions (configs/traces/
-short-30.jsonl, long-30.jsonl, bimodal-30.jsonl), and a sparse one (`SPARSE`: short sessions arriving
-far apart, tool waits of seconds)}, plus an open-arrival load sweep (30 default-style sessions
+short-30.jsonl, long-30.jsonl, bimodal-30.jsonl), a sparse one (`SPARSE`: short sessions arriving
+far apart, tool waits of seconds) and one of sessions that use two models (`MULTI`)}, plus an open-arrival load sweep (30 default-style sessions
 arriving at 0.02, 0.03 and 0.05 sessions/s on h200x8, tool gaps x1). Each cell replays every policy over the
 same seeds. A cell is marked where a rival's p50 or p95 SCT is more than 2% below talaria's.
 
@@ -37,12 +37,16 @@ ARRIVAL_RATES = (0.02, 0.03, 0.05)  # sessions/s of the open-arrival load sweep
 # return has the least to gain (a coding agent's sub-tasks, or a team's agents spread over the day).
 SPARSE = TraceSpec(sessions=60, turns=5, turns_sigma=0.35, max_turns=9, arrival_rate_per_s=0.05, gap_median_s=3.0,
                    gap_p90_s=20.0)
+# Sessions that use two models: the default trace's sessions, each call after the first on a small
+# helper model (gpt-oss-120b, 65 GB) with probability 1/4, the conversation continuing there (as
+# Claude Code's opusplan runs one conversation on two models; docs/references.md "Agent sessions").
+MULTI = TraceSpec(second_model_share=0.25, second_models=("gpt-oss-120b",))
 TIE = 0.02  # a rival within 2% of talaria does not beat it
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    trace: str  # "default", "gen<seed>", "open<rate>" or one of LENGTH_TRACES
+    trace: str  # "default", "gen<seed>", "open<rate>", "sparse", "multi" or one of LENGTH_TRACES
     hardware: str
     tool_gap_scale: float
 
@@ -53,7 +57,7 @@ class Cell:
 
 def cells(trace_names: Sequence[str] | None = None) -> list[Cell]:
     """The matrix, or its cells of `trace_names` (an unknown name raises ValueError listing the known)."""
-    names = ["default"] + [f"gen{s}" for s in GENERATOR_SEEDS] + list(LENGTH_TRACES) + ["sparse"]
+    names = ["default"] + [f"gen{s}" for s in GENERATOR_SEEDS] + list(LENGTH_TRACES) + ["sparse", "multi"]
     out = [Cell(t, hw, sc) for t in names for hw in HARDWARE for sc in SCALES]
     out += [Cell(f"open{r:g}", "h200x8", 1.0) for r in ARRIVAL_RATES]
     known = list(dict.fromkeys(c.trace for c in out))
@@ -68,14 +72,14 @@ def cell_trace(name: str, default_path: str | pathlib.Path) -> Trace:
         return read_jsonl(default_path)
     if name in LENGTH_TRACES:
         return read_jsonl(CONFIG_DIR / "traces" / f"{name}-30.jsonl")
-    if name == "sparse":
-        spec = SPARSE
+    if name in ("sparse", "multi"):
+        spec = SPARSE if name == "sparse" else MULTI
     elif name.startswith("gen"):
         spec = TraceSpec(seed=int(name[3:]))
     elif name.startswith("open"):
         spec = TraceSpec(arrival_rate_per_s=float(name[4:]))
     else:
-        raise ValueError(f"sweep trace {name!r}: not default, gen<seed>, open<rate>, sparse or {', '.join(LENGTH_TRACES)}")
+        raise ValueError(f"sweep trace {name!r}: not default, gen<seed>, open<rate>, sparse, multi or {', '.join(LENGTH_TRACES)}")
     return Trace(generate(spec), f"generated {spec}")
 
 

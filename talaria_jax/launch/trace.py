@@ -37,6 +37,10 @@ flags.DEFINE_float("long_share", _D.long_share, "Share of sessions around --long
                    "(a bimodal mix).", flag_values=FLAGS)
 flags.DEFINE_list("models", list(_D.models), "Models in order of popularity (Zipf s=1 over this order): variants "
                   "of configs/hardware/models.yaml or config names under configs/models/.", flag_values=FLAGS)
+flags.DEFINE_float("second_model_share", _D.second_model_share, "Share of each session's calls after its first that "
+                   "run on a second model (0: sessions keep one model).", flag_values=FLAGS)
+flags.DEFINE_list("second_models", list(_D.second_models), "With --second_model_share: the models a session's second "
+                  "model is drawn from (a small helper); empty: another of --models.", flag_values=FLAGS)
 flags.DEFINE_float("arrival_rate", _D.arrival_rate_per_s, "Poisson session arrivals per second.", flag_values=FLAGS)
 flags.DEFINE_integer("seed", _D.seed, "Seed of every draw; the same flags give the same trace.", flag_values=FLAGS)
 flags.DEFINE_string("out", "", "The JSONL file to write.", flag_values=FLAGS)
@@ -70,14 +74,16 @@ def spec_from_flags() -> TraceSpec:
         raise _Usage(f"--models={','.join(FLAGS.models)!r}: give one or more model names")
     if len(set(models)) != len(models):
         raise _Usage(f"--models: {','.join(models)} names a model twice")
+    second = tuple(m.strip() for m in FLAGS.second_models if m.strip())
     known = set(load_models()) | set(available_models())
-    for m in models:
+    for flag, m in [("models", m) for m in models] + [("second_models", m) for m in second]:
         if m not in known:
-            raise _Usage(f"--models: {m!r} is neither a variant of configs/hardware/models.yaml nor a config under "
+            raise _Usage(f"--{flag}: {m!r} is neither a variant of configs/hardware/models.yaml nor a config under "
                          f"configs/models/ (known: {', '.join(sorted(known))})")
     try:
         return TraceSpec(sessions=FLAGS.sessions, turns=FLAGS.turns, turns_sigma=FLAGS.turns_sigma,
                          long_turns=FLAGS.long_turns, long_share=FLAGS.long_share, models=models,
+                         second_model_share=FLAGS.second_model_share, second_models=second,
                          arrival_rate_per_s=FLAGS.arrival_rate, seed=FLAGS.seed,
                          compact_at_tokens=FLAGS.compact_at_tokens, tool_gap_scale=FLAGS.tool_gap_scale)
     except TraceError as e:  # names the TraceSpec field: the flag of the same name
@@ -88,6 +94,7 @@ def format_summary(s: dict) -> str:
     """A markdown table of ``summary()``."""
     per_model = ", ".join(f"{m} {n}" for m, n in sorted(s["sessions_per_model"].items(), key=lambda x: -x[1]))
     rows = [("sessions", s["sessions"]), ("calls", s["calls"]), ("sessions per model", per_model),
+            ("sessions using two or more models", s["multi_model_sessions"]),
             ("calls per session, median / p90 / max", " / ".join(map(str, s["calls_per_session"]))),
             ("output tokens, mean", f"{s['output_tokens_mean']:.0f}"),
             ("tool gap median / p90 / mean (s)",

@@ -58,7 +58,7 @@ class LiveSessions(SessionTable):
         s = self.sessions.setdefault(sid, _LiveSession(sid, single))
         call = Call(sid, s.arrivals, model, prompt_tokens, max_tokens, 0.0, hints=hints, request_id=request_id)
         s.arrivals, s.salt = s.arrivals + 1, salt
-        if not s.calls:  # the first call names the session's model; the rest are not needed
+        if not s.calls:  # the first call opens the session; the rest are not kept (`last_model` follows them)
             s.calls.append(call)
         return call
 
@@ -68,7 +68,7 @@ class LiveSessions(SessionTable):
 
     def complete(self, call: Call, instance: str, now: float) -> None:
         s = self.sessions[call.session]
-        s.next_turn, s.last_instance, s.finished_s = s.next_turn + 1, instance, now
+        s.next_turn, s.last_instance, s.last_model, s.finished_s = s.next_turn + 1, instance, call.model, now
 
 
 class InstanceEngine:

@@ -14,22 +14,20 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from talaria_jax.scheduler.session import Call
+from talaria_jax.scheduler.session import Call, reusable_prefixes
 from talaria_jax.sim.cost import CostModel
 
 
 def service_floor_s(calls: Iterable[Call], cost: CostModel, shapes: dict) -> dict[str, float]:
     """Seconds of GPU time each session needs at the least (no wait, no switch, no recompute)."""
     out: dict[str, float] = {}
-    prev: dict[str, Call] = {}
+    by: dict[str, list[Call]] = {}
     for c in sorted(calls, key=lambda c: (c.session, c.turn)):
-        m = shapes[c.model]
-        p = prev.get(c.session)
-        cached = c.reusable_prefix(p.context_after) if p is not None else 0
-        t = (cost.prefill_s(m, c.prompt_tokens - cached, cached)
-             + c.output_tokens * cost.decode_step_s(m, 1, c.prompt_tokens))
-        out[c.session] = out.get(c.session, 0.0) + t
-        prev[c.session] = c
+        by.setdefault(c.session, []).append(c)
+    for sid, cs in by.items():
+        cached = reusable_prefixes(cs)
+        out[sid] = sum(cost.prefill_s(shapes[c.model], c.prompt_tokens - cached[c.key], cached[c.key])
+                       + c.output_tokens * cost.decode_step_s(shapes[c.model], 1, c.prompt_tokens) for c in cs)
     return out
 
 

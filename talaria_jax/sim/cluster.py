@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from talaria_jax.scheduler import PolicyConfig, Scheduler, SessionTable
-from talaria_jax.scheduler.session import Call
+from talaria_jax.scheduler.session import Call, reusable_prefixes
 from talaria_jax.sim.hardware import HardwareConfig, ModelShape
 from talaria_jax.sim.instance import SimInstance
 
@@ -101,10 +101,7 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
     if missing:
         raise ValueError(f"trace models {missing} have no shape in the models table (known: {sorted(shapes)})")
     sessions = SessionTable(list(calls))
-    prefix = {}
-    for s in sessions:
-        for a, b in zip(s.calls, s.calls[1:]):
-            prefix[b.key] = b.reusable_prefix(a.context_after)
+    prefix = {k: t for s in sessions for k, t in reusable_prefixes(s.calls).items()}
     gap_factor = tool_gap_factors(calls, seed, gap_jitter_sigma)
     insts = [SimInstance(f"i{k}", hw, shapes, models, host_kv=policy.host_kv, staging=policy.staging,
                          drop_kv_on_switch=policy.drop_kv_on_switch, page_bytes=page_bytes,

@@ -110,15 +110,16 @@ class SimInstance(DerivedQueries):
         self._cache: dict = {}
         self._dev_pages = 0
         self._flight_pages = 0  # pages of the calls waiting or running: each holds its context_after
-        self._protected_sids: dict[str, None] = {}  # sessions whose KV protect_kv protected (see _protected)
+        self._protected_sids: dict[tuple[str, str], None] = {}  # KV that protect_kv protected (see _protected)
         self._protect_pruned_s = -math.inf
         self._host_bytes = 0  # bytes of kv_host
         self._weights_version = 0  # counts weight-state changes
         self._active: str | None = None
         self._staging_model: str | None = None
         self._staging_start = 0.0
-        self.kv_dev: dict[str, _DevKV] = {}
-        self.kv_host: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
+        # a session's KV per model: (session, model) -> its device KV, its host copy (model, tokens)
+        self.kv_dev: dict[tuple[str, str], _DevKV] = {}
+        self.kv_host: collections.OrderedDict[tuple[str, str], tuple[str, int]] = collections.OrderedDict()
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []  # the active model's calls in flight
         self.paused: dict[str, list[_Req]] = {}  # model -> its calls a switch paused, their KV kept on device
@@ -206,8 +207,8 @@ class SimInstance(DerivedQueries):
         return self._flight_pages  # a running call's device KV holds its context_after tokens
 
     def _kv_pages_used_slow(self) -> int:
-        waiting = {r.call.session for r in self.waiting}
-        held = sum(self.pages_for(e.model, e.tokens) for sid, e in self.kv_dev.items() if e.in_use and sid not in waiting)
+        waiting = {(r.call.session, r.call.model) for r in self.waiting}
+        held = sum(self.pages_for(e.model, e.tokens) for key, e in self.kv_dev.items() if e.in_use and key not in waiting)
         need = sum(self.pages_for(r.call.model, r.call.context_after) for r in self.waiting)
         return held + need
 
@@ -217,10 +218,14 @@ class SimInstance(DerivedQueries):
         until, after = self._protected()
         pages = after[bisect.bisect_right(until, self.now)]
         if exclude_session is not None:
-            e = self.kv_dev.get(exclude_session)
-            if e is not None and not e.in_use and e.protect_until > self.now:
-                pages -= self.pages_for(e.model, e.tokens)
+            for _, e in self._session_kv(exclude_session):
+                if not e.in_use and e.protect_until > self.now:
+                    pages -= self.pages_for(e.model, e.tokens)
         return pages
+
+    def _session_kv(self, sid: str) -> list[tuple[tuple[str, str], _DevKV]]:
+        """The session's device KV, one per model it ran on here."""
+        return [((sid, m), e) for m in self._models if (e := self.kv_dev.get((sid, m))) is not None]
 
     def _protected(self) -> tuple[list[float], list[int]]:
         """The idle KV protected beyond now: protection ends in order, and the pages protected from
@@ -234,8 +239,8 @@ class SimInstance(DerivedQueries):
         if now >= self._protect_pruned_s:
             self._protect_pruned_s = now
             sids = self._protected_sids
-            for sid in [sid for sid in sids if (e := self.kv_dev.get(sid)) is None or e.protect_until <= now]:
-                del sids[sid]
+            for key in [key for key in sids if (e := self.kv_dev.get(key)) is None or e.protect_until <= now]:
+                del sids[key]
         else:  # asked about an earlier time than already pruned at: look at every entry
             sids = self.kv_dev
         items = sorted((e.protect_until, self.pages_for(e.model, e.tokens))
@@ -245,7 +250,7 @@ class SimInstance(DerivedQueries):
         return [u for u, _ in items], after
 
     def _kv_pages_reserved_slow(self, exclude_session: str | None = None) -> int:
-        return sum(self.pages_for(e.model, e.tokens) for sid, e in self.kv_dev.items()
+        return sum(self.pages_for(e.model, e.tokens) for (sid, _), e in self.kv_dev.items()
                    if not e.in_use and e.protect_until > self.now and sid != exclude_session)
 
     def routing_valid_until(self, now: float) -> float:
@@ -261,10 +266,10 @@ class SimInstance(DerivedQueries):
         return until[k] if k < len(until) else math.inf
 
     def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
-        e = self.kv_dev.get(session_id)
-        dev = e.tokens if e is not None and e.model == model and not e.in_use else 0
-        h = self.kv_host.get(session_id)
-        host = h[1] if self.host_kv and h is not None and h[0] == model else 0
+        e = self.kv_dev.get((session_id, model))
+        dev = e.tokens if e is not None and not e.in_use else 0
+        h = self.kv_host.get((session_id, model))
+        host = h[1] if self.host_kv and h is not None else 0
         return PrefixLocation(dev, host)
 
     # --- InstanceAPI: queue -----------------------------------------------------------------
@@ -327,7 +332,7 @@ class SimInstance(DerivedQueries):
             raise ValueError(f"instance {self.name} does not host model {call.model!r}")
         self.waiting.append(_Req(call, 0, call.output_tokens, self.now))
         self._flight_pages += self.pages_for(call.model, call.context_after)
-        e = self.kv_dev.get(call.session)
+        e = self.kv_dev.get((call.session, call.model))
         if e is not None:
             e.in_use = True  # its prefix must survive until the prefill reads it
         self._touch()
@@ -337,7 +342,7 @@ class SimInstance(DerivedQueries):
             if r.call.key == call.key:
                 del self.waiting[k]
                 self._flight_pages -= self.pages_for(call.model, call.context_after)
-                e = self.kv_dev.get(call.session)
+                e = self.kv_dev.get((call.session, call.model))
                 if e is not None:
                     e.in_use = False
                 self._touch()
@@ -381,10 +386,12 @@ class SimInstance(DerivedQueries):
         return True
 
     def protect_kv(self, session_id: str, until_s: float) -> None:
-        e = self.kv_dev.get(session_id)
-        if e is not None:
+        """Protects the session's KV of its last call here (the model it is expected back on)."""
+        mine = self._session_kv(session_id)
+        if mine:
+            key, e = max(mine, key=lambda ke: ke[1].last_used)
             e.protect_until = until_s
-            self._protected_sids[session_id] = None
+            self._protected_sids[key] = None
             self._touch()
 
     # --- memory management ------------------------------------------------------------------
@@ -427,17 +434,17 @@ class SimInstance(DerivedQueries):
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, used)
         self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self._kv_dev_pages())
 
-    def _drop_dev_kv(self, sid: str) -> None:
-        e = self.kv_dev.pop(sid)  # host copies are written through at call end, so nothing is lost
+    def _drop_dev_kv(self, key: tuple[str, str]) -> None:
+        e = self.kv_dev.pop(key)  # host copies are written through at call end, so nothing is lost
         self._dev_pages -= self.pages_for(e.model, e.tokens)
         self._touch()
 
-    def _kv_refill_s_per_byte(self, sid: str, e: _DevKV) -> float:
+    def _kv_refill_s_per_byte(self, key: tuple[str, str], e: _DevKV) -> float:
         """Seconds per byte to bring idle device KV back once dropped: a host restore when a host
         copy holds all of it, else a recompute (prefill of its tokens) when its session returns."""
         m = self.shapes[e.model]
-        h = self.kv_host.get(sid)
-        if self.host_kv and h is not None and h[0] == e.model and h[1] >= e.tokens:
+        h = self.kv_host.get(key)
+        if self.host_kv and h is not None and h[1] >= e.tokens:
             secs = self.cost.h2d_kv_s(m, e.tokens)
         else:
             secs = self.cost.prefill_s(m, e.tokens, 0)
@@ -456,7 +463,7 @@ class SimInstance(DerivedQueries):
         if free() >= need:
             return True
         sig = lambda x: float(f"{x:.9g}")  # equal rates must tie exactly so that LRU decides
-        victims = [(sig(self._kv_refill_s_per_byte(sid, e)), e.last_used, 0, sid) for sid, e in self.kv_dev.items()
+        victims = [(sig(self._kv_refill_s_per_byte(key, e)), e.last_used, 0, key) for key, e in self.kv_dev.items()
                    if not e.in_use and e.protect_until <= self.now and e.model != keep_model]
         victims += [(sig(self.cost.weight_load_s(self.shapes[m]) / self.shapes[m].weight_bytes),
                      self._weights_lru.get(m, 0.0), 1, m) for m, s in self.weights.items() if s == WeightState.RESIDENT]
@@ -480,20 +487,31 @@ class SimInstance(DerivedQueries):
             if free() >= need:
                 return True
         if allow_protected:
-            prot = sorted((e.protect_until, sid) for sid, e in self.kv_dev.items() if not e.in_use)
-            for _, sid in prot:
-                self._drop_dev_kv(sid)
+            prot = sorted((e.protect_until, key) for key, e in self.kv_dev.items() if not e.in_use)
+            for _, key in prot:
+                self._drop_dev_kv(key)
                 if free() >= need:
                     return True
         return free() >= need
 
+    def _drop_staged(self, need: float) -> bool:
+        """Gives up the staging area's model (its copy cancelled, or its staged weights dropped) when a
+        switch to another model finds no room beside it; whether `need` bytes are then free."""
+        m = self._staging_model
+        if m is None or self.weights[m] not in (WeightState.STAGING, WeightState.STAGED):
+            return False
+        self._set_weight(m, WeightState.HOST)
+        self._staging_model = None
+        return self._make_room(need)
+
     def _host_store(self, sid: str, model: str, tokens: int) -> None:
         kvb = lambda v: v[1] * self._kv_bytes_per_token[v[0]]
-        old = self.kv_host.get(sid)
+        key = (sid, model)
+        old = self.kv_host.get(key)
         if old is not None:
             self._host_bytes -= kvb(old)
-        self.kv_host[sid] = (model, tokens)
-        self.kv_host.move_to_end(sid)
+        self.kv_host[key] = (model, tokens)
+        self.kv_host.move_to_end(key)
         self._host_bytes += kvb((model, tokens))  # a running total (integers: KV bytes per token are)
         while self._host_bytes > self.host_kv_capacity and self.kv_host:
             _, v = self.kv_host.popitem(last=False)
@@ -544,8 +562,8 @@ class SimInstance(DerivedQueries):
             self._set_weight(old, WeightState.RESIDENT)
             self._weights_lru[old] = self.now
             if self.drop_kv_on_switch:  # sleep mode level 1 discards the KV cache
-                for sid in [s for s, e in self.kv_dev.items() if e.model == old]:
-                    self._drop_dev_kv(sid)
+                for key in [k for k, e in self.kv_dev.items() if e.model == old]:
+                    self._drop_dev_kv(key)
         self._active = None
         s = self.weights[model]
         if s == WeightState.RESIDENT:
@@ -555,7 +573,7 @@ class SimInstance(DerivedQueries):
         elif s == WeightState.STAGING:
             dur = self.estimate_switch_s(model)
         else:
-            if not self._make_room(m.weight_bytes):
+            if not self._make_room(m.weight_bytes) and not self._drop_staged(m.weight_bytes):
                 raise CapacityError(f"instance {self.name}: weights of {model} ({m.weights_gb} GB) do not fit "
                                     f"the usable HBM {self.capacity / 1e9:.1f} GB")
             dur = self.cost.weight_load_s(m)
@@ -577,17 +595,14 @@ class SimInstance(DerivedQueries):
             c = r.call
             if c.model != model:
                 raise RuntimeError(f"instance {self.name}: call {c.key} for {c.model} admitted while {model} is active")
-            e = self.kv_dev.get(c.session)
-            if e is not None and e.model != model:
-                self._drop_dev_kv(c.session)
-                e = None
+            e = self.kv_dev.get((c.session, model))
             # cached KV serves the call's reusable prefix at most: after a compaction (prefix_tokens) the
             # rest of the prompt is new, and the session's older KV beyond the prefix is overwritten
             limit = c.max_prefix_tokens
             cached = min(e.tokens, limit) if e is not None else 0
-            h = self.kv_host.get(c.session)
+            h = self.kv_host.get((c.session, model))
             restore = 0
-            if self.host_kv and h is not None and h[0] == model:
+            if self.host_kv and h is not None:
                 restore = max(0, min(h[1], limit) - cached)
             need = (self.pages_for(model, c.context_after) - (self.pages_for(model, e.tokens) if e else 0)) * self.page_bytes
             if e is not None:
@@ -597,7 +612,7 @@ class SimInstance(DerivedQueries):
                 keep.append(r)
                 continue
             if e is None:
-                e = self.kv_dev[c.session] = _DevKV(model, 0, self.now, in_use=True)
+                e = self.kv_dev[(c.session, model)] = _DevKV(model, 0, self.now, in_use=True)
             self._set_kv_tokens(e, c.context_after)
             e.last_used = self.now
             new = c.prompt_tokens - cached - restore
@@ -684,7 +699,7 @@ class SimInstance(DerivedQueries):
                     still.append(r)
                     continue
                 c = r.call
-                e = self.kv_dev[c.session]
+                e = self.kv_dev[(c.session, c.model)]
                 e.in_use, e.last_used = False, now
                 self._set_kv_tokens(e, c.context_after)
                 self._flight_pages -= self.pages_for(c.model, c.context_after)

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from talaria_jax.scheduler.session import NO_HINTS, Call, Hints
+from talaria_jax.scheduler.session import NO_HINTS, Call, Hints, reusable_prefixes
 
 # docs/references.md "Agent sessions" (TraceLab, 357K steps): tool gap median 0.3 s, p90 13.6 s, p99 3.6 min.
 TOOL_GAP_MEDIAN_S = 0.3
@@ -45,6 +45,12 @@ class TraceSpec:
     max_turns: int = 1000
     models: tuple[str, ...] = ("qwen3-235b-a22b", "glm-4.5-fp8", "llama-3.1-405b-fp8")
     zipf_s: float = 1.0  # popularity of model rank r is proportional to r^-s
+    # Sessions that use two models (a planner and a helper, as coding agents mix a large model with a
+    # small one for subagents, summaries or quick edits; docs/references.md "Agent sessions"): each
+    # session draws a second model, from `second_models` (uniformly) when given, else among the other
+    # models by the same popularity, and each call after its first runs on it with this probability.
+    second_model_share: float = 0.0
+    second_models: tuple[str, ...] = ()
     arrival_rate_per_s: float = 0.5  # Poisson session arrivals: a batch of SWE-bench tasks launched together
     system_tokens: tuple[int, int] = (2000, 6000)  # system prompt + issue, uniform (docs/references.md: 2-6K)
     obs_median_tokens: float = 500.0  # tool observation per turn, lognormal (docs/references.md: median 0.5-1K, tail 8K+)
@@ -72,7 +78,8 @@ class TraceSpec:
                   ("turns_sigma", self.turns_sigma, 0.0, 5.0), ("long_share", self.long_share, 0.0, 1.0),
                   ("long_turns", self.long_turns, 1 if self.long_share else 0, 10_000),
                   ("max_turns", self.max_turns, 1, 10_000),
-                  ("zipf_s", self.zipf_s, 0.0, 10.0), ("arrival_rate_per_s", self.arrival_rate_per_s, 1e-9, 1e9),
+                  ("zipf_s", self.zipf_s, 0.0, 10.0),
+                  ("second_model_share", self.second_model_share, 0.0, 1.0), ("arrival_rate_per_s", self.arrival_rate_per_s, 1e-9, 1e9),
                   ("obs_median_tokens", self.obs_median_tokens, 1, 1e6), ("output_mean_tokens", self.output_mean_tokens, 1, 1e6),
                   ("gap_median_s", self.gap_median_s, 1e-6, 1e6), ("gap_p90_s", self.gap_p90_s, self.gap_median_s, 1e6),
                   ("tool_gap_scale", self.tool_gap_scale, 0.0, 1e6), ("compact_at_tokens", self.compact_at_tokens, 0, 1e9),
@@ -82,6 +89,12 @@ class TraceSpec:
                 raise TraceError(f"trace spec: '{name}'={v} outside [{lo}, {hi}]")
         if not self.models:
             raise TraceError("trace spec: 'models' must name at least one model")
+        if self.second_model_share and not self.second_models and len(set(self.models)) < 2:
+            raise TraceError(f"trace spec: 'second_model_share'={self.second_model_share} needs at least two "
+                             f"models or 'second_models', got models {list(self.models)}")
+        if set(self.second_models) & set(self.models):
+            raise TraceError(f"trace spec: 'second_models' {sorted(set(self.second_models) & set(self.models))} are "
+                             f"also in 'models' (a session's second model differs from its first)")
         if self.system_tokens[1] + self.output_range[1] > self.max_context_tokens:
             raise TraceError(f"trace spec: 'max_context_tokens'={self.max_context_tokens} must be >= system_tokens max "
                              f"+ output_range max = {self.system_tokens[1] + self.output_range[1]} (a compacted turn "
@@ -105,11 +118,18 @@ def generate(spec: TraceSpec) -> list[Call]:
     width = max(2, len(str(spec.sessions - 1)))
     for s in range(spec.sessions):
         t += float(rng.exponential(1.0 / spec.arrival_rate_per_s)) if s else 0.0
-        model = spec.models[int(rng.choice(len(spec.models), p=pop))]
+        first = int(rng.choice(len(spec.models), p=pop))
+        model = second = spec.models[first]
+        if spec.second_model_share and spec.second_models:  # (no draw without a share: traces stay as they were)
+            second = spec.second_models[int(rng.integers(len(spec.second_models)))]
+        elif spec.second_model_share:
+            others = np.array([m != model for m in spec.models], dtype=float) * pop
+            second = spec.models[int(rng.choice(len(spec.models), p=others / others.sum()))]
         system = prompt = int(rng.integers(spec.system_tokens[0], spec.system_tokens[1] + 1))
         sid = f"s{s:0{width}d}"
         turns = _turns(spec, rng)
         for k in range(turns):
+            on = second if k and spec.second_model_share and rng.random() < spec.second_model_share else model
             out = int(np.clip(rng.lognormal(out_mu, spec.output_sigma), *spec.output_range))
             last = k == turns - 1
             gap = 0.0 if last else float(min(spec.gap_max_s, rng.lognormal(math.log(spec.gap_median_s), gap_sigma)))
@@ -118,7 +138,7 @@ def generate(spec: TraceSpec) -> list[Call]:
             if prompt + out > spec.max_context_tokens or 0 < spec.compact_at_tokens < prompt:
                 # compaction: a new prefix, the first prompt, then the summary
                 prompt, prefix = min(system + spec.compact_summary_tokens, spec.max_context_tokens - out), system
-            calls.append(Call(sid, k, model, prompt, out, round(gap, 3), round(t, 3) if k == 0 else None, prefix))
+            calls.append(Call(sid, k, on, prompt, out, round(gap, 3), round(t, 3) if k == 0 else None, prefix))
             obs = int(min(spec.obs_max_tokens, rng.lognormal(math.log(spec.obs_median_tokens), spec.obs_sigma)))
             prompt = prompt + out + obs
     return calls
@@ -209,8 +229,6 @@ def parse_jsonl(lines: Iterable[str], source: str = "<trace>") -> Trace:
             if turn != prev.turn + 1:
                 raise TraceError(f"{where}: session {sid!r} turn {turn} follows turn {prev.turn} "
                                  f"(line {lines_of[prev.key]}); turns must be consecutive")
-            if model != prev.model:
-                raise TraceError(f"{where}: session {sid!r} changes model from {prev.model!r} to {model!r}")
             if prefix is None and prompt < prev.context_after:
                 raise TraceError(f"{where}: field 'prompt_tokens'={prompt} must be >= previous prompt_tokens + "
                                  f"output_tokens = {prev.context_after} (the earlier context is the prefix; a turn "
@@ -284,12 +302,14 @@ def summary(calls: Sequence[Call]) -> dict:
         by.setdefault(c.session, []).append(c)
     gaps = np.array([c.tool_gap_s for cs in by.values() for c in cs[:-1]])
     deepest = np.array([max(c.context_after for c in cs) for cs in by.values()])
-    reuse = sum(b.reusable_prefix(a.context_after) for cs in by.values() for a, b in zip(cs, cs[1:]))
+    reuse = sum(sum(reusable_prefixes(cs).values()) for cs in by.values())
     models: dict[str, int] = {}
     for cs in by.values():
         models[cs[0].model] = models.get(cs[0].model, 0) + 1
+    several = sum(len({c.model for c in cs}) > 1 for cs in by.values())
     return {
         "sessions": len(by), "calls": len(calls), "sessions_per_model": models,
+        "multi_model_sessions": several,
         "calls_per_session": [int(np.median([len(cs) for cs in by.values()])),
                               int(np.quantile([len(cs) for cs in by.values()], 0.9)), max(len(cs) for cs in by.values())],
         "output_tokens_mean": float(np.mean([c.output_tokens for c in calls])),

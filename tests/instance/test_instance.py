@@ -87,7 +87,7 @@ def test_session_kv_survives_a_to_b_to_a(models4, shared4, drop):
     serve(inst, s0)
     serve(inst, Call("o", 0, "B", 30, 8, 1.0, start_s=0.0))
     s1 = Call("s", 1, "A", 64, 10, 1.0)
-    hist = len(inst.tokens.history["s"])
+    hist = len(inst.tokens.context("s", "A"))
     restored, hit = inst.stats.restored_tokens, inst.stats.device_hit_tokens
     serve(inst, s1)
     # every token of the history but the last (which had no KV yet) comes back: none is recomputed
@@ -100,6 +100,36 @@ def test_session_kv_survives_a_to_b_to_a(models4, shared4, drop):
     greedy, logp = recompute_logprobs(models4["A"], tokens, len(out.token_ids))
     assert out.token_ids == greedy
     np.testing.assert_allclose(out.logprobs, logp[np.arange(len(greedy)), greedy], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_session_that_uses_two_models_reuses_each_models_own_kv(models4, shared4, drop):
+    """One session calls A, then B, then A again: the return to A reuses A's own KV (device pages, or
+    the host copy when the switch dropped them) and B's call did not replace A's host copy; each call's
+    tokens and logprobs are a full recompute's. A compaction on B then cuts what A may reuse."""
+    inst = fresh(shared4, drop=drop)
+    serve(inst, Call("s", 0, "A", 40, 8, 1.0, start_s=0.0))
+    serve(inst, Call("s", 1, "B", 60, 8, 1.0))
+    assert len(inst.tokens.context("s", "A")) == 48 and len(inst.tokens.context("s", "B")) == 68
+    assert inst.cached_prefix("s", "A").host_tokens == 47 and inst.cached_prefix("s", "B").host_tokens == 67
+    restored, hit = inst.stats.restored_tokens, inst.stats.device_hit_tokens
+    a2 = Call("s", 2, "A", 90, 8, 1.0)
+    serve(inst, a2)
+    assert inst.stats.recomputed_tokens == 0
+    assert inst.stats.restored_tokens - restored + inst.stats.device_hit_tokens - hit == 47  # all of A's but the last
+    for call, model in ((a2, "A"), (Call("s", 1, "B", 60, 8, 1.0), "B")):
+        out = inst.outputs[call.key]
+        greedy, logp = recompute_logprobs(models4[model], list(out.prompt_token_ids) + out.token_ids, len(out.token_ids))
+        assert out.token_ids == greedy
+        np.testing.assert_allclose(out.logprobs, logp[np.arange(len(greedy)), greedy], rtol=1e-5, atol=1e-6)
+    serve(inst, Call("s", 3, "B", 50, 8, 1.0, prefix_tokens=20))  # B compacts: a new prefix past 20 tokens
+    assert len(inst.tokens.context("s", "A")) == 20
+    a4 = Call("s", 4, "A", 80, 8, 1.0)
+    serve(inst, a4)
+    prompt = inst.outputs[a4.key].prompt_token_ids
+    assert list(prompt[:20]) == list(inst.outputs[a2.key].prompt_token_ids[:20])
+    assert list(prompt[20:40]) != list(inst.outputs[a2.key].prompt_token_ids[20:40])  # not A's old context
+    assert inst.outputs[a4.key].cached_tokens <= 20
 
 
 def test_resident_models_switch_without_moving_weights(models4):
@@ -247,7 +277,7 @@ def test_a_refused_call_leaves_with_its_error_and_the_rest_are_served(shared4):
 def test_compacted_prompt_keeps_its_prefix_then_new_tokens():
     tokens = SessionTokens()
     p0 = tokens.prompt(Call("s", 0, "A", 10, 4, 0.0, 0.0), 1000)
-    tokens.finished("s", tuple(p0), [1, 2, 3, 4])
+    tokens.finished(Call("s", 0, "A", 10, 4, 0.0, 0.0), tuple(p0), [1, 2, 3, 4])
     grown = tokens.prompt(Call("s", 1, "A", 20, 4, 0.0), 1000)
     assert grown[:14] == p0 + [1, 2, 3, 4]
     compact = tokens.prompt(Call("s", 1, "A", 12, 4, 0.0, prefix_tokens=6), 1000)

@@ -59,7 +59,7 @@ def test_probe_counts_a_prompts_cached_tokens_per_tenant(ie):
     ie.reset(get_policy("talaria"))
     prompt = list(range(10, 30))
     run(ie, [ie.add_request(prompt, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
-    out = list(ie.instance.tokens.history["s"][len(prompt):])
+    out = list(ie.instance.tokens.context("s", "tiny-dense")[len(prompt):])
     follow = prompt + out + [1, 2, 3]
     assert ie.prefix_of("s", "tiny-dense", follow, "a").host_tokens == len(prompt) + 6 - 1  # all but the last
     # a prompt that diverges from the copy (a template re-rendering the reply): the common prefix counts
@@ -69,6 +69,26 @@ def test_probe_counts_a_prompts_cached_tokens_per_tenant(ie):
     assert ie.prefix_of("s", "tiny-dense", follow, "b") == type(mine)()  # another tenant: nothing
 
 
+def test_a_live_session_on_two_models_keeps_each_models_kv(ie):
+    """A session calls tiny-dense, then tiny-moe, then tiny-dense again: tiny-moe's call keeps its own
+    history and host copy, so the return to tiny-dense finds all of its own context but the last token
+    (device pages and host copy), and the scheduler expects the session back on the model it used last."""
+    ie.reset(get_policy("talaria"))
+    prompt = list(range(10, 30))
+    run(ie, [ie.add_request(prompt, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
+    other = [7] * 12
+    run(ie, [ie.add_request(other, GREEDY, model="tiny-moe", cache_salt="a", session="s")])
+    assert ie.sessions.sessions["s"].model == "tiny-moe"
+    out = list(ie.instance.tokens.context("s", "tiny-dense")[len(prompt):])
+    follow = prompt + out + [1, 2, 3]
+    assert ie.prefix_of("s", "tiny-dense", follow, "a").host_tokens == len(prompt) + 6 - 1
+    assert ie.prefix_of("s", "tiny-moe", other + [1, 2], "a").host_tokens == len(other)
+    [rid] = [ie.add_request(follow, GREEDY, model="tiny-dense", cache_salt="a", session="s")]
+    got = run(ie, [rid])[rid]
+    mesh = make_mesh(jax.devices()[:1])
+    assert got == greedy_generate(load_model("tiny-dense", mesh).model, [follow], 6)[0]
+
+
 def test_a_diverging_prompt_restores_the_common_prefix_from_host_and_decodes_right(ie):
     """The next prompt extends only part of the session's host copy, and the device cache was dropped:
     the common prefix is restored from host (a partial last page included) and the tokens are those
@@ -76,7 +96,7 @@ def test_a_diverging_prompt_restores_the_common_prefix_from_host_and_decodes_rig
     ie.reset(get_policy("talaria"))
     first = list(range(100, 121))  # 21 tokens: 2 full pages and a partial one
     run(ie, [ie.add_request(first, GREEDY, model="tiny-dense", cache_salt="a", session="s")])
-    out = list(ie.instance.tokens.history["s"][len(first):])
+    out = list(ie.instance.tokens.context("s", "tiny-dense")[len(first):])
     nxt = first + [(out[0] + 1) % 256, 9, 9, 9]
     for e in ie.engines:
         e.prefix_cache.clear()

@@ -82,19 +82,24 @@ def test_protection_keeps_the_session_s_pages_until_its_deadline_on_the_owner_s_
     assert sk.device_tokens("a", "t1", TOKENS) == 0
 
 
-def test_a_new_copy_replaces_the_last_and_forget_releases_it(owned):
+def test_a_new_copy_replaces_the_same_models_last_and_forget_releases_them_all(owned):
     sk, a, b, _ = owned
     sk.started("s", "a")
     first = offload(sk, a, TOKENS[:16], "s")
     sk.kept("s", "a", None, first)
-    sk.started("s", "b")  # the session's next call ran on model b
+    sk.started("s", "b")  # the session's next call ran on model b: a's copy stays, b has its own
     second = offload(sk, b, TOKENS, "s")
     sk.kept("s", "b", None, second)
-    assert not a.host_tier.usable(first) and b.host_tier.usable(second)
-    assert sk.locate("s", "a", None, TOKENS) == (0, 0) and sk.locate("s", "b", None, TOKENS)[1] == 40
+    assert a.host_tier.usable(first) and b.host_tier.usable(second)
+    assert sk.locate("s", "a", None, TOKENS)[1] == 16 and sk.locate("s", "b", None, TOKENS)[1] == 40
+    sk.started("s", "a")
+    third = offload(sk, a, TOKENS, "s")
+    sk.kept("s", "a", None, third)  # a's next copy replaces a's last one
+    assert not a.host_tier.usable(first) and a.host_tier.usable(third) and b.host_tier.usable(second)
     sk.protect("s", 5.0, None, TOKENS)
     sk.forget("s")
-    assert not b.host_tier.usable(second) and sk.with_host_copy() == set() and sk.model_of("s") is None
+    assert not b.host_tier.usable(second) and not a.host_tier.usable(third)
+    assert sk.with_host_copy() == set() and sk.model_of("s") is None
     assert sk.protected() == {} and "s" not in sk.budget.protected
 
 

@@ -425,6 +425,21 @@ def test_chain_order_ages_a_call_whose_model_is_not_its_sessions_first():
     assert max(prio, key=prio.get) == "m2"  # waited longest
 
 
+def test_a_session_in_its_tool_gap_counts_for_the_model_it_used_last():
+    # x calls m1 then m2 and is in its tool gap: the slot order and the reservation expect it back on
+    # m2 (its last call's model), not on its first call's, and never read its next call from the trace
+    calls = [Call("x", 0, "m1", 1000, 10, 0.0, 0.0), Call("x", 1, "m2", 1100, 10, 0.0), Call("x", 2, "m1", 1200, 10, 0.0)]
+    inst = _inst("i")
+    sched = Scheduler(get_policy("talaria-smith"), [inst], SessionTable(calls))
+    for k, t in ((0, 0.0), (1, 1.0)):
+        sched.on_arrival(calls[k], t)
+        sched.sessions.complete(calls[k], "i", t + 0.5)
+        sched.on_finish(calls[k], inst, t + 0.5)
+        assert sched.sessions["x"].model == calls[k].model
+        assert set(sched.slot_priority(inst, t + 0.6)) == {calls[k].model}
+        assert sched.state["i"].budget.reservations["x"].model == calls[k].model
+
+
 def test_router_credits_a_compacted_call_only_its_stated_prefix():
     local = _inst("local")  # session s's 1100-token prefix on device
     local.switch_model("m1")

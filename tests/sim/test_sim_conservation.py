@@ -6,7 +6,8 @@ from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.scheduler import POLICIES, get_policy
 from talaria_jax.sim.cluster import replay
 from talaria_jax.sim.hardware import load_hardware, load_models
-from talaria_jax.sim.traces import read_jsonl
+from talaria_jax.scheduler.session import reusable_prefixes
+from talaria_jax.sim.traces import TraceSpec, generate, read_jsonl, summary
 
 CALLS = read_jsonl(CONFIG_DIR / "traces" / "swebench-30x32.jsonl")
 HW, SHAPES = load_hardware("h200x8"), load_models()
@@ -48,6 +49,19 @@ def test_talaria_restores_prefixes_that_round_keeps_or_recomputes():
     r = replay(CALLS, get_policy("round"), HW, SHAPES, seed=0).summary()
     assert t["kv_recomputed_tokens"] == 0 and t["kv_restored_tokens"] > 0
     assert r["kv_restored_tokens"] == 0
+
+
+def test_sessions_that_use_two_models_conserve_calls_and_lose_no_kv():
+    # a third of each session's calls on a second model: every policy completes every call in order;
+    # talaria restores every evicted prefix (per model) from host and recomputes none
+    calls = generate(TraceSpec(sessions=12, turns=12, second_model_share=0.3, seed=2))
+    assert summary(calls)["multi_model_sessions"] >= 10
+    for name in ("talaria", "round", "talaria-srpt"):
+        res = replay(calls, get_policy(name), HW, SHAPES, seed=0)
+        _check(res, calls)
+    s = replay(calls, get_policy("talaria"), HW, SHAPES, seed=0).summary()
+    assert s["kv_recomputed_tokens"] == 0 and s["kv_restored_tokens"] + s["kv_device_hit_tokens"] == \
+        sum(sum(reusable_prefixes([c for c in calls if c.session == sid]).values()) for sid in {c.session for c in calls})
 
 
 def test_default_models_cannot_all_stay_resident():

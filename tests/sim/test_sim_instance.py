@@ -7,7 +7,7 @@ import pytest
 from talaria_jax.scheduler.api import WeightState
 from talaria_jax.scheduler.session import Call
 from talaria_jax.sim.instance import SimInstance
-from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES
+from talaria_jax.sim.toys import TOY_HW, TOY_SHAPES, toy_model
 
 
 def _inst(models=("m1",), **kw):
@@ -128,6 +128,38 @@ def test_compacted_turn_reuses_only_its_prefix(on_device):
     assert st.restored_tokens - before.restored_tokens == (0 if on_device else 300)
     assert st.prefill_tokens - before.prefill_tokens == 400
     assert inst.cached_prefix("s", "m1") == type(inst.cached_prefix("s", "m1"))(710, 710)
+
+
+def test_a_session_on_two_models_keeps_each_models_kv():
+    # s calls m1 (1000 + 100), then m2 (1500 + 100), then m1 again (2000): m2's call neither drops
+    # m1's device KV nor replaces its host copy, so the return to m1 hits its own 1100 tokens on device
+    inst = _inst(("m1", "m2"))
+    loc = type(inst.cached_prefix("s", "m1"))
+    t = 0.0
+    for k, (m, prompt) in enumerate((("m1", 1000), ("m2", 1500))):
+        inst.switch_model(m)
+        t = _serve(inst, Call("s", k, m, prompt, 100, 0.0, 0.0 if k == 0 else None), _run(inst, t))
+    assert inst.cached_prefix("s", "m1") == loc(1100, 1100) and inst.cached_prefix("s", "m2") == loc(1600, 1600)
+    inst.switch_model("m1")
+    before = dataclasses.replace(inst.stats)
+    _serve(inst, Call("s", 2, "m1", 2000, 10, 0.0), _run(inst, t))
+    assert inst.stats.device_hit_tokens - before.device_hit_tokens == 1100
+    assert inst.stats.prefill_tokens - before.prefill_tokens == 900
+    assert inst.cached_prefix("s", "m2") == loc(1600, 1600)
+
+
+def test_a_switch_to_a_model_that_does_not_fit_beside_the_staged_one_drops_it():
+    # m1 (10 GB) active and m2 (16 GB) staging fill 26 of 30 GB; a switch to m3 (15 GB) cannot fit
+    # beside m2 even with m1 evicted: the staging copy is given up (m2 back to host), not a crash
+    shapes = {**TOY_SHAPES, "m2": toy_model("m2", 16.0), "m3": toy_model("m3", 15.0)}
+    inst = SimInstance("i", TOY_HW, shapes, ("m1", "m2", "m3"), host_kv=True, staging=True,
+                       drop_kv_on_switch=False, page_bytes=1_000_000)
+    inst.switch_model("m1")
+    t = _run(inst)
+    assert inst.stage_model("m2") and inst.weight_state("m2") == WeightState.STAGING
+    inst.switch_model("m3")
+    _run(inst, t)
+    assert inst.active_model() == "m3" and inst.weight_state("m2") == WeightState.HOST
 
 
 def test_staging_never_evicts_the_active_models_kv():

@@ -6,6 +6,7 @@ import pytest
 
 from talaria_jax.config_io import CONFIG_DIR
 from talaria_jax.scheduler import Hints
+from talaria_jax.scheduler.session import reusable_prefixes
 from talaria_jax.sim.traces import (TraceError, TraceSpec, generate, parse_jsonl, read_jsonl, summary, with_hints,
                                     write_jsonl)
 
@@ -31,7 +32,6 @@ def test_parses_and_ignores_unknown_fields():
     ({"turn": 2}, 2, "turn 2 follows turn 0"),
     ({"output_tokens": 0}, 2, r"'output_tokens'=0 outside \[1, inf\]"),
     ({"tool_gap_s": "soon"}, 2, "'tool_gap_s' must be float"),
-    ({"model": "m2"}, 2, "changes model"),
     ({"prompt_tokens": 150, "prefix_tokens": 111}, 2, r"'prefix_tokens'=111 must be <= previous prompt_tokens \+ "
                                                       r"output_tokens = 110"),
     ({"prompt_tokens": 105, "prefix_tokens": 106}, 2, r"'prefix_tokens'=106 must be <= prompt_tokens = 105"),
@@ -49,11 +49,47 @@ def test_malformed_line_names_line_and_field(patch, line, pattern):
 def test_prefix_tokens_allows_a_shorter_prompt():
     rows = [GOOD[0], {**GOOD[1], "prompt_tokens": 60, "prefix_tokens": 40}]
     calls = parse_jsonl(_lines(rows), "t.jsonl")
-    assert calls[1].prefix_tokens == 40 and calls[1].reusable_prefix(calls[0].context_after) == 40
+    assert calls[1].prefix_tokens == 40 and reusable_prefixes(calls[:2])[calls[1].key] == 40
     assert calls[0].prefix_tokens is None and calls[1].max_prefix_tokens == 40 and calls[0].max_prefix_tokens == 100
     assert calls.where(("s0", 1)) == "t.jsonl:2"
     with pytest.raises(TraceError, match="t:1: field 'prefix_tokens'=5 must be 0 on turn 0"):
         parse_jsonl([json.dumps({**GOOD[0], "prefix_tokens": 5})], "t")
+
+
+def test_a_session_may_change_model_and_reuses_each_models_own_kv():
+    """A call reuses what the session's last call on its own model left, up to the smallest prefix of
+    the calls since (a compaction on either model starts a new prefix for both)."""
+    rows = [GOOD[0],  # m1: 100 + 10
+            {**GOOD[1], "model": "m2"},  # m2's first call: nothing of its own cached
+            {**GOOD[1], "turn": 2, "prompt_tokens": 200},  # m1 again: its own 110 tokens
+            {**GOOD[1], "turn": 3, "model": "m2", "prompt_tokens": 230},  # m2: its own 160
+            {**GOOD[1], "turn": 4, "prompt_tokens": 150, "prefix_tokens": 120},  # m1 compacts to 120
+            {**GOOD[1], "turn": 5, "model": "m2", "prompt_tokens": 400}]  # m2: its 240, cut to 120
+    calls = parse_jsonl(_lines(rows), "t.jsonl")
+    assert [c.model for c in calls] == ["m1", "m2", "m1", "m2", "m1", "m2"]
+    assert list(reusable_prefixes(calls).values()) == [0, 0, 110, 160, 120, 120]
+    assert summary(calls)["multi_model_sessions"] == 1
+
+
+def test_generator_gives_sessions_a_second_model():
+    one = generate(TraceSpec(sessions=20, turns=10))
+    two = generate(TraceSpec(sessions=20, turns=10, second_model_share=0.3))
+    assert summary(one)["multi_model_sessions"] == 0
+    assert summary(two)["multi_model_sessions"] >= 15
+    by = {}
+    for c in two:
+        by.setdefault(c.session, []).append(c.model)
+    assert all(len(set(ms)) <= 2 for ms in by.values())
+    assert 0.15 < sum(m != ms[0] for ms in by.values() for m in ms) / len(two) < 0.4
+    with pytest.raises(TraceError, match="'second_model_share'=0.5 needs at least two models or 'second_models'"):
+        TraceSpec(models=("a",), second_model_share=0.5)
+    helper = generate(TraceSpec(sessions=20, turns=10, second_model_share=0.3, second_models=("small",)))
+    assert {c.model for c in helper if c.turn == 0} <= set(TraceSpec().models)
+    assert {c.model for c in helper} - set(TraceSpec().models) == {"small"}
+    with pytest.raises(TraceError, match=r"'second_models' \['a'\] are also in 'models'"):
+        TraceSpec(models=("a", "b"), second_models=("a",))
+    with pytest.raises(TraceError, match=r"'second_model_share'=1.5 outside \[0.0, 1.0\]"):
+        TraceSpec(second_model_share=1.5)
 
 
 def test_bad_json_and_missing_fields():

@@ -2,6 +2,7 @@
 import pytest
 
 from talaria_jax.launch import sweep
+from talaria_jax.sim.traces import summary
 
 
 def test_compare_marks_rivals_more_than_the_tie_faster():
@@ -14,17 +15,19 @@ def test_compare_marks_rivals_more_than_the_tie_faster():
 
 def test_matrix_cells():
     cells = sweep.cells()
-    assert len(cells) == 8 * 2 * 4 + 3
+    assert len(cells) == 9 * 2 * 4 + 3
     assert {c.trace for c in cells} == {"default", "gen1", "gen2", "gen3", "short", "long", "bimodal", "sparse",
-                                        "open0.02", "open0.03", "open0.05"}
+                                        "multi", "open0.02", "open0.03", "open0.05"}
     sparse = sweep.cell_trace("sparse", "unused")
     per_session = [1 + max(c.turn for c in sparse if c.session == s) for s in {c.session for c in sparse}]
     assert len(per_session) == 60 and max(per_session) <= 9 and sum(n >= 3 for n in per_session) >= 0.9 * 60
     assert sweep.cell_trace("bimodal", "unused")[0].session == "s00"
+    multi = summary(sweep.cell_trace("multi", "unused"))
+    assert multi["multi_model_sessions"] == multi["sessions"] == 30
     assert [c.label for c in sweep.cells(["open0.05"])] == ["open0.05 h200x8 gaps x1"]
     with pytest.raises(ValueError, match=r"sweep traces \['gen5'\] unknown; known: default, gen1"):
         sweep.cells(["gen5"])
-    with pytest.raises(ValueError, match="not default, gen<seed>, open<rate>, sparse or short, long, bimodal"):
+    with pytest.raises(ValueError, match="not default, gen<seed>, open<rate>, sparse, multi or short, long, bimodal"):
         sweep.cell_trace("nope", "unused")
 
 
