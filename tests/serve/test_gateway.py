@@ -83,6 +83,23 @@ def test_the_real_client_works_through_the_gateway_and_sessions_follow_their_kv(
     assert metric(url, "router_requests_total") >= 4
 
 
+def test_a_session_that_calls_two_models_returns_to_its_first_models_kv(cluster):
+    """One session calls SmolLM2, then tiny-dense, then SmolLM2 again: each call is placed among the
+    instances serving its model, and the return to SmolLM2 reuses the session's SmolLM2 prefix."""
+    gw, url, instances = cluster
+    c, h = client(url), {"x-session-id": "two-models"}
+    messages = [{"role": "user", "content": "Name the largest city of Canada."}]  # (text no other test sends)
+    first = c.chat.completions.create(model=SMOL, messages=messages, max_tokens=8, temperature=0, extra_headers=h)
+    helper = c.completions.create(model="tiny-dense", prompt=list(range(1, 40)), max_tokens=4, temperature=0,
+                                  extra_headers=h)
+    assert helper.usage.completion_tokens == 4
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And of Australia?"}]
+    again = c.chat.completions.create(model=SMOL, messages=messages, max_tokens=8, temperature=0, extra_headers=h)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    assert again.usage.prompt_tokens_details.cached_tokens <= first.usage.prompt_tokens + first.usage.completion_tokens
+
+
 def _post(url, body, key=KEY, raw=None, path="/v1/completions"):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(f"{url}{path}", content=raw if raw is not None else json.dumps(body).encode(),
