@@ -49,7 +49,7 @@ class SessionKV:
         self.models: dict[str, ModelKV] = {}
         self._host: dict[str, dict[str, HostKV]] = {}  # session -> model -> its last host copy of that model
         self._model_of: dict[str, str] = {}  # session -> the model of its last call here
-        self._until: dict[str, float] = {}  # session -> the end of its protection
+        self._until: dict[str, dict[str, float]] = {}  # session -> model -> the end of its protection there
 
     def add_model(self, model: str, cfg, *, weights: str) -> ModelKV:
         """Builds the prefix cache and host tier of `model` (`cfg`: its ``ModelConfig``, `weights`: its
@@ -124,25 +124,28 @@ class SessionKV:
 
     def protect(self, session: str, until: float, tenant: str | None, tokens: Sequence[int]) -> None:
         """Keeps the session's device pages on the path of `tokens` (its context on the model of its
-        last call here, the one it is expected back on) and its host copy of that model until `until`."""
-        self._until[session] = until
+        last call here, the one it is expected back on) until `until`, and its host copies while any
+        protection of it lasts. A protection given earlier on another model runs to its own deadline."""
         model = self._model_of.get(session)
         if model is None:
             return
+        self._until.setdefault(session, {})[model] = until
         mkv = self.models[model]
         mkv.prefix_cache.protect_path(mkv.key(tenant), tokens, until)
         mkv.host_tier.protect(session)
 
-    def protected(self) -> dict[str, str]:
-        """session -> model, for each session protected past now that has run a call here."""
+    def protected(self) -> list[tuple[str, str]]:
+        """(session, model) of each protection that lasts past now."""
         now = self.clock()
-        return {s: self._model_of[s] for s, until in self._until.items() if until > now and s in self._model_of}
+        return [(s, m) for s, mine in self._until.items() for m, until in mine.items() if until > now]
 
     def expire(self) -> None:
-        """Ends the protections whose deadline has passed."""
+        """Ends the protections whose deadline has passed (a session's host copies, with its last)."""
         now = self.clock()
-        for session, until in list(self._until.items()):
-            if until <= now:
+        for session, mine in list(self._until.items()):
+            for model in [m for m, until in mine.items() if until <= now]:
+                del mine[model]
+            if not mine:
                 del self._until[session]
                 self._unprotect_host(session)
 

@@ -217,9 +217,11 @@ class Scheduler:
         else:  # smith: and those likely back soon (their tool gap is within the observed p90)
             horizon = now - self.gaps.p90()
             sids |= {sid for sid, t in st.finished.items() if t >= horizon}
+        model = {sid: self.sessions[sid].model for sid in sids}  # in its tool gap: the model it used last
+        model.update({c.session: c.model for c, _ in st.admitted.values()})
+        model.update({c.session: c.model for _, c in st.pending})
         out: dict[str, float] = {}
-        for sid in sids:
-            m = self.sessions[sid].model
+        for sid, m in model.items():
             out[m] = out.get(m, 0.0) + self._weight(sid)
         if order == "smith":  # Smith's rule: sessions a model's slot advances per second of it
             out = {m: n / self._call_s(st, inst, m) for m, n in out.items()}

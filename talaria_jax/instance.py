@@ -16,8 +16,10 @@ one request whose prompt is its session's real history (earlier prompts and the 
 actually generated) extended by deterministic tokens (`SessionTokens`). With `host_kv`, every
 finished call writes its KV through to host memory, so a switch never loses a session's KV: when
 the session returns, the full pages of its prefix still in the device prefix cache are reused and the
-rest is restored from the host copy, instead of being recomputed. `protect_kv` protects a session's device pages (its prefix-cache path)
-and its host copy until the time given.
+rest is restored from the host copy, instead of being recomputed. A session that calls several
+models has a history, device pages and a host copy per model. `protect_kv` protects a session's
+device pages on the model of its last call (its prefix-cache path) until the time given, and its
+host copies while a protection of it lasts.
 
 Work happens in chunks, as in ``SimInstance``: `start_chunk` carries out what the scheduler asked
 for since the last one (admissions, staging, a switch), then runs one real step (a switch, or one
@@ -141,7 +143,7 @@ class LiveTokens:
     each call's real prompt and sampling parameters, and each session's last context on each model it
     used (its last prompt there and the tokens generated for it), which the instance's prefix lookups
     follow. A session's history is a compact int32 array (4 bytes a token, not a Python int's 28 and a list slot's 8): a
-    server keeps up to --max_sessions of them."""
+    server keeps up to --max_sessions sessions' histories, one per model each session used."""
 
     def __init__(self):
         self.history: dict[str, dict[str, array.array]] = {}  # session -> model -> its last context there
@@ -377,13 +379,14 @@ class Instance(DerivedQueries):
         calls = [*self._calls.values(), *self._pending]
         return sum(self.pages_for(c.model, c.context_after) for c in calls)
 
-    def _in_use(self) -> set[str]:
-        return {c.session for c in self._calls.values()} | {c.session for c in self._pending}
+    def _in_use(self) -> set[tuple[str, str]]:
+        """(session, model) of the calls admitted here and not finished: their KV is in use."""
+        return {(c.session, c.model) for c in (*self._calls.values(), *self._pending)}
 
     def kv_pages_reserved(self, exclude_session: str | None = None) -> int:
         busy = self._in_use()
-        return sum(self.pages_for(model, self._device_tokens(sid, model)) for sid, model in self.kv.protected().items()
-                   if sid != exclude_session and sid not in busy)
+        return sum(self.pages_for(model, self._device_tokens(sid, model)) for sid, model in self.kv.protected()
+                   if sid != exclude_session and (sid, model) not in busy)
 
     def _device_bytes(self) -> float:
         """Weights on the devices (the slot, and its staging area when it holds a model; the models a budget
@@ -404,10 +407,11 @@ class Instance(DerivedQueries):
         return self.kv.device_tokens(model, self.tokens.tenant(session), self.tokens.context(session, model))
 
     def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
-        if model not in self.served or session_id in self._in_use():
+        if model not in self.served or (session_id, model) in self._in_use():
             return PrefixLocation()
-        return PrefixLocation(*self.kv.locate(session_id, model, self.tokens.tenant(session_id),
-                                              self.tokens.context(session_id, model)))
+        context = self.tokens.context(session_id, model)  # (a compaction since may have cut it)
+        dev, host = self.kv.locate(session_id, model, self.tokens.tenant(session_id), context)
+        return PrefixLocation(dev, min(host, len(context)))
 
     def prefix_of(self, session_id: str, model: str, prompt, cache_salt: str | None) -> PrefixLocation:
         """Tokens of `prompt` (ids) this instance holds for `model`: full pages in the device prefix

@@ -28,9 +28,11 @@ LOCAL_TRACE = TraceSpec(sessions=12, turns=4, models=LOCAL_MODELS, arrival_rate_
                         obs_median_tokens=48.0, obs_max_tokens=256, output_mean_tokens=24.0, output_range=(8, 64),
                         max_context_tokens=1024)
 # The local replay's traces (talaria-replay --backend=local --local_trace=): LOCAL_TRACE, every session
-# 3 calls (the demo's sessions), and mixed lengths (most 1-5 calls, a quarter around 10)
+# 3 calls (the demo's sessions), mixed lengths (most 1-5 calls, a quarter around 10), and LOCAL_TRACE's
+# sessions on two models (a call after the first on another local model with probability 0.4)
 LOCAL_TRACES = {"12x4": LOCAL_TRACE, "12x3": dataclasses.replace(LOCAL_TRACE, turns=3),
-                "mixed": dataclasses.replace(LOCAL_TRACE, turns=2, turns_sigma=0.5, long_turns=10, long_share=0.25)}
+                "mixed": dataclasses.replace(LOCAL_TRACE, turns=2, turns_sigma=0.5, long_turns=10, long_share=0.25),
+                "multi": dataclasses.replace(LOCAL_TRACE, second_model_share=0.4)}
 
 
 def local_trace(spec: TraceSpec = LOCAL_TRACE) -> list[Call]:

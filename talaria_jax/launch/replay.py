@@ -62,7 +62,8 @@ flags.DEFINE_string("plot", "", "Write an SCT CDF per policy (PNG) here (with --
 flags.DEFINE_bool("sweep", False, "Replay --policies in every cell of the regime matrix (talaria_jax/launch/sweep.py: "
                   "tool-gap scales x hardware x traces, plus an open-arrival load sweep) and mark the cells where "
                   "talaria is not best.")
-flags.DEFINE_list("sweep_traces", [], "--sweep: only these traces (default, gen1, gen2, gen3, open0.02, ...).")
+flags.DEFINE_list("sweep_traces", [], "--sweep: only these traces (default, gen1, gen2, gen3, short, long, bimodal, "
+                  "sparse, multi, open0.02, open0.03, open0.05).")
 flags.DEFINE_list("noise_seeds", [], "--sweep: also replay talaria over these other seeds in every cell and print its "
                   "SCT there over its SCT on --seeds (how far the same policy moves between seed sets, next to the 2% tie).")
 flags.DEFINE_string("timeline", "", "Write each policy's model slots per instance and calls per session over time "
@@ -77,8 +78,9 @@ flags.DEFINE_string("local_weight_budget", "largest", "--backend=local: device b
 flags.register_validator("local_weight_budget",
                          lambda v: v in ("all", "largest", "slot") or (v.isdigit() and int(v) > 0),
                          "must be 'largest', 'all', 'slot' or a number of bytes")
-flags.DEFINE_enum("local_trace", "12x4", ["12x4", "12x3", "mixed"], "--backend=local without --trace: the local "
-                  "trace (talaria_jax.local.LOCAL_TRACES): 12 sessions of 4 calls, of 3, or of mixed lengths.")
+flags.DEFINE_enum("local_trace", "12x4", ["12x4", "12x3", "mixed", "multi"], "--backend=local without --trace: the "
+                  "local trace (talaria_jax.local.LOCAL_TRACES): 12 sessions of 4 calls, of 3, of mixed lengths, or "
+                  "of 4 calls on two models each.")
 flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model pairs (name=local); default: the "
                   "local 12-session trace, whose names are the local models'.")
 flags.DEFINE_integer("devices_per_instance", 1, "--backend=local: devices (TP) of each instance (default "

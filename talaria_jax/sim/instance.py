@@ -76,11 +76,14 @@ class Decode:
 
 class SimInstance(DerivedQueries):
     """A simulated instance; see the module docstring. `reusable_prefix(call)` gives the tokens of
-    call's prompt that an earlier call of its session produced (for the recomputed-token count)."""
+    call's prompt that earlier calls of its session computed KV for on its model, wherever they ran
+    (``session.reusable_prefixes``): at most that much of the KV held here serves the call (a
+    compaction elsewhere, or on another model, cut it), and what a cache miss recomputes of it is
+    counted. None: the call's own ``max_prefix_tokens`` bounds it, and nothing counts as recomputed."""
 
     def __init__(self, name: str, hw: HardwareConfig, shapes: dict[str, ModelShape], models: Sequence[str], *,
                  host_kv: bool, staging: bool, drop_kv_on_switch: bool, page_bytes: int = 4 * 2**20,
-                 reusable_prefix: Callable[[Call], int] = lambda c: 0, jitter_sigma: float = 0.0,
+                 reusable_prefix: Callable[[Call], int] | None = None, jitter_sigma: float = 0.0,
                  rng: np.random.Generator | None = None):
         for m in models:
             if m not in shapes:
@@ -295,8 +298,8 @@ class SimInstance(DerivedQueries):
         a reload unless both models' weights fit beside the KV in flight; inf where `model`'s weights
         and `pages` more KV pages do not fit beside the KV of the calls it would pause."""
         a, m = self._active, self.shapes[model]
-        # what a switch cannot evict: the KV in flight (the paused calls' and the waiting calls') and
-        # a staging area's model
+        # what a switch cannot evict: the KV in flight (the paused calls' and the waiting calls'), and
+        # what a pause should not cost: a staging area's model (a switch gives it up only as a last resort)
         fixed = (self._flight_pages + pages) * self.page_bytes + sum(
             self.shapes[o].weight_bytes for o, s in self.weights.items()
             if o != model and s in (WeightState.STAGED, WeightState.STAGING))
@@ -307,13 +310,18 @@ class SimInstance(DerivedQueries):
             back = self.cost.weight_load_s(self.shapes[a])
         return self.estimate_switch_s(model) + back
 
+    def _prefix_limit(self, call: Call) -> int:
+        """The most of the KV held for the call's session and model that may serve it."""
+        limit = call.max_prefix_tokens
+        return limit if self.reusable_prefix is None else min(limit, self.reusable_prefix(call))
+
     def is_busy(self) -> bool:
         return self.busy_until is not None
 
     def estimate_service_s(self, call: Call) -> float:
         m = self.shapes[call.model]
         loc = self.cached_prefix(call.session, call.model)
-        cached = min(call.max_prefix_tokens, max(loc.device_tokens, loc.host_tokens))
+        cached = min(self._prefix_limit(call), max(loc.device_tokens, loc.host_tokens))
         batch = len(self.running) + 1
         ctx = sum(r.ctx for r in self.running) + call.prompt_tokens
         return self.cost.service_s(m, call.prompt_tokens, call.output_tokens, cached, batch, ctx)
@@ -322,7 +330,7 @@ class SimInstance(DerivedQueries):
         """Seconds of one model's `calls` run together on their own (`CostModel.batch_s`)."""
         def cached(c: Call) -> int:
             loc = self.cached_prefix(c.session, c.model)
-            return min(c.max_prefix_tokens, max(loc.device_tokens, loc.host_tokens))
+            return min(self._prefix_limit(c), max(loc.device_tokens, loc.host_tokens))
         return self.cost.batch_s(self.shapes[calls[0].model], [(c.prompt_tokens, c.output_tokens, cached(c))
                                                                for c in calls]) if calls else 0.0
 
@@ -598,7 +606,7 @@ class SimInstance(DerivedQueries):
             e = self.kv_dev.get((c.session, model))
             # cached KV serves the call's reusable prefix at most: after a compaction (prefix_tokens) the
             # rest of the prompt is new, and the session's older KV beyond the prefix is overwritten
-            limit = c.max_prefix_tokens
+            limit = self._prefix_limit(c)
             cached = min(e.tokens, limit) if e is not None else 0
             h = self.kv_host.get((c.session, model))
             restore = 0
@@ -616,7 +624,7 @@ class SimInstance(DerivedQueries):
             self._set_kv_tokens(e, c.context_after)
             e.last_used = self.now
             new = c.prompt_tokens - cached - restore
-            reusable = self.reusable_prefix(c)
+            reusable = self.reusable_prefix(c) if self.reusable_prefix is not None else 0
             self.stats.device_hit_tokens += cached
             self.stats.restored_tokens += restore
             self.stats.recomputed_tokens += max(0, min(reusable, c.prompt_tokens) - cached - restore)

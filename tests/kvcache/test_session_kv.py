@@ -67,19 +67,34 @@ def test_protection_keeps_the_session_s_pages_until_its_deadline_on_the_owner_s_
     sk, a, _, now = owned
     cache(sk, a, "t1", TOKENS)
     cache(sk, a, "t1", list(range(500, 540)))  # another session's pages, under the same tenant
-    sk.protect("s", 10.0, "t1", TOKENS)  # no call ran here yet: only the deadline is noted
-    assert sk.protected() == {}
+    sk.protect("s", 10.0, "t1", TOKENS)  # no call ran here yet: nothing to protect
+    assert sk.protected() == []
     sk.started("s", "a")
     sk.kept("s", "a", "t1", offload(sk, a, TOKENS, "s"))
     sk.protect("s", 10.0, "t1", TOKENS)
-    assert sk.protected() == {"s": "a"} and "s" in sk.budget.protected
+    assert sk.protected() == [("s", "a")] and "s" in sk.budget.protected
     assert a.prefix_cache.evict(5) == 5  # the unprotected pages go first
     assert sk.device_tokens("a", "t1", TOKENS) == 40 and sk.device_tokens("a", "t1", range(500, 540)) == 0
     now[0] = 10.0
     sk.expire()
-    assert sk.protected() == {} and "s" not in sk.budget.protected
+    assert sk.protected() == [] and "s" not in sk.budget.protected
     a.prefix_cache.evict(5)
     assert sk.device_tokens("a", "t1", TOKENS) == 0
+
+
+def test_a_session_protected_on_two_models_keeps_each_deadline_and_its_host_copies_until_the_last(owned):
+    sk, a, b, now = owned
+    for model, until in (("a", 10.0), ("b", 20.0)):
+        sk.started("s", model)
+        sk.kept("s", model, None, offload(sk, a if model == "a" else b, TOKENS, "s"))
+        sk.protect("s", until, None, TOKENS)
+    assert sorted(sk.protected()) == [("s", "a"), ("s", "b")]
+    now[0] = 10.0
+    sk.expire()
+    assert sk.protected() == [("s", "b")] and "s" in sk.budget.protected
+    now[0] = 20.0
+    sk.expire()
+    assert sk.protected() == [] and "s" not in sk.budget.protected
 
 
 def test_a_new_copy_replaces_the_same_models_last_and_forget_releases_them_all(owned):
@@ -100,7 +115,7 @@ def test_a_new_copy_replaces_the_same_models_last_and_forget_releases_them_all(o
     sk.forget("s")
     assert not b.host_tier.usable(second) and not a.host_tier.usable(third)
     assert sk.with_host_copy() == set() and sk.model_of("s") is None
-    assert sk.protected() == {} and "s" not in sk.budget.protected
+    assert sk.protected() == [] and "s" not in sk.budget.protected
 
 
 def test_every_model_s_copies_share_one_host_budget(owned):
@@ -126,7 +141,7 @@ def test_clear_forgets_every_session_and_empties_every_cache(owned):
     sk.protect("s", 99.0, None, TOKENS)
     sk.clear()
     assert sk.arena.allocator.num_free == 32 and a.prefix_cache.num_pages == b.prefix_cache.num_pages == 0
-    assert sk.with_host_copy() == set() and sk.protected() == {} and sk.budget.num_copies == 0
+    assert sk.with_host_copy() == set() and sk.protected() == [] and sk.budget.num_copies == 0
     with pytest.raises(ValueError, match="already has its KV homes"):
         sk.add_model("a", A, weights="wa")
     assert sk.locate("s", "a", None, TOKENS) == (0, 0)

@@ -438,6 +438,8 @@ def test_a_session_in_its_tool_gap_counts_for_the_model_it_used_last():
         assert sched.sessions["x"].model == calls[k].model
         assert set(sched.slot_priority(inst, t + 0.6)) == {calls[k].model}
         assert sched.state["i"].budget.reservations["x"].model == calls[k].model
+    sched.on_arrival(calls[2], 2.0)  # back on m1: its pending call counts for m1, not for the model it used last
+    assert set(sched.slot_priority(inst, 2.1)) == {"m1"}
 
 
 def test_router_credits_a_compacted_call_only_its_stated_prefix():

@@ -52,10 +52,11 @@ def test_talaria_restores_prefixes_that_round_keeps_or_recomputes():
 
 
 def test_sessions_that_use_two_models_conserve_calls_and_lose_no_kv():
-    # a third of each session's calls on a second model: every policy completes every call in order;
-    # talaria restores every evicted prefix (per model) from host and recomputes none
-    calls = generate(TraceSpec(sessions=12, turns=12, second_model_share=0.3, seed=2))
-    assert summary(calls)["multi_model_sessions"] >= 10
+    # a third of each session's calls on a second model, contexts compacted past 9K tokens: every
+    # policy completes every call in order; talaria serves each call's reusable prefix (per model, cut
+    # by a compaction on either) from device or host, and recomputes none of it
+    calls = generate(TraceSpec(sessions=12, turns=12, second_model_share=0.3, compact_at_tokens=9000, seed=2))
+    assert summary(calls)["multi_model_sessions"] >= 10 and summary(calls)["compactions"] >= 5
     for name in ("talaria", "round", "talaria-srpt"):
         res = replay(calls, get_policy(name), HW, SHAPES, seed=0)
         _check(res, calls)
