@@ -88,9 +88,10 @@ class SessionKV:
         return kv
 
     def locate(self, session: str, model: str, tenant: str | None, tokens: Sequence[int]) -> tuple[int, int]:
-        """(device tokens, host tokens) of `tokens` (the session's context) held for `model`."""
+        """(device tokens, host tokens) of `tokens` (the session's context) held for `model`: the host
+        copy counts as far as it agrees with `tokens` (a compaction since may have cut the context)."""
         kv = self.host_copy(session, model)
-        return self.device_tokens(model, tenant, tokens), kv.num_tokens if kv is not None else 0
+        return self.device_tokens(model, tenant, tokens), _common(kv, tokens, len(tokens)) if kv is not None else 0
 
     def restorable(self, session: str, model: str, prompt: Sequence[int]) -> HostKV | None:
         """The part of the session's host copy that `prompt` extends: its longest common prefix with the
@@ -99,9 +100,7 @@ class SessionKV:
         kv = self.host_copy(session, model)
         if kv is None:
             return None
-        m = min(kv.num_tokens, len(prompt) - 1)
-        differ = np.flatnonzero(np.asarray(prompt[:m]) != np.asarray(kv.token_ids[:m]))
-        n = int(differ[0]) if differ.size else m
+        n = _common(kv, prompt, len(prompt) - 1)
         return kv.prefix(n) if n > 0 else None
 
     # -- what happens to it --------------------------------------------------------------------------
@@ -173,3 +172,10 @@ class SessionKV:
     def _unprotect_host(self, session: str) -> None:
         for mkv in self.models.values():  # (the session may have run on several models)
             mkv.host_tier.protect(session, False)
+
+
+def _common(kv: HostKV, tokens: Sequence[int], limit: int) -> int:
+    """How many leading tokens of the host copy `kv` equal `tokens`', up to `limit`."""
+    m = max(0, min(kv.num_tokens, limit))
+    differ = np.flatnonzero(np.asarray(tokens[:m]) != np.asarray(kv.token_ids[:m]))
+    return int(differ[0]) if differ.size else m

@@ -409,9 +409,8 @@ class Instance(DerivedQueries):
     def cached_prefix(self, session_id: str, model: str) -> PrefixLocation:
         if model not in self.served or (session_id, model) in self._in_use():
             return PrefixLocation()
-        context = self.tokens.context(session_id, model)  # (a compaction since may have cut it)
-        dev, host = self.kv.locate(session_id, model, self.tokens.tenant(session_id), context)
-        return PrefixLocation(dev, min(host, len(context)))
+        return PrefixLocation(*self.kv.locate(session_id, model, self.tokens.tenant(session_id),
+                                              self.tokens.context(session_id, model)))
 
     def prefix_of(self, session_id: str, model: str, prompt, cache_salt: str | None) -> PrefixLocation:
         """Tokens of `prompt` (ids) this instance holds for `model`: full pages in the device prefix

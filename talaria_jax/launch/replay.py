@@ -80,7 +80,7 @@ flags.register_validator("local_weight_budget",
                          "must be 'largest', 'all', 'slot' or a number of bytes")
 flags.DEFINE_enum("local_trace", "12x4", ["12x4", "12x3", "mixed", "multi"], "--backend=local without --trace: the "
                   "local trace (talaria_jax.local.LOCAL_TRACES): 12 sessions of 4 calls, of 3, of mixed lengths, or "
-                  "of 4 calls on two models each.")
+                  "of 4 calls whose later calls may run on a second model.")
 flags.DEFINE_list("model_map", [], "--backend=local: trace model -> local model pairs (name=local); default: the "
                   "local 12-session trace, whose names are the local models'.")
 flags.DEFINE_integer("devices_per_instance", 1, "--backend=local: devices (TP) of each instance (default "

@@ -114,7 +114,7 @@ def replay(calls: Sequence[Call], policy: PolicyConfig, hw: HardwareConfig, shap
 def run(calls: Sequence[Call], policy: PolicyConfig, insts: Sequence, sessions: SessionTable, seed: int,
         gap_factor: dict[tuple[str, int], float], max_chunk_s: float = 0.25, indexed: bool | None = None) -> ReplayResult:
     """The event loop over any instances with SimInstance's chunk interface (`start_chunk`,
-    `finish_chunk`, `is_busy`, `now`, and optionally `truncate_chunk`): simulated ones, or real ones
+    `finish_chunk`, `is_busy`, `now`, and optionally `truncate_chunk` and `cut_kv`): simulated ones, or real ones
     (``talaria_jax.instance``) whose chunks run for real and report their measured seconds.
 
     One heap of events; each instance is planned only on its own events: its chunk's end, a wake it
@@ -181,6 +181,10 @@ def run(calls: Sequence[Call], policy: PolicyConfig, insts: Sequence, sessions: 
             inst = insts[k]
             for c in inst.finish_chunk(now):
                 records.append(CallRecord(c.session, c.turn, inst.name, issued[c.key], now, c.model))
+                if c.prefix_tokens is not None:  # a compaction: the session's KV elsewhere is stale past it
+                    for other in insts:
+                        if hasattr(other, "cut_kv"):
+                            other.cut_kv(c.session, c.prefix_tokens, c.model if other is inst else None)
                 nxt = sessions.complete(c, inst.name, now)
                 sched.on_finish(c, inst, now)
                 if nxt is not None:

@@ -77,9 +77,8 @@ class Decode:
 class SimInstance(DerivedQueries):
     """A simulated instance; see the module docstring. `reusable_prefix(call)` gives the tokens of
     call's prompt that earlier calls of its session computed KV for on its model, wherever they ran
-    (``session.reusable_prefixes``): at most that much of the KV held here serves the call (a
-    compaction elsewhere, or on another model, cut it), and what a cache miss recomputes of it is
-    counted. None: the call's own ``max_prefix_tokens`` bounds it, and nothing counts as recomputed."""
+    (``session.reusable_prefixes``), for the recomputed-token count (None: nothing counts as
+    recomputed). A compaction elsewhere cuts the session's KV held here (`cut_kv`)."""
 
     def __init__(self, name: str, hw: HardwareConfig, shapes: dict[str, ModelShape], models: Sequence[str], *,
                  host_kv: bool, staging: bool, drop_kv_on_switch: bool, page_bytes: int = 4 * 2**20,
@@ -310,18 +309,13 @@ class SimInstance(DerivedQueries):
             back = self.cost.weight_load_s(self.shapes[a])
         return self.estimate_switch_s(model) + back
 
-    def _prefix_limit(self, call: Call) -> int:
-        """The most of the KV held for the call's session and model that may serve it."""
-        limit = call.max_prefix_tokens
-        return limit if self.reusable_prefix is None else min(limit, self.reusable_prefix(call))
-
     def is_busy(self) -> bool:
         return self.busy_until is not None
 
     def estimate_service_s(self, call: Call) -> float:
         m = self.shapes[call.model]
         loc = self.cached_prefix(call.session, call.model)
-        cached = min(self._prefix_limit(call), max(loc.device_tokens, loc.host_tokens))
+        cached = min(call.max_prefix_tokens, max(loc.device_tokens, loc.host_tokens))
         batch = len(self.running) + 1
         ctx = sum(r.ctx for r in self.running) + call.prompt_tokens
         return self.cost.service_s(m, call.prompt_tokens, call.output_tokens, cached, batch, ctx)
@@ -330,7 +324,7 @@ class SimInstance(DerivedQueries):
         """Seconds of one model's `calls` run together on their own (`CostModel.batch_s`)."""
         def cached(c: Call) -> int:
             loc = self.cached_prefix(c.session, c.model)
-            return min(self._prefix_limit(c), max(loc.device_tokens, loc.host_tokens))
+            return min(c.max_prefix_tokens, max(loc.device_tokens, loc.host_tokens))
         return self.cost.batch_s(self.shapes[calls[0].model], [(c.prompt_tokens, c.output_tokens, cached(c))
                                                                for c in calls]) if calls else 0.0
 
@@ -392,6 +386,21 @@ class SimInstance(DerivedQueries):
         self._staging_model, self._staging_start = model, self.now
         self._check_capacity()
         return True
+
+    def cut_kv(self, session_id: str, tokens: int, keep_model: str | None = None) -> None:
+        """A call of the session compacted its context to a prefix of `tokens`: the session's KV held
+        here beyond it (device and host, every model but `keep_model`, whose KV that call wrote) is
+        stale for every later call, as a real instance's token history is cut (``SessionTokens``)."""
+        for m in self._models:
+            if m == keep_model:
+                continue
+            e = self.kv_dev.get((session_id, m))
+            if e is not None and e.tokens > tokens:
+                self._set_kv_tokens(e, tokens)
+            h = self.kv_host.get((session_id, m))
+            if h is not None and h[1] > tokens:
+                self._host_bytes -= (h[1] - tokens) * self._kv_bytes_per_token[m]
+                self.kv_host[(session_id, m)] = (m, tokens)
 
     def protect_kv(self, session_id: str, until_s: float) -> None:
         """Protects the session's KV of its last call here (the model it is expected back on)."""
@@ -606,7 +615,7 @@ class SimInstance(DerivedQueries):
             e = self.kv_dev.get((c.session, model))
             # cached KV serves the call's reusable prefix at most: after a compaction (prefix_tokens) the
             # rest of the prompt is new, and the session's older KV beyond the prefix is overwritten
-            limit = self._prefix_limit(c)
+            limit = c.max_prefix_tokens
             cached = min(e.tokens, limit) if e is not None else 0
             h = self.kv_host.get((c.session, model))
             restore = 0

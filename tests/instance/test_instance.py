@@ -123,7 +123,7 @@ def test_a_session_that_uses_two_models_reuses_each_models_own_kv(models4, share
         assert out.token_ids == greedy
         np.testing.assert_allclose(out.logprobs, logp[np.arange(len(greedy)), greedy], rtol=1e-5, atol=1e-6)
     serve(inst, Call("s", 3, "B", 50, 8, 1.0, prefix_tokens=20))  # B compacts: a new prefix past 20 tokens
-    assert len(inst.tokens.context("s", "A")) == 20
+    assert len(inst.tokens.context("s", "A")) == 20 and inst.cached_prefix("s", "A").host_tokens == 20
     a4 = Call("s", 4, "A", 80, 8, 1.0)
     serve(inst, a4)
     prompt = inst.outputs[a4.key].prompt_token_ids

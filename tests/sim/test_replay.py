@@ -127,15 +127,19 @@ def test_replay_carries_the_agent_hints(tmp_path, capsys):
 
 
 def test_local_traces_and_the_worst_session_against_round():
-    """The local replay's traces: 12 sessions of 4 and of 3 calls, and mixed lengths; a session's SCT
-    is compared with its own under round in the same seed."""
+    """The local replay's traces: 12 sessions of 4 and of 3 calls, mixed lengths, and sessions on two
+    local models; a session's SCT is compared with its own under round in the same seed."""
     import collections
 
-    from talaria_jax.local import LOCAL_TRACES, local_trace
+    from talaria_jax.local import LOCAL_MODELS, LOCAL_TRACES, local_trace
 
     calls = {k: collections.Counter(c.session for c in local_trace(spec)) for k, spec in LOCAL_TRACES.items()}
     assert set(calls["12x4"].values()) == {4} and set(calls["12x3"].values()) == {3}
     assert len(calls["mixed"]) == 12 and min(calls["mixed"].values()) <= 2 and max(calls["mixed"].values()) >= 8
+    models = collections.defaultdict(set)
+    for c in local_trace(LOCAL_TRACES["multi"]):
+        models[c.session].add(c.model)
+    assert sum(len(m) == 2 for m in models.values()) >= 6 and set().union(*models.values()) <= set(LOCAL_MODELS)
     runs = [{"a": 2.0, "b": 9.0}, {"a": 1.0, "b": 3.0}]
     base = [{"a": 1.0, "b": 10.0}, {"a": 4.0, "b": 1.0}]
     assert cli.worst_session_ratio(runs, base) == 3.0
