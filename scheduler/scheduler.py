@@ -217,11 +217,8 @@ class Scheduler:
         else:  # smith: and those likely back soon (their tool gap is within the observed p90)
             horizon = now - self.gaps.p90()
             sids |= {sid for sid, t in st.finished.items() if t >= horizon}
-        model = {sid: self.sessions[sid].model for sid in sids}  # in its tool gap: the model it used last
-        model.update({c.session: c.model for c, _ in st.admitted.values()})
-        model.update({c.session: c.model for _, c in st.pending})
         out: dict[str, float] = {}
-        for sid, m in model.items():
+        for sid, m in self._models_of(st, sids).items():
             out[m] = out.get(m, 0.0) + self._weight(sid)
         if order == "smith":  # Smith's rule: sessions a model's slot advances per second of it
             out = {m: n / self._call_s(st, inst, m) for m, n in out.items()}
@@ -237,10 +234,16 @@ class Scheduler:
         have left (`SessionLengths.left`, at least 1)."""
         for sid in self.gaps.expire(now):  # gone past the p99 gap: ended, unless it comes back
             self.lengths.end(sid, reopen=True)
-        model = {sid: self.sessions[sid].model for sid, t in st.finished.items() if now - t <= self.gaps.max_gap_s}
+        model = self._models_of(st, [sid for sid, t in st.finished.items() if now - t <= self.gaps.max_gap_s])
+        return model, {sid: self._left(sid) for sid in model}
+
+    def _models_of(self, st: _InstanceState, sids) -> dict[str, str]:
+        """`sids` (sessions in their tool gap: the model each used last) and the sessions of the calls
+        running or pending here -> the model each is on (a call's own model)."""
+        model = {sid: self.sessions[sid].model for sid in sids}
         model.update({c.session: c.model for c, _ in st.admitted.values()})
         model.update({c.session: c.model for _, c in st.pending})
-        return model, {sid: self._left(sid) for sid in model}
+        return model
 
     def _chain_priority(self, inst: InstanceAPI, st: _InstanceState, now: float) -> dict[str, float]:
         """The "chain" slot order (``PolicyConfig.slot_order``): Smith's rule over each model's
