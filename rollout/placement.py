@@ -28,18 +28,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["CacheAware", "LeastLoaded", "Placement", "PlacementRequest", "PrefixIndex", "ReplicaLoad", "RoundRobin",
-           "StickyLeastLoaded", "make_placement", "PLACEMENTS"]
+__all__ = ["BlockKeys", "CacheAware", "LeastLoaded", "Placement", "PlacementRequest", "PrefixIndex", "ReplicaLoad",
+           "RoundRobin", "StickyLeastLoaded", "make_placement", "PLACEMENTS"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PlacementRequest:
     """What placement sees of a request: its prompt, the trajectory (or group) it belongs to, and its
-    progress (`turn`: model turns of its trajectory before this one)."""
+    progress (`turn`: model turns of its trajectory before this one). `keys`: the prompt's block keys
+    (`BlockKeys`), where the caller keeps them; computed from the prompt otherwise."""
     prompt: tuple[int, ...]
     trajectory: str | None = None
     turn: int = 0
     arrival: int = 0
+    keys: Sequence[bytes] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +54,37 @@ class ReplicaLoad:
         return self.outstanding / max(1, self.capacity)
 
 
+class BlockKeys:
+    """The block keys of a token sequence that grows (a trajectory's context): block i's key is a
+    digest of the first (i+1) * block tokens, each block hashed once however often the sequence grows.
+    `keys` lists the whole blocks' keys so far."""
+
+    def __init__(self, block: int, tokens: Sequence[int] = ()):
+        self.block = block
+        self.keys: list[bytes] = []
+        self._hash = hashlib.blake2b(digest_size=16)
+        self._tail: list[int] = []  # tokens past the last whole block
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._tail.extend(tokens)
+        whole = len(self._tail) // self.block * self.block
+        if not whole:
+            return
+        data, width = np.asarray(self._tail[:whole], dtype=np.int64).tobytes(), 8 * self.block
+        for i in range(0, len(data), width):
+            self._hash.update(data[i:i + width])
+            self.keys.append(self._hash.copy().digest())
+        del self._tail[:whole]
+
+
 class PrefixIndex:
     """Which token prefixes a replica has computed, in blocks of `block` tokens (the engine's page
-    size): block i is keyed by a digest of the prompt's first (i+1) * block tokens, so a lookup
-    counts the leading blocks present. Bounded to `capacity_blocks` (about the replica's KV pages),
-    least recently used out first, like the prefix cache it approximates. Approximate by design (the
-    replica may have evicted a block the index still holds): it steers placement, never correctness."""
+    size): block i is keyed by a digest of the prompt's first (i+1) * block tokens (`BlockKeys`), so a
+    lookup counts the leading blocks present. Bounded to `capacity_blocks` (about the replica's KV
+    pages), least recently used out first, like the prefix cache it approximates. Approximate by
+    design (the replica may have evicted a block the index still holds): it steers placement, never
+    correctness."""
 
     def __init__(self, block: int, capacity_blocks: int):
         if block < 1 or capacity_blocks < 1:
@@ -67,29 +94,40 @@ class PrefixIndex:
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         """The keys of `tokens`' whole blocks (`match` takes them, for one prompt looked up in many indexes)."""
-        keys, h, width = [], hashlib.blake2b(digest_size=16), 8 * self.block
-        data = np.asarray(tokens[:len(tokens) // self.block * self.block], dtype=np.int64).tobytes()
-        for i in range(0, len(data), width):
-            h.update(data[i:i + width])
-            keys.append(h.copy().digest())
-        return keys
+        return BlockKeys(self.block, tokens).keys
 
-    def match(self, tokens: Sequence[int], keys: list[bytes] | None = None) -> int:
-        """Leading tokens of `tokens` held, in whole blocks (`keys`: their `keys`, when known)."""
+    def match(self, tokens: Sequence[int], keys: Sequence[bytes] | None = None, touch: bool = True) -> int:
+        """Leading tokens of `tokens` held, in whole blocks (`keys`: their `keys`, when known). `touch`:
+        the blocks found count as used now (a lookup that only compares replicas leaves them)."""
         n = 0
         for key in self.keys(tokens) if keys is None else keys:
             if key not in self._blocks:
                 break
-            self._blocks.move_to_end(key)
+            if touch:
+                self._blocks.move_to_end(key)
             n += self.block
         return n
 
-    def insert(self, tokens: Sequence[int]) -> None:
-        for key in self.keys(tokens):
+    def insert(self, tokens: Sequence[int], keys: Sequence[bytes] | None = None) -> list[bytes]:
+        """Adds the blocks (or counts them as used now); the keys it dropped to stay within capacity."""
+        for key in self.keys(tokens) if keys is None else keys:
             self._blocks[key] = None
             self._blocks.move_to_end(key)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+        return self.evict(len(self._blocks) - self.capacity) if len(self._blocks) > self.capacity else []
+
+    def evict(self, count: int) -> list[bytes]:
+        """Drops up to `count` blocks, least recently used first; the keys dropped."""
+        out = list(itertools.islice(self._blocks, count))
+        for key in out:
+            del self._blocks[key]
+        return out
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._blocks.pop(key, None)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
 
     def clear(self) -> None:
         self._blocks.clear()
@@ -101,8 +139,9 @@ class PrefixIndex:
 class Placement:
     """Chooses a replica per request (`choose`: `loads` has one entry per replica, None for one that
     is gone, and at least one is not None) and each replica's admission order (`priority`, lowest
-    first). `computed(replica, tokens)` tells it what a replica now holds; `reset()` forgets it (new
-    weights make every cached prefix stale)."""
+    first). `computed(replica, tokens, keys)` tells it what a replica now holds (`keys`: the tokens'
+    `BlockKeys`, when known), `evicted(replica, keys)` which blocks a replica dropped, where its engine
+    says; `reset()` forgets it (new weights make every cached prefix stale)."""
 
     name = "placement"
     steal = False  # whether a replica with an idle slot and nothing queued takes another's waiting request
@@ -113,7 +152,10 @@ class Placement:
     def priority(self, req: PlacementRequest) -> tuple:
         return (req.arrival,)
 
-    def computed(self, replica: int, tokens: Sequence[int]) -> None:
+    def computed(self, replica: int, tokens: Sequence[int], keys: Sequence[bytes] | None = None) -> None:
+        pass
+
+    def evicted(self, replica: int, keys: Sequence[bytes]) -> None:
         pass
 
     def reset(self) -> None:
@@ -190,12 +232,13 @@ class CacheAware(Placement):
         self.locality, self.load = locality, load
         self.index = [PrefixIndex(block, capacity_blocks) for _ in range(num_replicas)]
 
-    def score(self, req: PlacementRequest, replica: int, load: ReplicaLoad, keys: list[bytes] | None = None) -> float:
-        hit = self.index[replica].match(req.prompt, keys) / max(1, len(req.prompt))
+    def score(self, req: PlacementRequest, replica: int, load: ReplicaLoad, keys: Sequence[bytes] | None = None
+              ) -> float:
+        hit = self.index[replica].match(req.prompt, keys, touch=False) / max(1, len(req.prompt))
         return self.locality * hit - self.load * load.share
 
     def choose(self, req: PlacementRequest, loads: Sequence[ReplicaLoad | None]) -> int:
-        keys = self.index[0].keys(req.prompt)  # every index has the same block size
+        keys = req.keys if req.keys is not None else self.index[0].keys(req.prompt)  # every index: one block size
         scores = {r: self.score(req, r, load, keys) for r, load in enumerate(loads) if load is not None}
         best = max(scores.values())
         return _least_loaded(loads, [r for r, s in scores.items() if s >= best - 1e-9])
@@ -203,8 +246,11 @@ class CacheAware(Placement):
     def priority(self, req: PlacementRequest) -> tuple:
         return (-req.turn, -len(req.prompt), req.arrival)
 
-    def computed(self, replica: int, tokens: Sequence[int]) -> None:
-        self.index[replica].insert(tokens)
+    def computed(self, replica: int, tokens: Sequence[int], keys: Sequence[bytes] | None = None) -> None:
+        self.index[replica].insert(tokens, keys)
+
+    def evicted(self, replica: int, keys: Sequence[bytes]) -> None:
+        self.index[replica].discard(keys)
 
     def reset(self) -> None:
         for index in self.index:

@@ -49,6 +49,16 @@ _TOOL_S = flags.DEFINE_float("tool_s", 2.0, "Tool seconds between turns.", lower
 _REPETITION = flags.DEFINE_float("repetition", 0.5, "Share of output phrases drawn from the task's pool.",
                                  lower_bound=0, upper_bound=1)
 _SPEC = flags.DEFINE_integer("max_spec_tokens", 8, "Draft tokens per sequence and step at most.", lower_bound=1)
+_WORKLOAD = flags.DEFINE_enum("workload", "synthetic", ["synthetic", "agentic"], "The generated step: synthetic (the "
+                              "--turns, --prompt_tokens, --output_tokens, --observation_tokens and --tool_s flags) "
+                              "or agentic (SWE-style trajectories of 10-50 turns whose context grows to 40K tokens, "
+                              "with cited tool times: rollout.replay.AgenticShape; --tool_scale).")
+_TOOL_SCALE = flags.DEFINE_float("tool_scale", 1.0, "--workload=agentic: the cited tool seconds times this (0: turns "
+                                 "back to back).", lower_bound=0)
+_KV_TOKENS = flags.DEFINE_integer("kv_tokens", None, "KV tokens a replica holds (default: what the profile's HBM "
+                                  "holds beside the weights).", lower_bound=1)
+_HOST_KV = flags.DEFINE_integer("host_kv_tokens", None, "KV tokens a replica's host tier holds (default: the "
+                                "profile's host memory; 0: no host tier).", lower_bound=0)
 _TRAJECTORIES = flags.DEFINE_string("trajectories", None, "A JSONL file of trajectories to replay instead.")
 _CONFIGS = flags.DEFINE_list("configs", list(CONFIGS), f"Configurations: {', '.join(CONFIGS)}.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated step.")
@@ -111,8 +121,9 @@ def replay_configs(trajs, shape, replicas: int, configs: Sequence[str], max_spec
 def print_step(results) -> dict:
     """Prints each configuration's row as its replay ends (the baseline's tok/s is the unit once it
     has run); returns name -> (ReplayedStep, seconds)."""
-    print("| config | step s | tok/s | over baseline | prefill tokens | verify steps | accepted / drafted | replay s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | step s | tok/s | over baseline | prefill tokens | hit rate | recomputed | preempted | verify steps "
+          "| accepted / drafted | replay s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     out, base = {}, None
     for name, res, wall in results:
         out[name] = res, wall
@@ -120,20 +131,26 @@ def print_step(results) -> dict:
         gain = f"{res.tokens_per_s / base:.2f}x" if base else "-"
         acc = f"{res.accepted} / {res.drafted}" if CONFIGS[name][1] else "-"
         print(f"| {name} | {res.step_s:.1f} | {res.tokens_per_s:.0f} | {gain} | {res.prefill_tokens} | "
-              f"{res.verify_steps} of {res.steps} | {acc} | {wall:.1f} |", flush=True)
+              f"{res.hit_rate:.0%} | {res.recomputed_tokens} | {res.preemptions} | {res.verify_steps} of {res.steps} | "
+              f"{acc} | {wall:.1f} |", flush=True)
     return out
 
 
 def print_sweep(rows: list[dict], configs: Sequence[str]) -> None:
     """A row per load: the baseline's and WAR's tok/s, each configuration's over the baseline's, WAR's
-    over sticky-least-loaded's, and the share of WAR's steps that verified drafts."""
+    over sticky-least-loaded's, the share of WAR's steps that verified drafts, and for the baseline,
+    sticky-least-loaded and WAR the share of context tokens found in KV (device or host), the tokens
+    computed again and the preemptions."""
     ratios = [(c, "baseline") for c in configs if c != "baseline"]
     if "war" in configs and "sticky_least_loaded" in configs:
         ratios.append(("war", "sticky_least_loaded"))
     shown = [c for c in ("baseline", "war") if c in configs]
+    kv = [c for c in ("baseline", "sticky_least_loaded", "war") if c in configs]
+    names = " / ".join("sticky" if c == "sticky_least_loaded" else c for c in kv)
     print("| per replica | trajectories | output tokens | " + " | ".join(f"{c} tok/s" for c in shown) + " | "
-          + " | ".join(f"{a} / {b}" for a, b in ratios) + " | war steps verifying | replay s |")
-    print("|" + "---:|" * (5 + len(shown) + len(ratios)))
+          + " | ".join(f"{a} / {b}" for a, b in ratios) + f" | war steps verifying | hit rate ({names}) | "
+          f"recomputed K tokens ({names}) | preempted ({names}) | replay s |")
+    print("|" + "---:|" * (8 + len(shown) + len(ratios)))
     for r in rows:
         res = r["results"]
         tps = {c: res[c][0].tokens_per_s for c in configs}
@@ -141,8 +158,11 @@ def print_sweep(rows: list[dict], configs: Sequence[str]) -> None:
         print(f"| {r['per_replica']} | {r['trajectories']} | {r['tokens']} | "
               + " | ".join(f"{tps[c]:.0f}" for c in shown) + " | "
               + " | ".join(f"{tps[a] / tps[b]:.2f}x" for a, b in ratios) + " | "
-              + (f"{war.verify_steps / war.steps:.0%}" if war else "-") + f" | {sum(w for _, w in res.values()):.0f} |",
-              flush=True)
+              + (f"{war.verify_steps / war.steps:.0%}" if war else "-") + " | "
+              + " / ".join(f"{res[c][0].hit_rate:.0%}" for c in kv) + " | "
+              + " / ".join(f"{res[c][0].recomputed_tokens / 1000:.0f}" for c in kv) + " | "
+              + " / ".join(f"{res[c][0].preemptions}" for c in kv)
+              + f" | {sum(w for _, w in res.values()):.0f} |", flush=True)
 
 
 def plot_sweep(rows: list[dict], configs: Sequence[str], title: str, path: str) -> None:
@@ -179,7 +199,7 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--sweep: trajectories per replica must be >= 1, got {_SWEEP.value}")
     if (sweep or _SWEEP_PLOT.value) and ("baseline" not in _CONFIGS.value or _TRAJECTORIES.value):
         raise app.UsageError("--sweep needs the baseline among --configs and a generated step (no --trajectories)")
-    from talaria_jax.rollout.replay import ReplicaShape, read_jsonl, synthetic_step
+    from talaria_jax.rollout.replay import ReplicaShape, agentic_step, read_jsonl, synthetic_step
     from talaria_jax.sim.hardware import ConfigError, load_hardware, load_models
 
     try:
@@ -189,9 +209,13 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--hardware: {e}") from None
     if _MODEL.value not in models:
         raise app.UsageError(f"--model: unknown {_MODEL.value!r}; known: {', '.join(models)}")
-    shape = ReplicaShape(hw, models[_MODEL.value], max_seqs=_MAX_SEQS.value, max_tokens_per_step=_STEP_TOKENS.value)
+    shape = ReplicaShape(hw, models[_MODEL.value], max_seqs=_MAX_SEQS.value, max_tokens_per_step=_STEP_TOKENS.value,
+                         kv_tokens=_KV_TOKENS.value, host_kv_tokens=_HOST_KV.value)
 
     def generate(prompts: int):
+        if _WORKLOAD.value == "agentic":
+            return agentic_step(prompts, _SAMPLES.value, tool_scale=_TOOL_SCALE.value, repetition=_REPETITION.value,
+                                seed=_SEED.value)
         return synthetic_step(prompts, _SAMPLES.value, turns=turns, prompt_tokens=_PROMPT_TOKENS.value,
                               output_tokens=_OUTPUT_TOKENS.value, output_sigma=_OUTPUT_SIGMA.value,
                               max_output=_MAX_OUTPUT.value, observation_tokens=_OBSERVATION.value,

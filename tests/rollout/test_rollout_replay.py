@@ -7,6 +7,7 @@ import pytest
 
 from talaria_jax.engine.spec import SpecConfig
 from talaria_jax.engine.spec.suffix import Draft
+from talaria_jax.rollout.placement import PlacementRequest
 from talaria_jax.rollout.replay import (ReplicaShape, TrajectoryRecord, TurnRecord, accepted_tokens, read_jsonl,
                                         records_of, replay_step, synthetic_step, write_jsonl)
 from talaria_jax.sim.cost import CostModel
@@ -118,6 +119,13 @@ def test_the_launcher_prints_every_configuration_and_names_a_bad_flag(tmp_path):
     rows = [line.split(" | ") for line in sweep.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[0].strip("| ") for r in rows[1:]] == ["1", "3"] and rows[2][1] == "6"  # 3 a replica, in groups of 2
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    agentic = subprocess.run([sys.executable, "-m", "talaria_jax.launch.rollout_replay", "--replicas=2", "--prompts=1",
+                              "--samples=2", "--workload=agentic", "--tool_scale=0", "--configs=baseline,war",
+                              "--kv_tokens=60000", "--host_kv_tokens=0"], capture_output=True, text=True, timeout=300)
+    assert agentic.returncode == 0, agentic.stderr[-2000:]
+    head, *rows = [line.split(" | ") for line in agentic.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert head[5:8] == ["hit rate", "recomputed", "preempted"] and [r[0].strip("| ") for r in rows] == ["baseline", "war"]
+    assert all(int(r[6]) > 0 for r in rows)  # 40K-token contexts in 60K tokens of KV: some recomputed
 
 
 def test_a_rollout_services_trajectories_become_records():
@@ -181,3 +189,100 @@ def test_cache_aware_places_a_group_where_its_prompt_is_placed_as_the_service_do
     assert res.timeline[0] and not res.timeline[1]  # all four on replica 0
     rr = replay_step(group, SHAPE, 2, "round_robin")
     assert rr.timeline[0] and rr.timeline[1]
+
+
+def long_turns(n_traj: int, turns: int, seed: int = 0) -> list[TrajectoryRecord]:
+    """Trajectories whose context grows by 200 tokens a turn from a 256-token prompt."""
+    rng = np.random.default_rng(seed)
+    ids = lambda n: tuple(rng.integers(0, 32000, n).tolist())
+    return [TrajectoryRecord(f"t{i}", f"t{i}", tuple(TurnRecord(ids(256) if k == 0 else ids(160), ids(40), 0.2)
+                                                     for k in range(turns))) for i in range(n_traj)]
+
+
+def accounted(res) -> None:
+    """Every admitted context token was found on the device, restored, or prefilled; once each."""
+    assert res.query_tokens == res.cached_tokens + res.restored_tokens + res.prefill_tokens
+
+
+def test_kv_pressure_evicts_cached_blocks_and_preempts_and_nothing_is_lost():
+    """A replica whose KV holds less than its trajectories' contexts: cached blocks give way, the
+    most recently admitted turn is preempted by recompute when pages run out, and every output token
+    is still generated once; the tokens computed again are counted."""
+    trajs = long_turns(6, 8)
+    ample = replay_step(trajs, SHAPE, 2, "sticky_least_loaded")
+    accounted(ample)
+    assert ample.preemptions == 0 and ample.restored_tokens == 0
+    assert ample.recomputed_tokens <= sum(len(t.turns) for t in trajs) * SHAPE.page_size  # a partial page a turn
+    tight = ReplicaShape(HW, MODEL, max_seqs=16, max_tokens_per_step=1024, kv_tokens=2 * 1900, host_kv_tokens=0)
+    res = replay_step(trajs, tight, 2, "sticky_least_loaded")
+    accounted(res)
+    assert res.output_tokens == ample.output_tokens == sum(t.output_tokens for t in trajs)
+    assert res.preemptions > 0 and res.recomputed_tokens > 5 * ample.recomputed_tokens
+    assert res.prefill_tokens > ample.prefill_tokens and res.step_s > ample.step_s
+    assert res.hit_rate < ample.hit_rate
+
+
+def test_the_host_tier_restores_evicted_blocks_where_that_is_cheaper_than_recomputing_them():
+    import dataclasses
+
+    trajs = long_turns(6, 8)
+    kv = dict(max_seqs=16, max_tokens_per_step=1024, kv_tokens=2 * 1900)
+    none = replay_step(trajs, ReplicaShape(HW, MODEL, **kv, host_kv_tokens=0), 2, "sticky_least_loaded")
+    host = replay_step(trajs, ReplicaShape(HW, MODEL, **kv), 2, "sticky_least_loaded")
+    accounted(host)
+    assert host.output_tokens == none.output_tokens
+    assert host.restored_tokens > 0 and host.recomputed_tokens < none.recomputed_tokens
+    assert host.prefill_tokens < none.prefill_tokens
+    # a host link so slow that a copy costs more than the prefill: nothing is restored
+    slow = ReplicaShape(dataclasses.replace(HW, pcie_h2d_gbps=1e-6), MODEL, **kv)
+    assert replay_step(trajs, slow, 2, "sticky_least_loaded").restored_tokens == 0
+
+
+def test_cache_aware_placement_follows_where_the_blocks_are_after_eviction():
+    """Blocks a replica evicts are dropped from the placement's index, so a later turn whose context
+    is gone weighs load alone."""
+    from talaria_jax.rollout.placement import CacheAware, PrefixIndex, ReplicaLoad
+
+    ca = CacheAware(2, 4, 100)
+    ctx = list(range(16))
+    ca.computed(0, ctx)
+    req = PlacementRequest(tuple(ctx + [1, 2, 3, 4]))
+    loads = [ReplicaLoad(2, 4), ReplicaLoad(1, 4)]
+    assert ca.choose(req, loads) == 0
+    ca.evicted(0, PrefixIndex(4, 1).keys(ctx)[1:])  # all but the first block gone
+    assert ca.choose(req, loads) == 1
+
+
+def test_block_keys_grow_as_one_sequence_and_an_index_evicts_the_least_recently_used():
+    from talaria_jax.rollout.placement import BlockKeys, PrefixIndex
+
+    toks = list(range(1, 40))
+    grown = BlockKeys(4)
+    for a, b in ((0, 3), (3, 9), (9, 9), (9, 39)):
+        grown.extend(toks[a:b])
+    idx = PrefixIndex(4, 100)
+    assert grown.keys == idx.keys(toks) and len(grown.keys) == 9
+    idx.insert(toks)
+    assert idx.match(toks[:8]) == 8  # the first two blocks used now: the last out
+    assert idx.evict(3) == grown.keys[2:5] and len(idx) == 6 and grown.keys[5] in idx
+    assert idx.match(toks) == 8
+    assert idx.evict(10) == grown.keys[5:] + grown.keys[:2] and len(idx) == 0
+
+
+def test_agentic_steps_have_the_cited_shape():
+    from talaria_jax.rollout.replay import AgenticShape, agentic_step
+
+    shape = AgenticShape()
+    trajs = agentic_step(4, 8, seed=1)
+    assert len(trajs) == 32 and len({t.turns[0].prompt for t in trajs}) == 4  # GRPO groups share a prompt
+    assert all(len(t.turns[0].prompt) == shape.prompt_tokens for t in trajs)
+    contexts = [sum(len(x.prompt) + len(x.output) for x in t.turns) for t in trajs]
+    assert max(contexts) <= shape.max_context and np.mean(contexts) > 20_000  # contexts grow to tens of K
+    turns = [len(t.turns) for t in trajs]
+    assert max(turns) <= shape.turns[1] and np.mean(turns) > 15
+    outputs = [len(x.output) for t in trajs for x in t.turns]
+    assert 150 < np.median(outputs) < 300
+    tools = [x.tool_s for t in trajs for x in t.turns]
+    assert 0.1 < np.median(tools) < 1.0 and max(tools) <= shape.max_tool_s and np.mean(tools) > 5
+    assert all(x.tool_s == 0 for t in agentic_step(1, 2, tool_scale=0.0) for x in t.turns)
+    assert agentic_step(1, 2, seed=3) == agentic_step(1, 2, seed=3)
