@@ -82,9 +82,10 @@ class PrefixIndex:
     """Which token prefixes a replica has computed, in blocks of `block` tokens (the engine's page
     size): block i is keyed by a digest of the prompt's first (i+1) * block tokens (`BlockKeys`), so a
     lookup counts the leading blocks present. Bounded to `capacity_blocks` (about the replica's KV
-    pages), least recently used out first, like the prefix cache it approximates. Approximate by
-    design (the replica may have evicted a block the index still holds): it steers placement, never
-    correctness."""
+    pages), least recently used out first, like the prefix cache it approximates: of one prefix, the
+    last blocks go first (blocks are counted as used from the last to the first, as a prefix tree
+    evicts its leaves). Approximate by design (the replica may have evicted a block the index still
+    holds): it steers placement, never correctness."""
 
     def __init__(self, block: int, capacity_blocks: int):
         if block < 1 or capacity_blocks < 1:
@@ -99,18 +100,20 @@ class PrefixIndex:
     def match(self, tokens: Sequence[int], keys: Sequence[bytes] | None = None, touch: bool = True) -> int:
         """Leading tokens of `tokens` held, in whole blocks (`keys`: their `keys`, when known). `touch`:
         the blocks found count as used now (a lookup that only compares replicas leaves them)."""
-        n = 0
+        found = []
         for key in self.keys(tokens) if keys is None else keys:
             if key not in self._blocks:
                 break
-            if touch:
+            found.append(key)
+        if touch:
+            for key in reversed(found):
                 self._blocks.move_to_end(key)
-            n += self.block
-        return n
+        return len(found) * self.block
 
     def insert(self, tokens: Sequence[int], keys: Sequence[bytes] | None = None) -> list[bytes]:
-        """Adds the blocks (or counts them as used now); the keys it dropped to stay within capacity."""
-        for key in self.keys(tokens) if keys is None else keys:
+        """Adds the blocks of a prefix (or counts them as used now), the first most recently used; the
+        keys it dropped to stay within capacity."""
+        for key in reversed(self.keys(tokens) if keys is None else keys):
             self._blocks[key] = None
             self._blocks.move_to_end(key)
         return self.evict(len(self._blocks) - self.capacity) if len(self._blocks) > self.capacity else []

@@ -21,8 +21,9 @@ time differs. A replica's KV is pages, as its engine's allocator and prefix cach
 the running turns' own pages, and cached blocks of finished turns (a `PrefixIndex`) that give way,
 least recently used first, when a running turn needs a page; where none is left to give, the most
 recently admitted running turn is preempted by recompute (the engine's rule). Blocks that give way
-are copied to the host tier, where it holds room (`ReplicaShape.host_kv_tokens`), and restored from
-there when that is cheaper than computing them again. A turn's prompt skips the prefill of the
+are copied to the host tier where there is one (`ReplicaShape.host_kv_tokens`; the engine has none),
+and restored from there when that is cheaper than computing them again (the copies out are not
+charged: a copy engine overlaps them with compute). A turn's prompt skips the prefill of the
 leading blocks its replica holds, on device or restored.
 
 A step: every trajectory's first turn arrives at 0; each later turn arrives when the turn before it
@@ -99,21 +100,15 @@ def records_of(groups: Sequence[Sequence], tool_s: float = 0.0) -> list[Trajecto
 @dataclasses.dataclass(frozen=True)
 class ReplicaShape:
     """One replica: its hardware (a TP group, `HardwareConfig`), the model on it, and its engine's
-    limits. `kv_tokens` defaults to what the profile's usable HBM holds beside the weights,
-    `host_kv_tokens` (the host tier) to what its host memory holds for KV (0: no host tier)."""
+    limits. `kv_tokens` defaults to what the profile's usable HBM holds beside the weights;
+    `host_kv_tokens` is its host tier (0, the default, as the engine: evicted blocks are gone)."""
     hardware: HardwareConfig
     model: ModelShape
     max_seqs: int = 64
     max_tokens_per_step: int = 2048
     page_size: int = 16
     kv_tokens: int | None = None
-    host_kv_tokens: int | None = None
-
-    def host_capacity(self) -> int:
-        """Tokens of KV a replica's host tier holds."""
-        if self.host_kv_tokens is not None:
-            return self.host_kv_tokens
-        return int(max(0.0, self.hardware.host_kv_bytes_budget) // self.model.kv_bytes_per_token)
+    host_kv_tokens: int = 0
 
     def kv_capacity(self) -> int:
         """Tokens of KV a replica holds.
@@ -136,7 +131,7 @@ class ReplayedStep:
     busy time and steps."""
     step_s: float  # the last trajectory's end
     output_tokens: int
-    prefill_tokens: int  # prompt tokens computed (the rest were in a replica's KV)
+    prefill_tokens: int  # context tokens computed by prefill (after a preemption: the output so far too)
     steps: int
     verify_steps: int
     drafted: int
@@ -211,6 +206,15 @@ class _KV:
         self.cached.insert((), used)
         return n
 
+    def restorable(self, keys: Sequence[bytes], start: int) -> int:
+        """Blocks of `keys` from `start` on that the host tier holds, in a run (counted as used now)."""
+        n = 0
+        if self.host is not None:
+            while start + n < len(keys) and keys[start + n] in self.host:
+                n += 1
+            self.host.insert((), keys[start:start + n])
+        return n
+
     def room(self, pages: int) -> list[bytes] | None:
         """Makes `pages` free, evicting cached blocks to the host tier; the blocks the replica holds
         nowhere any more (evicted without a host tier, or out of the host tier to make room there), or
@@ -221,7 +225,11 @@ class _KV:
         if len(self.cached) < short:
             return None
         gone = self.cached.evict(short)
-        return gone if self.host is None else self.host.insert((), gone)
+        if self.host is not None:
+            # the evicted blocks in prefix order (each prefix's last ones went first), so the host tier keeps
+            # their leading ones longest
+            gone = [key for key in self.host.insert((), gone[::-1]) if key not in self.cached and key not in self.pins]
+        return gone
 
     def pin(self, x: _Running, keys: list[bytes]) -> None:
         """x shares `keys`, its leading blocks on the device (those it shared already first)."""
@@ -237,6 +245,15 @@ class _KV:
     def take(self, x: _Running, pages: int) -> None:
         x.held += pages
         self.own += pages
+        if self.free < 0:
+            raise AssertionError(f"{x.rid}: {-self.free} pages more than the replica holds")
+
+    def trim(self, x: _Running) -> None:
+        """x keeps the pages its KV fills (those of rejected draft tokens go back)."""
+        extra = x.held - max(0, -(-x.ctx // self.page) - len(x.shared))
+        if extra > 0:
+            x.held -= extra
+            self.own -= extra
 
     def release(self, x: _Running) -> None:
         """x gives its pages back (a preemption: its own KV is lost); the blocks it shared stay cached."""
@@ -250,9 +267,10 @@ class _KV:
         x.shared, self.own, x.held = [], self.own - x.held, 0
 
     def finish(self, x: _Running, keys: Sequence[bytes]) -> None:
-        """x's turn ended: its computed whole blocks (`keys`) are cached, its pages given back."""
+        """x's turn ended: its computed whole blocks (`keys`) are cached (those another running turn
+        shares stay pinned), its pages given back."""
         self.release(x)
-        self.cached.insert((), keys)
+        self.cached.insert((), [key for key in keys if key not in self.pins])
 
 
 class _Replica:
@@ -262,7 +280,7 @@ class _Replica:
         self.resume: collections.deque[_Running] = collections.deque()  # preempted: admitted first, in order
         self.running: list[_Running] = []  # in admission order
         self.kv = _KV(shape.page_size, max(1, shape.kv_capacity() // shape.page_size),
-                      shape.host_capacity() // shape.page_size)
+                      shape.host_kv_tokens // shape.page_size)
         self.restore_s = 0.0  # host-to-device copies of the turns admitted since its last step
         self.drafter = SuffixDrafter(spec, backend=drafter) if spec is not None else None
         self.policy = None
@@ -349,21 +367,26 @@ def replay_step(trajectories: Sequence[TrajectoryRecord], shape: ReplicaShape, r
     machine share its cores.
 
     Raises:
-        ValueError: no trajectories, a trajectory with no turns or a turn with no output, a trajectory
-            longer than a replica's KV, or `replicas` or `replicas_per_host` < 1.
+        ValueError: no trajectories, two with one id, a trajectory with no turns or a turn with no
+            output, a trajectory longer than a replica's KV, or `replicas` or `replicas_per_host` < 1.
     """
     for name, v in (("replicas", replicas), ("replicas_per_host", replicas_per_host)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if not trajectories:
         raise ValueError("no trajectories to replay")
-    kv_cap = shape.kv_capacity()
+    kv_cap, page = shape.kv_capacity(), shape.page_size
+    seen: set[str] = set()
     for t in trajectories:
+        if t.id in seen:
+            raise ValueError(f"trajectory {t.id}: the id is given twice")
+        seen.add(t.id)
         if not t.turns or any(not turn.output for turn in t.turns):
             raise ValueError(f"trajectory {t.id}: every turn needs output tokens")
         total = sum(len(turn.prompt) + len(turn.output) for turn in t.turns)
-        if total > kv_cap:
-            raise ValueError(f"trajectory {t.id}: {total} tokens exceed a replica's KV ({kv_cap} tokens)")
+        if -(-total // page) > kv_cap // page:
+            raise ValueError(f"trajectory {t.id}: {total} tokens exceed a replica's KV ({kv_cap // page} pages of "
+                             f"{page} tokens)")
     return _StepReplay(shape, replicas, placement, spec, replicas_per_host, drafter).run(trajectories)
 
 
@@ -403,6 +426,10 @@ class _StepReplay:
                     self.finish(what.replica, ev.time)
             else:
                 self.start(what.replica, ev.time)
+        for r, rep in enumerate(self.reps):  # every page back: what the turns held is cached or gone
+            if rep.running or rep.queue or rep.resume or rep.kv.own or rep.kv.pins or rep.kv.free < 0:
+                raise AssertionError(f"replica {r} ended holding turns or pages: {len(rep.running)} running, "
+                                     f"{rep.kv.own} own pages, {len(rep.kv.pins)} pinned, {rep.kv.free} free")
         return self.res
 
     def arrive(self, a: _Arrive, now: float) -> None:
@@ -414,7 +441,9 @@ class _StepReplay:
         ctx.extend(new)
         keys = ctx.keys[:]
         preq = PlacementRequest(prompt, trajectory=a.traj.id, turn=a.turn, arrival=next(self.arrivals), keys=keys)
-        req = _Running(f"{a.traj.id}/{a.turn}", a.traj, a.turn, prompt, keys, self.place.priority(preq), len(a.before))
+        # the turn before it computed all its context but its last output token
+        req = _Running(f"{a.traj.id}/{a.turn}", a.traj, a.turn, prompt, keys, self.place.priority(preq),
+                       max(0, len(a.before) - 1))
         loads = [ReplicaLoad(rep.outstanding, self.shape.max_seqs) for rep in self.reps]
         r = self.place.choose(preq, loads)
         heapq.heappush(self.reps[r].queue, (req.priority, preq.arrival, req))
@@ -485,22 +514,23 @@ class _StepReplay:
         the leading blocks the replica holds are shared, those its host tier holds restored where that
         is cheaper than computing them (the last known token is always computed: its logits sample
         the next one). Whether it was admitted."""
-        kv, page, model = self.reps[r].kv, self.shape.page_size, self.shape.model
+        rep = self.reps[r]
+        kv, page, model = rep.kv, self.shape.page_size, self.shape.model
         keys = x.keys[:(x.fill - 1) // page]
         dev = kv.match(keys)
-        back = 0
-        if kv.host is not None:
-            while dev + back < len(keys) and keys[dev + back] in kv.host:
-                back += 1
-            if back and self.cost.h2d_kv_s(model, back * page) >= self.cost.prefill_s(model, back * page, dev * page):
-                back = 0
+        back = kv.restorable(keys, dev)
+        if back and self.cost.h2d_kv_s(model, back * page) >= self.cost.prefill_s(model, back * page, dev * page):
+            back = 0
         cached = (dev + back) * page
         own = max(0, -(-(cached + min(x.fill - cached, self.shape.max_tokens_per_step)) // page) - dev - back)
+        # the running turns' next tokens come first (the engine grows them before it admits)
+        ahead = sum(kv.grow(y, y.ctx + max(1, min(y.prefill_left, self.shape.max_tokens_per_step)))
+                    for y in rep.running)
         kv.pin(x, keys[:dev])
-        gone = kv.room(back + own)
+        gone = kv.room(back + own + ahead)
         if gone is None:
             kv.release(x)
-            if not self.reps[r].running:
+            if not rep.running:
                 raise AssertionError(f"{x.rid}: no pages for its first chunk on an idle replica")
             return False
         self.place.evicted(r, gone)
@@ -511,7 +541,6 @@ class _StepReplay:
         res.query_tokens += x.fill
         res.cached_tokens += dev * page
         res.restored_tokens += back * page
-        res.recomputed_tokens += max(0, x.seen - cached)
         self.reps[r].restore_s += self.cost.h2d_kv_s(model, back * page)
         return True
 
@@ -531,7 +560,8 @@ class _StepReplay:
 
     def fit(self, r: int, x: _Running, tokens: int, scheduled: set[int]) -> bool:
         """Pages for x to hold `tokens`: free ones, then cached blocks' (evicted), then the most recently
-        admitted running turn not yet scheduled this step is preempted, x itself last. Whether x got them."""
+        admitted running turn not yet scheduled this step is preempted (turns are fitted in admission
+        order, so x itself last). Whether x got them."""
         rep = self.reps[r]
         while True:
             need = rep.kv.grow(x, tokens)
@@ -562,28 +592,32 @@ class _StepReplay:
                 if drafts and not rep.policy.worth(len(rep.running), sum(len(d) for d in drafts.values()),
                                                    sum(d.score for d in drafts.values())):
                     drafts = {}
-        chunks, fed, scheduled = [], {}, set()
+        # the step's tokens: the decoding turns' first, then prefill chunks under the budget; their pages
+        # in admission order, as the engine grows them (a victim's tokens are not run)
+        planned: dict[int, int] = {}
         for x in decoding:
-            if x not in rep.running:
-                continue  # preempted for an earlier one's pages
+            planned[id(x)] = 1 + len(drafts.get(x.rid, ()))
+            budget -= planned[id(x)]
+        for x in rep.running:
+            if x.prefill_left and budget > 0:
+                planned[id(x)] = min(x.prefill_left, budget)
+                budget -= planned[id(x)]
+        chunks, fed, scheduled = [], {}, set()
+        for x in list(rep.running):
+            if id(x) not in planned or x not in rep.running:
+                continue  # no budget left, or preempted for an earlier one's pages
+            n = planned[id(x)]
             d = drafts.get(x.rid)
-            if d is not None and rep.kv.grow(x, x.ctx + 1 + len(d)) > rep.kv.free:
+            if d is not None and rep.kv.grow(x, x.ctx + n) > rep.kv.free:
                 del drafts[x.rid]  # a draft takes free pages only: dropped rather than evict or preempt
-            n = 1 + len(drafts.get(x.rid, ()))
+                n = 1
             if not self.fit(r, x, x.ctx + n, scheduled):
                 continue
             scheduled.add(id(x))
             chunks.append((n, x.ctx))
-            budget -= n
-        for x in list(rep.running):
-            if x.prefill_left and budget > 0 and x in rep.running:
-                n = min(x.prefill_left, budget)
-                if not self.fit(r, x, x.ctx + n, scheduled):
-                    continue
-                scheduled.add(id(x))
+            if x.prefill_left:
                 fed[x.rid] = n
-                chunks.append((n, x.ctx))
-                budget -= n
+                res.recomputed_tokens += max(0, min(x.seen, x.ctx + n) - x.ctx)
         decoding = [x for x in decoding if x in rep.running]
         drafts = {x.rid: drafts[x.rid] for x in decoding if x.rid in drafts}
         if not chunks:
@@ -622,6 +656,7 @@ class _StepReplay:
             new = out[at:at + n]
             x.produced += n
             x.ctx += n - 1
+            rep.kv.trim(x)
             if rep.drafter is not None:
                 rep.drafter.extend(x.rid, new)
             if x.produced == len(x.output):

@@ -119,13 +119,17 @@ def test_the_launcher_prints_every_configuration_and_names_a_bad_flag(tmp_path):
     rows = [line.split(" | ") for line in sweep.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[0].strip("| ") for r in rows[1:]] == ["1", "3"] and rows[2][1] == "6"  # 3 a replica, in groups of 2
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
-    agentic = subprocess.run([sys.executable, "-m", "talaria_jax.launch.rollout_replay", "--replicas=2", "--prompts=1",
-                              "--samples=2", "--workload=agentic", "--tool_scale=0", "--configs=baseline,war",
-                              "--kv_tokens=60000", "--host_kv_tokens=0"], capture_output=True, text=True, timeout=300)
-    assert agentic.returncode == 0, agentic.stderr[-2000:]
-    head, *rows = [line.split(" | ") for line in agentic.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    agentic = [sys.executable, "-m", "talaria_jax.launch.rollout_replay", "--replicas=2", "--prompts=1", "--samples=2",
+               "--workload=agentic", "--tool_scale=0", "--configs=baseline,war"]
+    run = subprocess.run(agentic + ["--kv_tokens=60000"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    head, *rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert head[5:8] == ["hit rate", "recomputed", "preempted"] and [r[0].strip("| ") for r in rows] == ["baseline", "war"]
-    assert all(int(r[6]) > 0 for r in rows)  # 40K-token contexts in 60K tokens of KV: some recomputed
+    # round-robin sends every other turn of a trajectory to the replica without its context
+    assert int(rows[0][6]) > 10 * int(rows[1][6]) and float(rows[0][5][:-1]) < float(rows[1][5][:-1])
+    small = subprocess.run(agentic + ["--kv_tokens=1000"], capture_output=True, text=True, timeout=300)
+    assert small.returncode != 0 and "tokens exceed a replica's KV (62 pages of 16 tokens)" in small.stderr
+    assert "Traceback" not in small.stderr
 
 
 def test_a_rollout_services_trajectories_become_records():
@@ -213,7 +217,7 @@ def test_kv_pressure_evicts_cached_blocks_and_preempts_and_nothing_is_lost():
     accounted(ample)
     assert ample.preemptions == 0 and ample.restored_tokens == 0
     assert ample.recomputed_tokens <= sum(len(t.turns) for t in trajs) * SHAPE.page_size  # a partial page a turn
-    tight = ReplicaShape(HW, MODEL, max_seqs=16, max_tokens_per_step=1024, kv_tokens=2 * 1900, host_kv_tokens=0)
+    tight = ReplicaShape(HW, MODEL, max_seqs=16, max_tokens_per_step=1024, kv_tokens=2 * 1900)
     res = replay_step(trajs, tight, 2, "sticky_least_loaded")
     accounted(res)
     assert res.output_tokens == ample.output_tokens == sum(t.output_tokens for t in trajs)
@@ -227,14 +231,14 @@ def test_the_host_tier_restores_evicted_blocks_where_that_is_cheaper_than_recomp
 
     trajs = long_turns(6, 8)
     kv = dict(max_seqs=16, max_tokens_per_step=1024, kv_tokens=2 * 1900)
-    none = replay_step(trajs, ReplicaShape(HW, MODEL, **kv, host_kv_tokens=0), 2, "sticky_least_loaded")
-    host = replay_step(trajs, ReplicaShape(HW, MODEL, **kv), 2, "sticky_least_loaded")
+    none = replay_step(trajs, ReplicaShape(HW, MODEL, **kv), 2, "sticky_least_loaded")
+    host = replay_step(trajs, ReplicaShape(HW, MODEL, **kv, host_kv_tokens=10**6), 2, "sticky_least_loaded")
     accounted(host)
     assert host.output_tokens == none.output_tokens
     assert host.restored_tokens > 0 and host.recomputed_tokens < none.recomputed_tokens
     assert host.prefill_tokens < none.prefill_tokens
     # a host link so slow that a copy costs more than the prefill: nothing is restored
-    slow = ReplicaShape(dataclasses.replace(HW, pcie_h2d_gbps=1e-6), MODEL, **kv)
+    slow = ReplicaShape(dataclasses.replace(HW, pcie_h2d_gbps=1e-6), MODEL, **kv, host_kv_tokens=10**6)
     assert replay_step(trajs, slow, 2, "sticky_least_loaded").restored_tokens == 0
 
 
@@ -253,7 +257,7 @@ def test_cache_aware_placement_follows_where_the_blocks_are_after_eviction():
     assert ca.choose(req, loads) == 1
 
 
-def test_block_keys_grow_as_one_sequence_and_an_index_evicts_the_least_recently_used():
+def test_block_keys_grow_as_one_sequence_and_an_index_evicts_a_prefix_from_its_end():
     from talaria_jax.rollout.placement import BlockKeys, PrefixIndex
 
     toks = list(range(1, 40))
@@ -263,10 +267,12 @@ def test_block_keys_grow_as_one_sequence_and_an_index_evicts_the_least_recently_
     idx = PrefixIndex(4, 100)
     assert grown.keys == idx.keys(toks) and len(grown.keys) == 9
     idx.insert(toks)
-    assert idx.match(toks[:8]) == 8  # the first two blocks used now: the last out
-    assert idx.evict(3) == grown.keys[2:5] and len(idx) == 6 and grown.keys[5] in idx
-    assert idx.match(toks) == 8
-    assert idx.evict(10) == grown.keys[5:] + grown.keys[:2] and len(idx) == 0
+    other = BlockKeys(4, [7] * 8).keys
+    idx.insert((), other)
+    # of one prefix, the last blocks go first (a lookup leaves it whole as long as anything is left)
+    assert idx.evict(3) == grown.keys[::-1][:3] and len(idx) == 8 and idx.match(toks) == 24
+    assert idx.evict(2) == other[::-1]  # the matched prefix counts as used now
+    assert idx.evict(10) == grown.keys[:6][::-1] and len(idx) == 0
 
 
 def test_agentic_steps_have_the_cited_shape():
