@@ -21,10 +21,10 @@ time differs. A replica's KV is pages, as its engine's allocator and prefix cach
 the running turns' own pages, and cached blocks of finished turns (a `PrefixIndex`) that give way,
 least recently used first, when a running turn needs a page; where none is left to give, the most
 recently admitted running turn is preempted by recompute (the engine's rule). Blocks that give way
-are copied to the host tier where there is one (`ReplicaShape.host_kv_tokens`; the engine has none),
-and restored from there when that is cheaper than computing them again (the copies out are not
-charged: a copy engine overlaps them with compute). A turn's prompt skips the prefill of the
-leading blocks its replica holds, on device or restored.
+are copied to the host tier where there is one (`ReplicaShape.host_kv_tokens`; the engine's prefix
+cache keeps no host copies), and restored from there when that is cheaper than computing them again
+(the copies out are not charged: a copy engine overlaps them with compute). A turn's prompt skips
+the prefill of the leading blocks its replica holds, on device or restored.
 
 A step: every trajectory's first turn arrives at 0; each later turn arrives when the turn before it
 has finished and its tool time has passed; the step ends with its last trajectory.
@@ -101,7 +101,8 @@ def records_of(groups: Sequence[Sequence], tool_s: float = 0.0) -> list[Trajecto
 class ReplicaShape:
     """One replica: its hardware (a TP group, `HardwareConfig`), the model on it, and its engine's
     limits. `kv_tokens` defaults to what the profile's usable HBM holds beside the weights;
-    `host_kv_tokens` is its host tier (0, the default, as the engine: evicted blocks are gone)."""
+    `host_kv_tokens` is its host tier (0, the default, as the engine's prefix cache: evicted blocks
+    are gone)."""
     hardware: HardwareConfig
     model: ModelShape
     max_seqs: int = 64

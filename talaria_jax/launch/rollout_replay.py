@@ -8,8 +8,8 @@ The step is generated (`--prompts` x `--samples` trajectories of `--turns` model
 repetition as the flags say; `--workload=agentic`: SWE-style trajectories of 10-50 turns whose context
 grows to 40K tokens, `rollout.replay.AgenticShape`) or read from `--trajectories` (JSONL,
 `rollout.replay.write_jsonl`'s format). Every configuration replays the same tokens; only the time
-differs. Each replica holds `--kv_tokens` of KV and `--host_kv_tokens` in its host tier (the profile's
-by default); the tables count the context tokens found in KV, those computed again, and preemptions.
+differs. Each replica holds `--kv_tokens` of KV (the profile's by default) and `--host_kv_tokens` in
+its host tier (none by default); the tables count the context tokens found in KV, those computed again, and preemptions.
 
 `--sweep` replays a generated step at each load it lists (trajectories per replica: `--prompts` is
 that x `--replicas` / `--samples`) and prints each configuration's tokens/s and WAR's ratios:
@@ -61,8 +61,8 @@ _TOOL_SCALE = flags.DEFINE_float("tool_scale", 1.0, "--workload=agentic: the cit
 _KV_TOKENS = flags.DEFINE_integer("kv_tokens", None, "KV tokens a replica holds (default: what the profile's HBM "
                                   "holds beside the weights).", lower_bound=1)
 _HOST_KV = flags.DEFINE_integer("host_kv_tokens", 0, "KV tokens a replica's host tier holds: blocks evicted from "
-                                "its HBM go there and are restored where that beats recomputing them (0: none, as "
-                                "the engine).", lower_bound=0)
+                                "its HBM go there and are restored where that beats recomputing them (0: none; the "
+                                "engine keeps no host copies of evicted prefix blocks).", lower_bound=0)
 _TRAJECTORIES = flags.DEFINE_string("trajectories", None, "A JSONL file of trajectories to replay instead.")
 _CONFIGS = flags.DEFINE_list("configs", list(CONFIGS), f"Configurations: {', '.join(CONFIGS)}.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated step.")
