@@ -657,7 +657,8 @@ class _StepReplay:
             new = out[at:at + n]
             x.produced += n
             x.ctx += n - 1
-            rep.kv.trim(x)
+            if d is not None:  # only a draft's rejected tokens leave pages beyond the KV
+                rep.kv.trim(x)
             if rep.drafter is not None:
                 rep.drafter.extend(x.rid, new)
             if x.produced == len(x.output):
