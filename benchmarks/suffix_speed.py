@@ -13,8 +13,10 @@ best of --reps, as ms per step (extend of all + draft of all). Rows:
   per sequence, then `draft(rids)`).
 - native batched: the same drafter with the step's tokens in one `extend_batch(rids, tokens)` call.
 - arctic: arctic-inference's `SuffixDecodingCache` (`add_active_response` per sequence, `speculate` per
-  sequence with its last --max_depth tokens), where it is importable (see benchmarks/suffix_vs_arctic.py
-  for how to build it); skipped with one line where not.
+  sequence with its last --max_depth tokens), where it is importable (benchmarks/build_arctic_suffix.sh
+  builds it); skipped with one line where not. Its drafts are its own (it scores and orders a tree its
+  own way and drafts from the prompt in a tree of its own): "drafts = python" gives the share of them
+  with the same tokens and tree as ours.
 
 The native sides' drafts are checked against Python's at every timed and warm-up step (tokens, parents,
 probabilities, score, match length): "drafts = python" says whether all were identical.
@@ -105,17 +107,18 @@ class Arctic:
         for rid, s, p in zip(rids, seqs, prompts):
             self.c.start_request(rid, s[:p])
             self.c.add_active_response(rid, s[p:_CONTEXT.value])
-        self.drafts = None
+        self.drafts: list[list] = []
 
     def step(self, toks: list[int], contexts) -> float:
         c, cfg = self.c, self.cfg
         t0 = time.perf_counter()
         for rid, t in zip(self.rids, toks):
             c.add_active_response(rid, [t])
-        for rid, ctx in zip(self.rids, contexts):
-            c.speculate(rid, ctx, cfg.max_spec_tokens, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob,
-                        cfg.tree)
-        return time.perf_counter() - t0
+        out = [c.speculate(rid, ctx, cfg.max_spec_tokens, cfg.max_spec_factor, cfg.max_spec_offset,
+                           cfg.min_token_prob, cfg.tree) for rid, ctx in zip(self.rids, contexts)]
+        dt = time.perf_counter() - t0
+        self.drafts.append(out)
+        return dt
 
 
 def main(argv):
@@ -170,14 +173,21 @@ def main(argv):
         ref = sides["python"].drafts
         for name, side in sides.items():
             same = None
-            if side.drafts is not None and name != "python":
-                same = len(side.drafts) == len(ref) and all(
-                    key(a) == key(b) for xs, ys in zip(ref, side.drafts) for a, b in zip(xs, ys))
-            drafted = np.mean([len(d) for step in side.drafts for d in step]) if side.drafts else None
+            if name == "arctic":  # its own drafter: the share of its drafts with the same tokens and tree
+                pairs = [(a, b) for xs, ys in zip(ref, side.drafts) for a, b in zip(xs, ys)]
+                agree = np.mean([a.tokens.tolist() == b.token_ids and a.parents.tolist() == b.parents
+                                 for a, b in pairs])
+                drafted = np.mean([len(b.token_ids) for _, b in pairs])
+            else:
+                if name != "python":
+                    same = len(side.drafts) == len(ref) and all(
+                        key(a) == key(b) for xs, ys in zip(ref, side.drafts) for a, b in zip(xs, ys))
+                drafted = np.mean([len(d) for step in side.drafts for d in step])
             ms = 1e3 * best[name] / steps
             rows.append(dict(side=name, batch=n, ms_per_step=ms, us_per_seq=1e3 * ms / n,
                              vs_python=best["python"] / best[name], draft_len=drafted,
-                             drafts_equal=None if same is None else ("yes" if same else "NO"),
+                             drafts_equal=(f"tokens of {agree:.0%}" if name == "arctic" else
+                                           None if same is None else "yes" if same else "NO"),
                              steps_checked=len(ref) if same is not None else None))
             print(f"    {name:15s} {ms:8.3f} ms/step", flush=True)
             if same is False:

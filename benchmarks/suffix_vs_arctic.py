@@ -18,11 +18,10 @@ they add no new text to draft from, and the accepted lengths stay about those of
   .venv/bin/python -m benchmarks.suffix_vs_arctic
   .venv/bin/python -m benchmarks.suffix_vs_arctic --replicas=8 --tree=chain --json=/tmp/suffix.json
 
-The reference is built from source (C++/nanobind; its build requirements pull torch and cmake into
-pip's isolated build env, it needs neither to run; CMake must be pointed at the venv's Python):
+The reference is built from source (C++/nanobind; the package's own build pulls torch for its other
+extensions, which this one does not need):
 
-  CMAKE_ARGS=-DPython_EXECUTABLE=$PWD/.venv/bin/python .venv/bin/pip wheel arctic-inference==0.3.0 --no-deps -w /tmp/w
-  .venv/bin/pip install --no-deps /tmp/w/arctic_inference-0.3.0-*.whl
+  bash benchmarks/build_arctic_suffix.sh
 """
 from __future__ import annotations
 

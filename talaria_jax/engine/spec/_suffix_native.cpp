@@ -62,6 +62,10 @@ struct DraftOut {
   std::vector<double> probs;
   double score = 0.0;
   i64 match_len = 0;
+  // Tree drafts: no node left out has a path probability above left_out, but for those at levels from
+  // unpushed_level down (the last node's children), which have unpushed_p at most. Chains: 0.
+  double left_out = 0.0, unpushed_p = 0.0;
+  i64 unpushed_level = 0;
 };
 
 // node << 32 | token -> child: open addressing, linear probing, backward-shift deletion.
@@ -156,6 +160,8 @@ void chain_draft(Ops& ops, typename Ops::Node node, i64 limit, double min_prob, 
   d.toks.clear();
   d.probs.clear();
   d.parents.clear();
+  d.left_out = d.unpushed_p = 0.0;
+  d.unpushed_level = 0;
   double p = 1.0;
   typename Ops::KidT kid;
   while (i64(d.toks.size()) < limit) {
@@ -183,11 +189,12 @@ struct Chosen {
   i64 key;
 };
 
-struct Entry {  // a heap entry: (-path prob, key, parent key, token, node)
+struct Entry {  // a heap entry: (-path prob, key, parent key, token, node, its level below the draft's root)
   double negp;
   i64 key, parent;
   i32 tok;
   size_t node;
+  i64 level;
 };
 struct EntryAfter {
   bool operator()(const Entry& a, const Entry& b) const {
@@ -227,6 +234,9 @@ void tree_draft(Ops& ops, typename Ops::Node node, i64 limit, double min_prob, D
   d.probs.clear();
   d.parents.clear();
   d.score = 0.0;
+  d.left_out = min_prob;  // (a node at the bound could pass it after rounding)
+  d.unpushed_p = 0.0;
+  d.unpushed_level = 0;
   auto& nodes = sc.nodes;
   auto& heap = sc.heap;
   auto& chosen = sc.chosen;
@@ -236,7 +246,7 @@ void tree_draft(Ops& ops, typename Ops::Node node, i64 limit, double min_prob, D
   const EntryAfter after;
   i64 tie = 0;
   nodes.push_back(std::move(node));
-  heap.push_back(Entry{-1.0, tie++, -1, -1, 0});
+  heap.push_back(Entry{-1.0, tie++, -1, -1, 0, 0});
   const size_t want = size_t(limit) + 1;
   while (!heap.empty() && chosen.size() < want) {
     std::pop_heap(heap.begin(), heap.end(), after);
@@ -255,7 +265,12 @@ void tree_draft(Ops& ops, typename Ops::Node node, i64 limit, double min_prob, D
       chosen.push_back(Chosen{sc.rp[i], key, sc.rt[i], k});
       key = k;
     }
-    if (chosen.size() >= want) break;
+    i64 level = e.level + i64(sc.rt.size());
+    if (chosen.size() >= want) {  // (the last node's children are not in the heap)
+      d.unpushed_p = chosen.back().p;
+      d.unpushed_level = level + 1;
+      break;
+    }
     if (!sc.rp.empty()) negp = -sc.rp.back();
     i64 total = ops.count(n);
     double min_count = min_prob * double(total) / -negp * (1 - 1e-9);
@@ -269,11 +284,12 @@ void tree_draft(Ops& ops, typename Ops::Node node, i64 limit, double min_prob, D
       double p = -negp * double(k.count) / double(total);
       if (p >= min_prob) {
         nodes.push_back(std::move(k.child));
-        heap.push_back(Entry{-p, tie++, key, k.tok, nodes.size() - 1});
+        heap.push_back(Entry{-p, tie++, key, k.tok, nodes.size() - 1, level + 1});
         std::push_heap(heap.begin(), heap.end(), after);
       }
     }
   }
+  if (!heap.empty()) d.left_out = std::max(d.left_out, -heap.front().negp);
   if (chosen.empty()) return;
   auto& above = sc.above;
   above.clear();
@@ -328,6 +344,52 @@ void tree_draft(Ops& ops, typename Ops::Node node, i64 limit, double min_prob, D
 }
 
 template <class Ops>
+void draft_from(Ops& ops, const Match<typename Ops::Node>& m, i64 limit, const Cfg& cfg, DraftOut& out) {
+  if (cfg.tree)
+    tree_draft(ops, m.node, limit, cfg.min_prob, out);
+  else
+    chain_draft(ops, m.node, limit, cfg.min_prob, out);
+  out.match_len = m.depth;
+}
+
+// Matches i..k (k > i) have the same occurrences (the same count) and token limit, and all but k lack
+// the room to draft that many tokens under the depth bound (the first k - i are cut by it). Their drafts
+// are the draft of k restricted to fewer levels, so `_best_draft` ends the run with its deepest match
+// whose draft scores the most. Where the draft of k (`top`) bounds each deeper match's score strictly
+// below its own, that is k: true, and each deeper match's draft is never built. A deeper match keeps
+// the nodes of `top` within its room at most, plus as many other nodes as `top` has below it, none of
+// a path probability above `top.left_out` (chains: the same path, cut, so none). The margin covers the
+// rounding of path probabilities that a shorter run of one-child steps multiplies in another order.
+template <class Ops>
+bool deeper_lose(const std::vector<Match<typename Ops::Node>>& matches, size_t i, size_t k, i64 limit,
+                 i64 max_depth, const DraftOut& top) {
+  static std::vector<i32> level;
+  static std::vector<double> sum_to;  // sum_to[r]: the path probabilities of top's nodes at levels <= r
+  static std::vector<i64> count_to;
+  size_t n = top.toks.size();
+  level.resize(n);
+  sum_to.assign(size_t(limit) + 1, 0.0);
+  count_to.assign(size_t(limit) + 1, 0);
+  for (size_t j = 0; j < n; ++j) {
+    level[j] = top.parents[j] < 0 ? 1 : level[size_t(top.parents[j])] + 1;
+    if (level[j] > limit) return false;
+    sum_to[size_t(level[j])] += top.probs[j];
+    count_to[size_t(level[j])] += 1;
+  }
+  for (size_t r = 1; r <= size_t(limit); ++r) {
+    sum_to[r] += sum_to[r - 1];
+    count_to[r] += count_to[r - 1];
+  }
+  for (size_t j = i; j < k; ++j) {
+    i64 room = std::max<i64>(0, std::min(limit, max_depth - matches[j].depth));
+    double out = room >= top.unpushed_level ? std::max(top.left_out, top.unpushed_p) : top.left_out;
+    double most = sum_to[size_t(room)] + double(limit - count_to[size_t(room)]) * out;
+    if (!(most * (1 + 1e-9) < top.score)) return false;
+  }
+  return true;
+}
+
+template <class Ops>
 DraftOut best_draft(std::vector<Match<typename Ops::Node>>& matches, Ops& ops, i64 max_tokens, const Cfg& cfg,
                     i64 max_depth, double floor) {
   DraftOut best, cur;
@@ -335,20 +397,40 @@ DraftOut best_draft(std::vector<Match<typename Ops::Node>>& matches, Ops& ops, i
   i64 last_count = -1;
   bool last_room = true;
   double factor = cfg.factor, offset = cfg.offset + 1e-6;
-  for (auto& m : matches) {
-    if (m.count == last_count && last_room) continue;
-    double raw = double(m.depth) * factor;
+  auto limit_of = [&](i64 depth) {
+    double raw = double(depth) * factor;
     raw = raw + offset;
-    i64 limit = std::min(max_tokens, i64(raw));
+    return std::min(max_tokens, i64(raw));
+  };
+  size_t linear_to = 0;  // matches before it are drafted one by one (their run's bound did not hold)
+  for (size_t i = 0; i < matches.size(); ++i) {
+    auto& m = matches[i];
+    if (m.count == last_count && last_room) continue;
+    i64 limit = limit_of(m.depth);
     if (double(limit) <= score) break;
     last_count = m.count;
     last_room = max_depth < 0 || m.depth + limit <= max_depth;
     if (double(limit * ops.going_on(m.node)) <= score * double(m.count)) continue;
-    if (cfg.tree)
-      tree_draft(ops, m.node, limit, cfg.min_prob, cur);
-    else
-      chain_draft(ops, m.node, limit, cfg.min_prob, cur);
-    cur.match_len = m.depth;
+    size_t k = i;
+    while (!last_room && i >= linear_to && k + 1 < matches.size() && matches[k + 1].count == m.count &&
+           limit_of(matches[k + 1].depth) == limit) {
+      ++k;
+      if (matches[k].depth + limit <= max_depth) break;
+    }
+    if (k > i) {  // a run of matches cut by the depth bound: the draft of its last first
+      draft_from(ops, matches[k], limit, cfg, cur);
+      if (cur.score > 0.0 && deeper_lose<Ops>(matches, i, k, limit, max_depth, cur)) {
+        i = k;
+        last_room = matches[k].depth + limit <= max_depth;
+        if (cur.score > score) {
+          score = cur.score;
+          std::swap(best, cur);
+        }
+        continue;
+      }
+      linear_to = k;
+    }
+    draft_from(ops, m, limit, cfg, cur);
     if (cur.score > score) {
       score = cur.score;
       std::swap(best, cur);
@@ -390,6 +472,7 @@ class Trie {
     if (!up) up = std::make_unique<SeqState>();
     SeqState* s = up.get();
     std::vector<i32> live = s->live, nxt;
+    static std::vector<i32> kids;
     i32 top = s->top;
     for (size_t i = 0; i < n; ++i) {
       i32 t = in[i];
@@ -402,15 +485,19 @@ class Trie {
       top = -1;
       // The lookups below are independent of each other until one adds a node: look them all up first
       // (their memory fetched together, not one miss after another), then again for real.
+      // The children found stay valid until a node changes: `grow` adds one (`leaf` ends the walk).
       for (i32 node : live) child_.prefetch(ChildMap::key(node, t));
+      kids.clear();
       for (i32 node : live) {
         i32 c = get(node, t);
+        kids.push_back(c);
         if (c < 0) break;
         __builtin_prefetch(&nd_[c]);
       }
+      bool found = true;
       for (size_t d = 0; d < live.size(); ++d) {
         i32 node = live[d];
-        i32 child = get(node, t);
+        i32 child = found ? kids[d] : get(node, t);
         if (child < 0) {
           for (size_t e = d; e < live.size(); ++e) leaf(live[e], t, s, end - nd_[live[e]].depth);
           break;
@@ -418,7 +505,10 @@ class Trie {
         nd_[child].count += 1;
         i32& best = nd_[node].best;  // counts only go up here: the child is the best or as it was
         if (best >= 0 && best != child && beats(child, best)) best = child;
-        if (nd_[child].seq) grow(child, below);
+        if (nd_[child].seq) {
+          grow(child, below);
+          found = false;
+        }
         below = child;
         if (nd_[child].depth < max_depth)
           nxt.push_back(child);
