@@ -111,15 +111,20 @@ def run(name: str, tasks, tokenizer, samples: int):
     service.close()
     reps = stats["replicas"]
     spec_steps, steps = sum(r["spec_steps"] for r in reps), sum(r["steps"] for r in reps)
+    query = sum(r["prefix_query_tokens"] for r in reps)
     out = dict(config=name, seconds=secs, tokens=stats["generated_tokens"], tok_s=stats["generated_tokens"] / secs,
                prefill_tokens=sum(r["prefill_tokens"] for r in reps), cached_tokens=stats["cached_tokens"],
                spec_share=spec_steps / steps if steps else 0.0,
+               hit_rate=sum(r["prefix_hit_tokens"] for r in reps) / query if query else 0.0,
+               preemptions=sum(r["preemptions"] for r in reps),
+               evicted_pages=sum(r["prefix_evicted_pages"] for r in reps),
                accepted_per_spec_step=sum(r["accepted_tokens"] for r in reps) / spec_steps if spec_steps else None,
                turns=sum(len(t.turns) for g in trajs for t in g), solved=sum(v == 1.0 for v in rewards.values()),
                ids=[t.token_ids for g in trajs for t in g], trajs=trajs, shape=shape)
     print(f"  {name}: {out['tokens']} tokens in {secs:.1f} s = {out['tok_s']:.1f} tok/s; prefilled "
-          f"{out['prefill_tokens']}, cached {out['cached_tokens']}; speculated {out['spec_share']:.0%} of steps",
-          flush=True)
+          f"{out['prefill_tokens']}, cached {out['cached_tokens']} (hit rate {out['hit_rate']:.0%}, "
+          f"{out['evicted_pages']} cached pages evicted, {out['preemptions']} preemptions); speculated "
+          f"{out['spec_share']:.0%} of steps", flush=True)
     del service
     gc.collect()
     return out
@@ -153,6 +158,8 @@ def simulate(load: str, records, measured: dict, shapes: dict) -> list[dict]:
         rows.append(dict(load=load, config=name, measured=r["tok_s"], simulated=res.tokens_per_s,
                          error=res.tokens_per_s / r["tok_s"] - 1, measured_s=r["seconds"], simulated_s=res.step_s,
                          prefill=f"{res.prefill_tokens} / {r['prefill_tokens']}",
+                         hits=f"{res.hit_rate:.0%} / {r['hit_rate']:.0%}" if "hit_rate" in r else f"{res.hit_rate:.0%} / -",
+                         preempted=f"{res.preemptions} / {r['preemptions']}" if "preemptions" in r else f"{res.preemptions} / -",
                          spec=f"{res.verify_steps / res.steps:.0%} / {r['spec_share']:.0%}" if speculate else "-"))
     return rows
 
@@ -185,6 +192,7 @@ def print_simulated(sim_rows: list[dict]) -> None:
         [("load", "load", ""), ("config", "config", ""), ("measured tok/s", "measured", ".1f"),
          ("simulated tok/s", "simulated", ".1f"), ("error", "error", "+.0%"), ("measured s", "measured_s", ".1f"),
          ("simulated s", "simulated_s", ".1f"), ("prefill tokens sim / measured", "prefill", ""),
+         ("prefix hits sim / measured", "hits", ""), ("preemptions sim / measured", "preempted", ""),
          ("steps speculated sim / measured", "spec", "")], sim_rows)
 
 
