@@ -81,7 +81,9 @@ def weather(city: str) -> str:
 def agents_run(url: str, run: str, city: str, responses: bool, seed: int | None = None) -> bool:
     """The openai-agents SDK: one agent with a function tool, its default model (Responses) or its
     Chat Completions model, at most 3 turns. True when the SDK ended the run at an answer cut at
-    `max_tokens` (a Responses answer `incomplete`, or tool arguments that are not whole JSON)."""
+    `max_tokens`: tool arguments that are not whole JSON (the SDK raises), or an answer with no tool
+    call although the first must call one (a Responses answer `incomplete`: the SDK takes it as the
+    final answer)."""
     import agents
     from openai import AsyncOpenAI
 
@@ -100,12 +102,12 @@ def agents_run(url: str, run: str, city: str, responses: bool, seed: int | None 
     agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
                          model=model, model_settings=settings)
     try:
-        asyncio.run(agents.Runner.run(agent, f"What is the weather in {city}?", max_turns=3))
+        result = asyncio.run(agents.Runner.run(agent, f"What is the weather in {city}?", max_turns=3))
     except agents.MaxTurnsExceeded:
-        pass
+        return False
     except agents.ModelBehaviorError:
         return True
-    return False
+    return not any(item.type == "tool_call_item" for item in result.new_items)
 
 
 def claude_run(url: str, run: str, city: str) -> None:
