@@ -14,9 +14,9 @@ best of --reps, as ms per step (extend of all + draft of all). Rows:
 - native batched: the same drafter with the step's tokens in one `extend_batch(rids, tokens)` call.
 - arctic: arctic-inference's `SuffixDecodingCache` (`add_active_response` per sequence, `speculate` per
   sequence with its last --max_depth tokens), where it is importable (benchmarks/build_arctic_suffix.sh
-  builds it); skipped with one line where not. Its drafts are its own (it scores and orders a tree its
-  own way and drafts from the prompt in a tree of its own): "drafts = python" gives the share of them
-  with the same tokens and tree as ours.
+  builds it); skipped with one line where not. Its drafts are its own (ties between equally frequent
+  continuations broken its way; the request's prompt in a tree of its own, where ours scans the
+  request's whole text): "drafts = python" gives the share of them with the same tokens and tree as ours.
 
 The native sides' drafts are checked against Python's at every timed and warm-up step (tokens, parents,
 probabilities, score, match length): "drafts = python" says whether all were identical.

@@ -81,9 +81,8 @@ def weather(city: str) -> str:
 def agents_run(url: str, run: str, city: str, responses: bool, seed: int | None = None) -> bool:
     """The openai-agents SDK: one agent with a function tool, its default model (Responses) or its
     Chat Completions model, at most 3 turns. True when the SDK ended the run at an answer cut at
-    `max_tokens`: tool arguments that are not whole JSON (the SDK raises), or an answer with no tool
-    call although the first must call one (a Responses answer `incomplete`: the SDK takes it as the
-    final answer)."""
+    `max_tokens`: tool arguments that are not whole JSON (the SDK raises), or a run whose answers call
+    no tool although the first must (an answer cut before its tool call, which the SDK ends the run at)."""
     import agents
     from openai import AsyncOpenAI
 
