@@ -371,8 +371,7 @@ bool deeper_lose(const std::vector<Match<typename Ops::Node>>& matches, size_t i
   sum_to.assign(size_t(limit) + 1, 0.0);
   count_to.assign(size_t(limit) + 1, 0);
   for (size_t j = 0; j < n; ++j) {
-    level[j] = top.parents[j] < 0 ? 1 : level[size_t(top.parents[j])] + 1;
-    if (level[j] > limit) return false;
+    level[j] = top.parents[j] < 0 ? 1 : level[size_t(top.parents[j])] + 1;  // (at most n <= limit)
     sum_to[size_t(level[j])] += top.probs[j];
     count_to[size_t(level[j])] += 1;
   }
