@@ -20,7 +20,10 @@ speculation is lossless, so a trajectory's tokens are the same under every polic
 time differs. A replica's KV is pages, as its engine's allocator and prefix cache hold them (`_KV`):
 the running turns' own pages, and cached blocks of finished turns (a `PrefixIndex`) that give way,
 least recently used first, when a running turn needs a page; where none is left to give, the most
-recently admitted running turn is preempted by recompute (the engine's rule). Blocks that give way
+recently admitted running turn is preempted by recompute (the engine's rule). As in the service and
+the engine, a replica's engine holds as many turns as it has slots; each step it admits those
+waiting, in order, only after its running turns took their tokens and pages, while the step's
+token budget and slots last (a turn waiting there pins no cached block). Blocks that give way
 are copied to the host tier where there is one (`ReplicaShape.host_kv_tokens`; the engine's prefix
 cache keeps no host copies), and restored from there when that is cheaper than computing them again
 (the copies out are not charged: a copy engine overlaps them with compute). A turn's prompt skips
@@ -277,8 +280,10 @@ class _KV:
 class _Replica:
     def __init__(self, shape: ReplicaShape, spec: SpecConfig | None, drafter: str = "auto"):
         self.shape = shape
-        self.queue: list[tuple[tuple, int, _Running]] = []  # (priority, order, request)
-        self.resume: collections.deque[_Running] = collections.deque()  # preempted: admitted first, in order
+        self.queue: list[tuple[tuple, int, _Running]] = []  # the service's: (priority, order, request)
+        # handed to the engine (its slots: running ones and these), admitted in order as pages and the
+        # step's token budget allow; a preempted turn goes back to its head
+        self.engine_queue: collections.deque[_Running] = collections.deque()
         self.running: list[_Running] = []  # in admission order
         self.kv = _KV(shape.page_size, max(1, shape.kv_capacity() // shape.page_size),
                       shape.host_kv_tokens // shape.page_size)
@@ -294,7 +299,7 @@ class _Replica:
 
     @property
     def outstanding(self) -> int:
-        return len(self.queue) + len(self.resume) + len(self.running)
+        return len(self.queue) + len(self.engine_queue) + len(self.running)
 
 
 def accepted_tokens(draft: Draft, truth: Sequence[int]) -> int:
@@ -407,7 +412,7 @@ class _StepReplay:
         self.arrivals = itertools.count()
         self.flight: dict[int, _InFlight] = {}  # the steps in flight, per replica
         self.hosts = [_Host() for _ in range(-(-replicas // replicas_per_host))]
-        self.waiting = 0  # requests in the replicas' queues
+        self.waiting = 0  # requests in the service's queues (not handed to an engine)
         self.context: dict[str, BlockKeys] = {}  # each trajectory's context so far, in blocks
 
     def push(self, time: float, what: _Arrive | _Free | _Start) -> None:
@@ -428,7 +433,7 @@ class _StepReplay:
             else:
                 self.start(what.replica, ev.time)
         for r, rep in enumerate(self.reps):  # every page back: what the turns held is cached or gone
-            if rep.running or rep.queue or rep.resume or rep.kv.own or rep.kv.pins or rep.kv.free < 0:
+            if rep.running or rep.queue or rep.engine_queue or rep.kv.own or rep.kv.pins or rep.kv.free < 0:
                 raise AssertionError(f"replica {r} ended holding turns or pages: {len(rep.running)} running, "
                                      f"{rep.kv.own} own pages, {len(rep.kv.pins)} pinned, {rep.kv.free} free")
         return self.res
@@ -481,7 +486,7 @@ class _StepReplay:
         if not self.waiting:
             return False
         reps, max_seqs = self.reps, self.shape.max_seqs
-        full = [i for i, d in enumerate(reps) if i != r and d.queue and len(d.running) >= max_seqs]
+        full = [i for i, d in enumerate(reps) if i != r and d.queue and len(d.running) + len(d.engine_queue) >= max_seqs]
         if not full:
             return False
         victim = max(full, key=lambda i: (reps[i].outstanding / max_seqs, -i))
@@ -491,30 +496,24 @@ class _StepReplay:
         return True
 
     def start(self, r: int, now: float) -> None:
+        """The service hands r's engine the most urgent requests its free slots take (an idle slot
+        steals where the placement does), and r steps if it holds any."""
         rep = self.reps[r]
         if r in self.flight:
             return
-        while len(rep.running) < self.shape.max_seqs and (rep.resume or rep.queue
-                                                           or (self.place.steal and self.steal(r))):
-            nxt = rep.resume[0] if rep.resume else rep.queue[0][2]
-            if not self.admit(r, nxt):
-                break
-            if rep.resume:
-                rep.resume.popleft()
-            else:
-                heapq.heappop(rep.queue)
+        while len(rep.running) + len(rep.engine_queue) < self.shape.max_seqs and (
+                rep.queue or (self.place.steal and self.steal(r))):
+            rep.engine_queue.append(heapq.heappop(rep.queue)[2])
             self.waiting -= 1
-            if rep.drafter is not None:
-                rep.drafter.start(nxt.rid, nxt.prompt + nxt.output[:nxt.produced])
-            rep.running.append(nxt)
-        if rep.running:
+        if rep.running or rep.engine_queue:
             self.step(r, now)
 
-    def admit(self, r: int, x: _Running) -> bool:
-        """Admits x on r if its first chunk's pages can be had (evicting cached blocks, as the engine):
-        the leading blocks the replica holds are shared, those its host tier holds restored where that
-        is cheaper than computing them (the last known token is always computed: its logits sample
-        the next one). Whether it was admitted."""
+    def admit(self, r: int, x: _Running, budget: int) -> int:
+        """Admits x on r, as the engine does after its running turns took their tokens and pages, if
+        the pages of its first chunk (at most `budget` tokens) can be had, evicting cached blocks: the
+        leading blocks the replica holds are shared, those its host tier holds restored where that is
+        cheaper than computing them (the last known token is always computed: its logits sample the
+        next one). The chunk's tokens, or 0 where it was not admitted."""
         rep = self.reps[r]
         kv, page, model = rep.kv, self.shape.page_size, self.shape.model
         keys = x.keys[:(x.fill - 1) // page]
@@ -523,17 +522,15 @@ class _StepReplay:
         if back and self.cost.h2d_kv_s(model, back * page) >= self.cost.prefill_s(model, back * page, dev * page):
             back = 0
         cached = (dev + back) * page
-        own = max(0, -(-(cached + min(x.fill - cached, self.shape.max_tokens_per_step)) // page) - dev - back)
-        # the running turns' next tokens come first (the engine grows them before it admits)
-        ahead = sum(kv.grow(y, y.ctx + max(1, min(y.prefill_left, self.shape.max_tokens_per_step)))
-                    for y in rep.running)
+        n = min(x.fill - cached, budget)
+        own = max(0, -(-(cached + n) // page) - dev - back)
         kv.pin(x, keys[:dev])
-        gone = kv.room(back + own + ahead)
+        gone = kv.room(back + own)
         if gone is None:
             kv.release(x)
             if not rep.running:
                 raise AssertionError(f"{x.rid}: no pages for its first chunk on an idle replica")
-            return False
+            return 0
         self.place.evicted(r, gone)
         kv.pin(x, keys[:dev + back])
         kv.take(x, own)
@@ -542,19 +539,21 @@ class _StepReplay:
         res.query_tokens += x.fill
         res.cached_tokens += dev * page
         res.restored_tokens += back * page
-        self.reps[r].restore_s += self.cost.h2d_kv_s(model, back * page)
-        return True
+        rep.restore_s += self.cost.h2d_kv_s(model, back * page)
+        if rep.drafter is not None:
+            rep.drafter.start(x.rid, x.prompt + x.output[:x.produced])
+        rep.running.append(x)
+        return n
 
     def preempt(self, r: int, x: _Running) -> None:
         """The engine's preemption by recompute: x's own KV is lost, its shared blocks stay cached, and it
-        goes back to the head of its replica's queue with the tokens it has produced."""
+        goes back to the head of its engine's queue with the tokens it has produced."""
         rep = self.reps[r]
         rep.kv.release(x)
         self.res.query_tokens -= x.prefill_left  # admitted and never computed
         x.seen, x.fill, x.ctx = max(x.seen, x.ctx), len(x.prompt) + x.produced, 0
         rep.running.remove(x)
-        rep.resume.appendleft(x)
-        self.waiting += 1
+        rep.engine_queue.appendleft(x)
         self.res.preemptions += 1
         if rep.drafter is not None:
             rep.drafter.finish(x.rid)
@@ -619,10 +618,22 @@ class _StepReplay:
             if x.prefill_left:
                 fed[x.rid] = n
                 res.recomputed_tokens += max(0, min(x.seen, x.ctx + n) - x.ctx)
+        # then the engine admits the turns it holds, in order, while the step's budget and slots last
+        budget = shape.max_tokens_per_step - sum(n for n, _ in chunks)
+        while rep.engine_queue and budget > 0 and len(rep.running) < shape.max_seqs:
+            x = rep.engine_queue[0]
+            n = self.admit(r, x, budget)
+            if not n:
+                break
+            rep.engine_queue.popleft()
+            chunks.append((n, x.ctx))
+            fed[x.rid] = n
+            res.recomputed_tokens += max(0, min(x.seen, x.ctx + n) - x.ctx)
+            budget -= n
         decoding = [x for x in decoding if x in rep.running]
         drafts = {x.rid: drafts[x.rid] for x in decoding if x.rid in drafts}
         if not chunks:
-            raise AssertionError(f"replica {r}: running turns and nothing scheduled")
+            raise AssertionError(f"replica {r}: turns held and nothing scheduled")
         plain = self.cost.prefill_batch_s(shape.model, chunks)
         seconds = plain + self.cost.verify_overhead_s(chunks) if drafts else plain  # verify_batch_s when verifying
         seconds, rep.restore_s = seconds + rep.restore_s, 0.0  # the host copies of the turns just admitted

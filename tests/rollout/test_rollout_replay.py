@@ -292,3 +292,41 @@ def test_agentic_steps_have_the_cited_shape():
     assert 0.1 < np.median(tools) < 1.0 and max(tools) <= shape.max_tool_s and np.mean(tools) > 5
     assert all(x.tool_s == 0 for t in agentic_step(1, 2, tool_scale=0.0) for x in t.turns)
     assert agentic_step(1, 2, seed=3) == agentic_step(1, 2, seed=3)
+
+
+def test_the_replay_holds_a_real_replicas_kv():
+    """A real replica (tiny model, its KV under pressure: evictions and preemptions) runs a multi-turn
+    rollout; the replay of its trajectories on the same limits computes as many prefill tokens and
+    preempts as often: its admission, eviction and preemption are the engine's. (A replay that admits
+    every waiting turn at once, pinning its cached prefix, preempts 3x as often here.)"""
+    import dataclasses
+
+    from conftest import TEST_CACHE
+    from talaria_jax.engine import EngineConfig, SamplingParams
+    from talaria_jax.rollout.replica import ReplicaSpec
+    from talaria_jax.rollout.service import RolloutService
+    from talaria_jax.sim.hardware import ModelShape
+
+    config = EngineConfig(max_seqs=8, max_tokens_per_step=64, max_model_len=512, prefix_cache=True, warmup=False)
+    probe = ReplicaSpec("tiny-dense", devices=(0,), engine=config, compilation_cache=TEST_CACHE).build()
+    config = dataclasses.replace(config, kv_memory_bytes_per_device=72 * probe.engine.pool_spec.page_bytes)
+    replica = ReplicaSpec("tiny-dense", devices=(0,), engine=config, compilation_cache=TEST_CACHE).build()
+    engine = replica.engine
+    vocab = engine.model.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, vocab, 96).tolist() for _ in range(4)]
+
+    def make_env(i, j):
+        env_rng = np.random.default_rng(100 * i + j)
+        return lambda completion: env_rng.integers(5, vocab, 32).tolist()
+
+    with RolloutService([replica], "round_robin", seed=0) as service:
+        trajs = service.rollout(prompts, make_env, SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True),
+                                n=3, max_turns=4)
+        stats = service.stats()["replicas"][0]
+    shape = ReplicaShape(HW, ModelShape.from_config(engine.model.cfg, "float32", 1), max_seqs=8, max_tokens_per_step=64,
+                         page_size=engine.page_size, kv_tokens=engine.pool_spec.num_slots)
+    res = replay_step(records_of(trajs), shape, 1, "round_robin")
+    assert stats["preemptions"] > 5 and stats["prefix_evicted_pages"] > 100 and stats["prefix_hit_tokens"] > 0
+    assert res.prefill_tokens == pytest.approx(stats["prefill_tokens"], rel=0.05)
+    assert res.preemptions == pytest.approx(stats["preemptions"], abs=3)
