@@ -41,6 +41,7 @@ class Point:
     tokens: int  # decode, verify: context per sequence; prefill: prompt tokens
     seconds: float
     drafted: float = 0.0  # verify: draft tokens per sequence and step (mean)
+    past: int = 0  # prefill: tokens of context cached before the prompt's (a prefix-cache hit)
 
 
 def _drain(eng) -> None:
@@ -65,22 +66,29 @@ def measure_model(inst: Instance, model: str, **kw) -> list[Point]:
     return measure_engine(inst.served[model].engine, model, **kw)
 
 
-def measure_engine(eng, model: str, *, batches=(1, 4), contexts=(64, 512), prompts=(64, 256),
+def measure_engine(eng, model: str, *, batches=(1, 4), contexts=(64, 512), prompts=(64, 256), pasts=(),
                    steps: int = 6) -> list[Point]:
-    """Prefill step times of `eng` (an ``Engine``) for each prompt length in `prompts`, and decode
-    step times (median of `steps`, `decode_step_times`) for each batch and context; `model` names
-    the points."""
+    """Prefill step times of `eng` (an ``Engine``) for each prompt length in `prompts`, fresh and
+    after each context of `pasts` found in its prefix cache, and decode step times (median of
+    `steps`, `decode_step_times`) for each batch and context; `model` names the points."""
     rng = np.random.default_rng(0)
     out = []
-    for n in prompts:  # one fresh prompt per step: the step is its prefill
-        for _ in range(2):  # the first compiles
-            eng.add_request(rng.integers(0, eng.model.cfg.vocab_size, n).tolist(),
-                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            t = time.perf_counter()
-            eng.step()
-            dt = time.perf_counter() - t
-            _drain(eng)
-        out.append(Point(model, "prefill", 1, n, dt))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for past in (0, *pasts):
+        for n in prompts:  # one new prompt per step: the step is its prefill (after `past` cached tokens)
+            times = []
+            for _ in range(2):  # the first compiles
+                before = rng.integers(0, eng.model.cfg.vocab_size, past + 1).tolist() if past else []
+                if before:  # computed once, so that its pages are cached (the last token's are not)
+                    eng.add_request(before, one)
+                    _drain(eng)
+                eng.add_request(before[:past] + rng.integers(0, eng.model.cfg.vocab_size, n).tolist(), one)
+                t = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t)
+                _drain(eng)
+            out.append(Point(model, "prefill", 1, n, times[-1], past=past))
+    eng.clear_prefix_cache()  # the decode points allocate their contexts' pages outright
     for b in batches:
         for c in contexts:
             out.append(Point(model, "decode", b, c, float(np.median(decode_step_times(eng, b, c, steps)[0]))))
@@ -101,7 +109,8 @@ def measure_verify(eng, model: str, *, batches=(1, 4, 8), context: int = 1024, s
         for _ in range(b):
             phrase = rng.integers(0, eng.model.cfg.vocab_size, 16).tolist()
             eng.add_request((phrase * (context // 16 + 1))[:context],
-                            SamplingParams(max_tokens=context, temperature=0.0, ignore_eos=True))  # none ends
+                            SamplingParams(max_tokens=min(context, eng.config.max_model_len - context),
+                                           temperature=0.0, ignore_eos=True))  # none ends while timed
         while any(r.num_computed < len(r.prompt) for r in list(eng.running) + list(eng.waiting)):
             eng.step()
         times, drafted = [], []
@@ -354,7 +363,8 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
                            weight_load_efficiency=1.0, d2d_gbps=1.0, host_memory_gb=1.0, host_reserve_gb=0.0)
     cost = CostModel(probe)
     verify = [p for p in points if p.kind == "verify"]
-    points = [p for p in points if p.kind != "verify"]
+    after = [p for p in points if p.kind == "prefill" and p.past]
+    points = [p for p in points if p.kind != "verify" and not p.past]
     # per point: weight bytes read, KV bytes read (and written), FLOPs
     w = np.array([cost.decode_step_s(shapes[p.model], p.batch if p.kind == "decode" else 1, 0) * n * GB
                   for p in points])
@@ -372,16 +382,36 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
             step_overhead_us=overhead * 1e6, kv_bw_efficiency=min(1.0, max(0.01, inv_w / inv_kv)) if inv_kv > inv_w
             else 1.0, compute_memory_overlap=overlap)
 
-    # overlapped (a GPU's roofline): decode is memory bound, t = overhead + weights / rate + KV / (rate x
-    # kv efficiency); prefill compute bound, t - overhead = FLOPs / matmul rate
-    a, inv_w, inv_kv = _nonneg_lstsq(np.c_[sizes, w, kv][decode], t[decode])
-    left = np.maximum(t[~decode] - a, 1e-6)
-    inv_flops = float(flops[~decode] @ left / (flops[~decode] @ flops[~decode])) if (~decode).any() else 1e-30
-    fits = [profile(a, inv_w, inv_kv, inv_flops, 1.0)]
-    # added (a CPU's cores both read and compute): t = overhead + weights / rate + KV / (...) + FLOPs / matmul rate
-    fits.append(profile(*_nonneg_lstsq(np.c_[sizes, w, kv, flops], t), 0.0))
-    errors = [sum((pred / p.seconds - 1) ** 2 for p, pred in predicted(hw, inst, points)) for hw in fits]
-    best = fits[int(np.argmin(errors))]
+    # of the prefill points' FLOPs, attention's (the prompt's own), at `attention_efficiency` of the matmul rate
+    attention = np.array([0.0 if p.kind == "decode" else cost.prefill_attention_flops(shapes[p.model], p.tokens, 0)
+                          for p in points])
+
+    def base(efficiency: float) -> HardwareConfig:
+        f = flops + attention * (1.0 / efficiency - 1.0)
+        # overlapped (a GPU's roofline): decode is memory bound, t = overhead + weights / rate + KV / (rate x
+        # kv efficiency); prefill compute bound, t - overhead = FLOPs / matmul rate
+        a, inv_w, inv_kv = _nonneg_lstsq(np.c_[sizes, w, kv][decode], t[decode])
+        left = np.maximum(t[~decode] - a, 1e-6)
+        inv_flops = float(f[~decode] @ left / (f[~decode] @ f[~decode])) if (~decode).any() else 1e-30
+        fits = [profile(a, inv_w, inv_kv, inv_flops, 1.0)]
+        # added (a CPU's cores both read and compute): t = overhead + weights / rate + KV / (...) + FLOPs / matmul rate
+        fits.append(profile(*_nonneg_lstsq(np.c_[sizes, w, kv, f], t), 0.0))
+        fits = [dataclasses.replace(hw, attention_efficiency=efficiency) for hw in fits]
+        errors = [sum((pred / p.seconds - 1) ** 2 for p, pred in predicted(hw, inst, points)) for hw in fits]
+        return fits[int(np.argmin(errors))]
+
+    best = base(1.0)
+    # prefill after a cached context: the seconds beyond the fit's are its attention's, at a lower rate than the
+    # matmuls'; that rate and the base fit (whose fresh prompts attend too) settle together
+    after_attention = np.array([cost.prefill_attention_flops(shapes[p.model], p.tokens, p.past) for p in after])
+    for _ in range(20 if after else 0):
+        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, after)])
+        per_flop = float(after_attention @ left / (after_attention @ after_attention))  # seconds per FLOP beyond
+        rate = best.num_gpus * best.matmul_tflops * 1e12 * best.prefill_efficiency
+        efficiency = min(1.0, max(0.001, 1.0 / (1.0 / best.attention_efficiency + per_flop * rate)))
+        if abs(efficiency / best.attention_efficiency - 1.0) < 1e-4:
+            break
+        best = base(efficiency)
     if verify:  # what verifying steps take beyond their chunks' prefill cost, per token (least squares)
         left = np.array([p.seconds - pred for p, pred in predicted(best, inst, verify)])
         tokens = np.array([p.batch * (1 + round(p.drafted)) for p in verify])
@@ -427,7 +457,7 @@ def predicted(hw: HardwareConfig, inst: Instance, points: list[Point]) -> list[t
             return cost.decode_step_s(m, p.batch, p.batch * p.tokens)
         if p.kind == "verify":
             return cost.verify_batch_s(m, [(1 + round(p.drafted), p.tokens)] * p.batch)
-        return cost.prefill_s(m, p.tokens, 0)
+        return cost.prefill_s(m, p.tokens, p.past)
 
     return [(p, seconds(p)) for p in points]
 

@@ -11,8 +11,9 @@ point next to the fitted cost model's prediction, and writes the profile. `talar
 
 `--engine=rollout` times the steps of rollout replicas' engines instead (the engine
 `benchmarks/rollout_throughput.py` runs: 8 slots, 256 tokens a step, a 3,072-token context, the
-prefix cache): decode and prefill steps, steps verifying suffix drafts
-(``verify_token_overhead_us``), and how much slower a step is while two replicas on this host step
+prefix cache): decode steps and prefill steps, fresh and after a prefix-cache hit
+(``attention_efficiency``), steps verifying suffix drafts (``verify_token_overhead_us``), at the
+contexts `--contexts` and `--verify_contexts` name, and how much slower a step is while two replicas on this host step
 at once (``colocated_step_slowdown``). `benchmarks/rollout_throughput.py` checks the rollout
 simulator with the profile it writes:
 
@@ -42,6 +43,15 @@ flags.DEFINE_string("weight_budget", "largest", "The instance's weights, as tala
 flags.register_validator("weight_budget", lambda v: v == "slot" or v == "largest" or (v.isdigit() and int(v) > 0),
                          "must be 'largest', a number of bytes or 'slot'")
 flags.DEFINE_integer("steps", 6, "Decode steps timed per point (the median is kept).")
+flags.DEFINE_list("contexts", ["256", "1024", "2048", "2752"], "--engine=rollout: the contexts (tokens) of the "
+                  "decode steps timed, at batches 1, 4 and 8, and (past the first) of the prefix-cache hits that "
+                  "prefill steps follow; cover the contexts the rollouts reach (at most 3,000).")
+flags.DEFINE_list("verify_contexts", ["512", "1024", "2048"], "--engine=rollout: the contexts of the steps verifying "
+                  "drafts timed.")
+for _name in ("contexts", "verify_contexts"):
+    flags.register_validator(_name, lambda v: all(x.isdigit() and 16 <= int(x) <= 3000 for x in v),
+                             "must be token counts from 16 to 3000 (the rollout engine's 3,072-token context, "
+                             "less the steps timed)")
 flags.DEFINE_enum("engine", "instance", ["instance", "rollout"], "Whose steps to time: a Talaria instance's, or "
                   "two rollout replicas' engines on this host (with the slowdown when both step at once).")
 # benchmarks/rollout_throughput.py's replica engine (its default flags)
@@ -65,11 +75,13 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
         engines = [Engine(load_model(m, make_mesh(jax.devices()[r * devices:(r + 1) * devices]), dtype="float32").model,
                           EngineConfig(**ROLLOUT_ENGINE)) for r in range(2)]
         print(f"timing {m}'s rollout engine ...", file=sys.stderr)
-        points += calibration.measure_engine(engines[0], m, batches=(1, 4, 8), contexts=(256, 1024, 2048),
+        points += calibration.measure_engine(engines[0], m, batches=(1, 4, 8), contexts=tuple(map(int, FLAGS.contexts)),
+                                           pasts=tuple(c for c in map(int, FLAGS.contexts[1:])  # those that fit
+                                                       if c + 256 < ROLLOUT_ENGINE["max_model_len"]),
                                            prompts=(16, 64, 256), steps=FLAGS.steps)
         spec = Engine(engines[0].model, EngineConfig(**ROLLOUT_ENGINE, speculation=SpecConfig(max_spec_tokens=8,
                                                                                              policy="always")))
-        for context in (512, 1024):
+        for context in map(int, FLAGS.verify_contexts):
             points += calibration.measure_verify(spec, m, batches=(1, 2, 4, 8), context=context, steps=FLAGS.steps)
         del spec
         if i == 0:
@@ -123,7 +135,8 @@ def main(argv: Sequence[str]) -> None:
                        colocated=colocated)
     print("| model | kind | batch | tokens | measured (ms) | cost model (ms) | error |\n|---|---|---:|---:|---:|---:|---:|")
     for p, pred in calibration.predicted(hw, inst, points):
-        kind = f"{p.kind} ({p.drafted:.1f} drafts)" if p.kind == "verify" else p.kind
+        kind = (f"{p.kind} ({p.drafted:.1f} drafts)" if p.kind == "verify"
+                else f"{p.kind} (after {p.past} cached)" if p.past else p.kind)
         print(f"| {p.model} | {kind} | {p.batch} | {p.tokens} | {p.seconds * 1e3:.1f} | {pred * 1e3:.1f} "
               f"| {pred / p.seconds - 1:+.0%} |")
     print(f"\nweights ({copies['weight_bytes'] / 1e6:.0f} MB of {biggest}): load from pinned host "
@@ -135,18 +148,23 @@ def main(argv: Sequence[str]) -> None:
               f"{other} stages ({r['slowdown']:.2f}x, {r['staging_copies']:.0f} copies)")
     print(f"staging_step_slowdown: {hw.staging_step_slowdown:.3g} (mean ratio, at least 1)")
     whose = "rollout replica" if rollout else "instance"
+    given = "".join(f" --{k}={','.join(FLAGS[k].value)}" for k in ("contexts", "verify_contexts")
+                    if rollout and FLAGS[k].present)
     header = (f"Measured by talaria-calibrate on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs,\n"
               f"{FLAGS.devices_per_instance} simulated device(s) per {whose}; models {', '.join(FLAGS.models)};\n"
               f"weights: {'one slot' if FLAGS.weight_budget == 'slot' else 'own arrays, budget ' + FLAGS.weight_budget}).\n"
               f"Rates are effective ones (efficiencies 1, but kv_bw_efficiency: the KV reads' share of the weights'\n"
-              f"rate); step_overhead_us is the fitted fixed cost of a step; compute_memory_overlap 1 or 0: a step\n"
-              f"takes the longer of its compute and memory times, or their sum (whichever fitted better);\n"
+              f"rate, and attention_efficiency: prefill attention's share of the matmul rate); step_overhead_us\n"
+              f"is the fitted fixed cost of a step; compute_memory_overlap 1 or 0: a step takes the longer of its\n"
+              f"compute and memory times, or their sum (whichever fitted better);\n"
               f"verify_token_overhead_us is what each token of a step verifying drafts takes beyond a prefill token;\n"
               f"staging_step_slowdown is a decode step's time with another model staging over its idle time.\n"
               f"colocated_step_slowdown is a decode step's time while another replica steps over its time alone.\n"
               f"Regenerate: python -m talaria_jax.launch.calibrate"
               f"{' --engine=rollout --models=' + ','.join(FLAGS.models) if rollout else ''}"
-              f"{f' --steps={FLAGS.steps}' if FLAGS['steps'].present else ''} --out={FLAGS.out}")
+              f"{f' --steps={FLAGS.steps}' if FLAGS['steps'].present else ''}"
+              f"{given}"
+              f" --out={FLAGS.out}")
     path = pathlib.Path(FLAGS.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(calibration.to_yaml(hw, header))

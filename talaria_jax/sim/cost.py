@@ -45,11 +45,19 @@ class CostModel:
 
     def prefill_flops(self, m: ModelShape, new_tokens: int, past_tokens: int) -> float:
         """FLOPs to prefill new_tokens after past_tokens of cached context (causal attention)."""
-        linear = 2.0 * m.active_params_b * 1e9 * new_tokens
-        # each new token attends to past + its causal half of the new span: QK^T and PV, 2 FLOPs a MAC
-        mean_ctx = past_tokens + new_tokens / 2.0
-        attn = 4.0 * m.full_attn_layers * m.attn_dim * mean_ctx * new_tokens
-        return linear + attn
+        return 2.0 * m.active_params_b * 1e9 * new_tokens + self.prefill_attention_flops(m, new_tokens, past_tokens)
+
+    def prefill_attention_flops(self, m: ModelShape, new_tokens: int, past_tokens: int) -> float:
+        """Of `prefill_flops`, attention's: each new token attends to past + its causal half of the new
+        span (QK^T and PV, 2 FLOPs a multiply-add)."""
+        return 4.0 * m.full_attn_layers * m.attn_dim * (past_tokens + new_tokens / 2.0) * new_tokens
+
+    def prefill_compute_s(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> float:
+        """Compute seconds of prefill `chunks` (new tokens, cached tokens): their FLOPs at the matmul
+        rate, attention's at ``attention_efficiency`` of it."""
+        flops = sum(self.prefill_flops(m, n, p) for n, p in chunks)
+        attention = sum(self.prefill_attention_flops(m, n, p) for n, p in chunks)
+        return (flops + attention * (1.0 / self.hw.attention_efficiency - 1.0)) / self._matmul_rate()
 
     def decode_flops(self, m: ModelShape, batch: int, context_tokens: int) -> float:
         """FLOPs of a decode step of `batch` sequences over `context_tokens` of context in all."""
@@ -65,7 +73,7 @@ class CostModel:
         chunks = [(n, p) for n, p in chunks if n > 0]
         if not chunks:
             return 0.0
-        compute = sum(self.prefill_flops(m, n, p) for n, p in chunks) / self._matmul_rate()
+        compute = self.prefill_compute_s(m, chunks)
         memory = (m.weight_bytes + sum(n + p for n, p in chunks) * m.kv_bytes_per_token / self.hw.kv_bw_efficiency
                   ) / self._hbm_rate()
         return self._roofline(compute, memory) + self._allreduce_s(m, sum(n for n, _ in chunks)) + self._overhead_s()
@@ -141,5 +149,5 @@ class CostModel:
         # causal attention inside each prompt, not across the batch: correct the cross-prompt term
         attn_cross = 4.0 * m.full_attn_layers * m.attn_dim * (input_tokens * batch) ** 2 / 2.0
         attn_own = 4.0 * m.full_attn_layers * m.attn_dim * batch * input_tokens**2 / 2.0
-        per -= (attn_cross - attn_own) / self._matmul_rate()
+        per -= (attn_cross - attn_own) / (self._matmul_rate() * self.hw.attention_efficiency)
         return input_tokens * batch / per

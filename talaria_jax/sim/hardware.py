@@ -59,6 +59,11 @@ class HardwareConfig:
     # where both stream at the HBM rate; below 1 on a CPU (talaria-calibrate fits it when its decode
     # points span enough context)
     kv_bw_efficiency: float = 1.0
+    # share of the matmul rate that prefill attention's FLOPs (a chunk's queries against its cached
+    # context and itself) get: 1.0 where an attention kernel runs them at the matmul rate; below 1 on a
+    # CPU's reference attention (talaria-calibrate --engine=rollout fits it from prefill steps after a
+    # cached context). Decode attention is bound by its KV reads (kv_bw_efficiency)
+    attention_efficiency: float = 1.0
     # how far a step's compute and memory traffic overlap: 1.0, a step takes the longer of the two (the
     # roofline: a GPU's tensor cores compute while HBM streams); 0.0, their sum (a CPU's cores do both);
     # talaria-calibrate keeps whichever fits its points better
@@ -151,7 +156,7 @@ _HW_LIMITS: dict[str, tuple[float, float]] = {
     "pcie_h2d_gbps": (0.1, 1e4), "pcie_d2h_gbps": (0.1, 1e4), "weight_load_efficiency": (0.01, 1.0),
     "d2d_gbps": (1, 1e5), "host_memory_gb": (1, 1e6), "host_reserve_gb": (0, 1e6),
     "staging_step_slowdown": (1.0, 100.0), "colocated_step_slowdown": (1.0, 100.0),
-    "kv_bw_efficiency": (0.01, 1.0), "compute_memory_overlap": (0.0, 1.0),
+    "kv_bw_efficiency": (0.01, 1.0), "attention_efficiency": (0.001, 1.0), "compute_memory_overlap": (0.0, 1.0),
     "verify_token_overhead_us": (0, 1e6),
 }
 

@@ -73,20 +73,22 @@ def test_nonneg_lstsq_keeps_every_coefficient_at_least_zero():
 
 
 def test_fit_recovers_a_profile_from_its_own_points():
-    """Points priced by a known profile (one dense model, KV read at 40% of the weights' rate, two
-    replicas slowing each other 1.4x, a verified token 2 ms dearer than a prefill token) fit back to
-    it: with one size of weights the overhead is 0."""
+    """Points priced by a known profile (one dense model, KV read at 40% of the weights' rate, prefill
+    attention at 20% of the matmul rate, two replicas slowing each other 1.4x, a verified token 2 ms
+    dearer than a prefill token) fit back to it: with one size of weights the overhead is 0."""
     from talaria_jax.sim.cost import CostModel
     from talaria_jax.sim.hardware import ModelShape
 
     cfg = load_model_config("tiny-dense")
     shape = ModelShape.from_config(cfg, "float32", 1, name="tiny-dense")
     truth = dataclasses.replace(load_hardware("cpu"), name="t", hbm_bw_gbps=11.0, kv_bw_efficiency=0.4,
-                                step_overhead_us=0.0, colocated_step_slowdown=1.4, verify_token_overhead_us=2000.0)
+                                step_overhead_us=0.0, colocated_step_slowdown=1.4, verify_token_overhead_us=2000.0,
+                                attention_efficiency=0.2)
     cost = CostModel(truth)
     points = [calibration.Point("tiny-dense", "decode", b, c, cost.decode_step_s(shape, b, b * c))
               for b in (1, 4, 8) for c in (256, 2048)]
-    points += [calibration.Point("tiny-dense", "prefill", 1, n, cost.prefill_s(shape, n)) for n in (64, 256)]
+    points += [calibration.Point("tiny-dense", "prefill", 1, n, cost.prefill_s(shape, n, past), past=past)
+               for n in (16, 64, 256) for past in (0, 1024, 2048)]
     points += [calibration.Point("tiny-dense", "verify", b, 512, cost.verify_batch_s(shape, [(1 + d, 512)] * b), d)
                for b, d in ((1, 6), (4, 3), (8, 5))]
     inst = types.SimpleNamespace(arena=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.zeros(1))),
@@ -96,6 +98,7 @@ def test_fit_recovers_a_profile_from_its_own_points():
     assert hw.hbm_bw_gbps == pytest.approx(11.0, rel=1e-3) and hw.kv_bw_efficiency == pytest.approx(0.4, rel=1e-3)
     assert hw.step_overhead_us == 0.0 and hw.colocated_step_slowdown == 1.4
     assert hw.verify_token_overhead_us == pytest.approx(2000.0, rel=0.05)  # verified tokens cost 2 ms more
+    assert hw.attention_efficiency == pytest.approx(0.2, rel=0.01)
     for p, pred in calibration.predicted(hw, inst, points):
         assert p.kind == "prefill" or pred == pytest.approx(p.seconds, rel=1e-3)
 
