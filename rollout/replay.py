@@ -219,21 +219,20 @@ class _KV:
             self.host.insert((), keys[start:start + n])
         return n
 
-    def room(self, pages: int) -> list[bytes] | None:
-        """Makes `pages` free, evicting cached blocks to the host tier; the blocks the replica holds
-        nowhere any more (evicted without a host tier, or out of the host tier to make room there), or
-        None where it cannot (then it evicted nothing)."""
+    def room(self, pages: int) -> tuple[bool, list[bytes]]:
+        """Makes `pages` free, evicting cached blocks to the host tier: whether it could, and the blocks
+        the replica holds nowhere any more (evicted without a host tier, or out of the host tier to make
+        room there). Where it cannot, every cached block was evicted, as the engine's does before it
+        preempts or leaves a turn waiting."""
         short = pages - self.free
         if short <= 0:
-            return []
-        if len(self.cached) < short:
-            return None
-        gone = self.cached.evict(short)
+            return True, []
+        gone = self.cached.evict(min(short, len(self.cached)))
         if self.host is not None:
             # the evicted blocks in prefix order (each prefix's last ones went first), so the host tier keeps
             # their leading ones longest
             gone = [key for key in self.host.insert((), gone[::-1]) if key not in self.cached and key not in self.pins]
-        return gone
+        return self.free >= pages, gone
 
     def pin(self, x: _Running, keys: list[bytes]) -> None:
         """x shares `keys`, its leading blocks on the device (those it shared already first)."""
@@ -287,7 +286,7 @@ class _Replica:
         self.running: list[_Running] = []  # in admission order
         self.kv = _KV(shape.page_size, max(1, shape.kv_capacity() // shape.page_size),
                       shape.host_kv_tokens // shape.page_size)
-        self.restore_s = 0.0  # host-to-device copies of the turns admitted since its last step
+        self.restore_s = 0.0  # host-to-device copies of the turns admitted in the step being planned
         self.drafter = SuffixDrafter(spec, backend=drafter) if spec is not None else None
         self.policy = None
         if spec is not None:
@@ -525,13 +524,13 @@ class _StepReplay:
         n = min(x.fill - cached, budget)
         own = max(0, -(-(cached + n) // page) - dev - back)
         kv.pin(x, keys[:dev])
-        gone = kv.room(back + own)
-        if gone is None:
+        ok, gone = kv.room(back + own)
+        self.place.evicted(r, gone)
+        if not ok:
             kv.release(x)
             if not rep.running:
                 raise AssertionError(f"{x.rid}: no pages for its first chunk on an idle replica")
             return 0
-        self.place.evicted(r, gone)
         kv.pin(x, keys[:dev + back])
         kv.take(x, own)
         x.ctx = cached
@@ -567,9 +566,9 @@ class _StepReplay:
             need = rep.kv.grow(x, tokens)
             if not need:
                 return True
-            gone = rep.kv.room(need)
-            if gone is not None:
-                self.place.evicted(r, gone)
+            ok, gone = rep.kv.room(need)
+            self.place.evicted(r, gone)
+            if ok:
                 rep.kv.take(x, need)
                 return True
             victim = next(v for v in reversed(rep.running) if id(v) not in scheduled)
@@ -630,7 +629,7 @@ class _StepReplay:
             fed[x.rid] = n
             res.recomputed_tokens += max(0, min(x.seen, x.ctx + n) - x.ctx)
             budget -= n
-        decoding = [x for x in decoding if x in rep.running]
+        decoding = [x for x in decoding if id(x) in scheduled]  # not one preempted, even if admitted again
         drafts = {x.rid: drafts[x.rid] for x in decoding if x.rid in drafts}
         if not chunks:
             raise AssertionError(f"replica {r}: turns held and nothing scheduled")

@@ -8,8 +8,10 @@ them: a fixed cost per step (the intercept, where models of several sizes tell i
 read), weight and KV bytes over their bandwidths and FLOPs over a matmul rate, either overlapped
 (the longer of the two, a GPU's roofline) or added (a CPU's cores do both), whichever fits the
 points better, and copy rates for the links. Efficiencies are 1 but the KV reads' share of the
-weights' rate: the rates measured are the effective ones. `measure_staging` times decode steps with another model's staging copy kept in
-flight against steps with nothing staging; their ratio is ``staging_step_slowdown``
+weights' rate and prefill attention's share of the matmul rate (from prefill steps after a
+prefix-cache hit, `measure_engine`'s `pasts`): the rates measured are the effective ones.
+`measure_staging` times decode steps with another model's staging copy kept in flight against
+steps with nothing staging; their ratio is ``staging_step_slowdown``
 (``benchmarks/model_switch.py`` times the same thing with `decode_step_times`). `measure_engine`
 times any ``Engine`` the same way (the rollout replicas' too), `measure_verify` steps that verify
 suffix drafts (their time beyond their tokens' prefill cost, per token: ``verify_token_overhead_us``), and
@@ -408,7 +410,8 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
         left = np.array([p.seconds - pred for p, pred in predicted(best, inst, after)])
         per_flop = float(after_attention @ left / (after_attention @ after_attention))  # seconds per FLOP beyond
         rate = best.num_gpus * best.matmul_tflops * 1e12 * best.prefill_efficiency
-        efficiency = min(1.0, max(0.001, 1.0 / (1.0 / best.attention_efficiency + per_flop * rate)))
+        inverse = 1.0 / best.attention_efficiency + per_flop * rate
+        efficiency = 1.0 if inverse <= 1.0 else max(0.001, 1.0 / inverse)
         if abs(efficiency / best.attention_efficiency - 1.0) < 1e-4:
             break
         best = base(efficiency)

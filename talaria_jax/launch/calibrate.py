@@ -45,13 +45,14 @@ flags.register_validator("weight_budget", lambda v: v == "slot" or v == "largest
 flags.DEFINE_integer("steps", 6, "Decode steps timed per point (the median is kept).")
 flags.DEFINE_list("contexts", ["256", "1024", "2048", "2752"], "--engine=rollout: the contexts (tokens) of the "
                   "decode steps timed, at batches 1, 4 and 8, and (past the first) of the prefix-cache hits that "
-                  "prefill steps follow; cover the contexts the rollouts reach (at most 3,000).")
+                  "prefill steps follow; cover the contexts the rollouts reach (at most 2,880).")
 flags.DEFINE_list("verify_contexts", ["512", "1024", "2048"], "--engine=rollout: the contexts of the steps verifying "
                   "drafts timed.")
 for _name in ("contexts", "verify_contexts"):
-    flags.register_validator(_name, lambda v: all(x.isdigit() and 16 <= int(x) <= 3000 for x in v),
-                             "must be token counts from 16 to 3000 (the rollout engine's 3,072-token context, "
-                             "less the steps timed)")
+    flags.register_validator(_name, lambda v: all(x.isdigit() and int(x) % 16 == 0 and 16 <= int(x) <= 2880
+                                                  for x in v),
+                             "must be token counts from 16 to 2880 in whole 16-token pages (8 sequences of it "
+                             "and the steps timed fit the rollout engine's 1 GiB of KV)")
 flags.DEFINE_enum("engine", "instance", ["instance", "rollout"], "Whose steps to time: a Talaria instance's, or "
                   "two rollout replicas' engines on this host (with the slowdown when both step at once).")
 # benchmarks/rollout_throughput.py's replica engine (its default flags)
@@ -76,7 +77,7 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
                           EngineConfig(**ROLLOUT_ENGINE)) for r in range(2)]
         print(f"timing {m}'s rollout engine ...", file=sys.stderr)
         points += calibration.measure_engine(engines[0], m, batches=(1, 4, 8), contexts=tuple(map(int, FLAGS.contexts)),
-                                           pasts=tuple(c for c in map(int, FLAGS.contexts[1:])  # those that fit
+                                           pasts=tuple(c for c in sorted(map(int, FLAGS.contexts))[1:]  # that fit
                                                        if c + 256 < ROLLOUT_ENGINE["max_model_len"]),
                                            prompts=(16, 64, 256), steps=FLAGS.steps)
         spec = Engine(engines[0].model, EngineConfig(**ROLLOUT_ENGINE, speculation=SpecConfig(max_spec_tokens=8,

@@ -53,10 +53,11 @@ class CostModel:
         return 4.0 * m.full_attn_layers * m.attn_dim * (past_tokens + new_tokens / 2.0) * new_tokens
 
     def prefill_compute_s(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> float:
-        """Compute seconds of prefill `chunks` (new tokens, cached tokens): their FLOPs at the matmul
-        rate, attention's at ``attention_efficiency`` of it."""
+        """Compute seconds of `chunks` (new tokens, cached tokens): their FLOPs at the matmul rate, the
+        attention of those of several tokens at ``attention_efficiency`` of it (a decoding sequence's
+        one token is bound by its KV reads, as in `decode_step_s`)."""
         flops = sum(self.prefill_flops(m, n, p) for n, p in chunks)
-        attention = sum(self.prefill_attention_flops(m, n, p) for n, p in chunks)
+        attention = sum(self.prefill_attention_flops(m, n, p) for n, p in chunks if n > 1)
         return (flops + attention * (1.0 / self.hw.attention_efficiency - 1.0)) / self._matmul_rate()
 
     def decode_flops(self, m: ModelShape, batch: int, context_tokens: int) -> float:
