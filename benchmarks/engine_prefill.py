@@ -4,7 +4,7 @@ An agent session's call prefills its new tokens (the tool's observation) over a 
 One run, same weights on three sides: a ~125M-parameter fp32 Llama (random init, saved as HF
 safetensors and loaded through talaria_jax's loader).
 - ours: the paged engine as configured by default. A step that is one sequence's chunk runs as one
-  query tile of the whole step (`Runner._whole_step_tile`), so each page block of the context is
+  query tile of the whole step (`TileRules.whole_step_tile`), so each page block of the context is
   read once for all the chunk's tokens and the attention's matmuls are big; a step mixing several
   sequences uses tiles of `--query_tile` tokens of one sequence;
 - ours, tiles of 1: the same engine gathering the context once per query token (the layout before

@@ -132,14 +132,15 @@ def run(name: str, tasks, tokenizer, samples: int):
 
 def replica_shape(e):
     """The simulator's view of a replica of engine `e`: --hardware's profile, the served model's shape,
-    the engine's limits and KV."""
+    the engine's limits, KV and, on the jnp reference attention, how its runner lays out a step."""
     from talaria_jax.rollout.replay import ReplicaShape
     from talaria_jax.sim.hardware import ModelShape, load_hardware
 
     cfg = e.model.cfg
     return ReplicaShape(load_hardware(_HARDWARE.value), ModelShape.from_config(cfg, cfg.weight_dtype, _DEVICES.value),
                         max_seqs=e.config.max_seqs, max_tokens_per_step=e.config.max_tokens_per_step,
-                        page_size=e.page_size, kv_tokens=e.pool_spec.num_slots)
+                        page_size=e.page_size, kv_tokens=e.pool_spec.num_slots,
+                        tiles=e.runner.rules if e.runner.attention == "reference" else None)
 
 
 def simulate(load: str, records, measured: dict, shapes: dict) -> list[dict]:

@@ -2,8 +2,9 @@
 
 The replicas are simulated: each step's time is the hardware profile's cost model
 (`sim.cost.CostModel.prefill_batch_s` over the step's chunks: prefill chunks, one token per decoding
-sequence, and its draft tokens when the step verifies, `verify_batch_s` then), stretched while
-replicas that share a host's compute step at once (`replicas_per_host`). What decides is the real code:
+sequence, and its draft tokens when the step verifies, `verify_batch_s` then; laid out as the
+replica's runner lays the step out where `ReplicaShape.tiles` says how), stretched while replicas
+that share a host's compute step at once (`replicas_per_host`). What decides is the real code:
 
 - **placement**: the `rollout.placement` objects the service uses (`make_placement`), told what each
   replica computed and, as the service does, each prompt where it is placed, choosing on each
@@ -105,7 +106,9 @@ class ReplicaShape:
     """One replica: its hardware (a TP group, `HardwareConfig`), the model on it, and its engine's
     limits. `kv_tokens` defaults to what the profile's usable HBM holds beside the weights;
     `host_kv_tokens` is its host tier (0, the default, as the engine's prefix cache: evicted blocks
-    are gone)."""
+    are gone). `tiles`: how its engine lays out a step where the attention is the jnp reference
+    (`engine.runner.TileRules`, `sim.cost.CostModel`'s tiles), None (the default) for a ragged
+    kernel, where each sequence reads only its own pages."""
     hardware: HardwareConfig
     model: ModelShape
     max_seqs: int = 64
@@ -113,6 +116,12 @@ class ReplicaShape:
     page_size: int = 16
     kv_tokens: int | None = None
     host_kv_tokens: int = 0
+    tiles: object | None = None
+
+    def __post_init__(self):
+        for f in ("max_seqs", "max_tokens_per_step", "page_size"):
+            if self.tiles is not None and getattr(self.tiles, f) != getattr(self, f):
+                raise ValueError(f"ReplicaShape.tiles.{f}={getattr(self.tiles, f)} differs from {f}={getattr(self, f)}")
 
     def kv_capacity(self) -> int:
         """Tokens of KV a replica holds.
@@ -290,7 +299,7 @@ class _Replica:
         self.drafter = SuffixDrafter(spec, backend=drafter) if spec is not None else None
         self.policy = None
         if spec is not None:
-            cost = CostModel(shape.hardware)
+            cost = CostModel(shape.hardware, shape.tiles)
             buckets = token_buckets(shape.max_tokens_per_step)
             # as the engine's: its runner's step times (`Runner.step_seconds`), no host time of drafting
             curve = {b: cost.prefill_batch_s(shape.model, [(b, 0)]) for b in buckets}
@@ -402,7 +411,9 @@ class _StepReplay:
                  replicas_per_host: int, drafter: str = "auto"):
         self.shape, self.replicas, self.per_host = shape, replicas, replicas_per_host
         self.kv_cap = shape.kv_capacity()
-        self.cost = CostModel(shape.hardware)
+        self.cost = CostModel(shape.hardware, shape.tiles)
+        # restore against recompute: the span's prefill as one ragged step (it may outgrow a step's budget)
+        self.recompute_s = CostModel(shape.hardware).prefill_s
         self.place = make_placement(placement, replicas, shape.page_size, max(1, self.kv_cap // shape.page_size))
         self.reps = [_Replica(shape, spec, drafter) for _ in range(replicas)]
         self.res = ReplayedStep(0.0, 0, 0, 0, 0, 0, 0, [0.0] * replicas, [[] for _ in range(replicas)])
@@ -518,7 +529,7 @@ class _StepReplay:
         keys = x.keys[:(x.fill - 1) // page]
         dev = kv.match(keys)
         back = kv.restorable(keys, dev)
-        if back and self.cost.h2d_kv_s(model, back * page) >= self.cost.prefill_s(model, back * page, dev * page):
+        if back and self.cost.h2d_kv_s(model, back * page) >= self.recompute_s(model, back * page, dev * page):
             back = 0
         cached = (dev + back) * page
         n = min(x.fill - cached, budget)

@@ -352,10 +352,12 @@ def staging_slowdown(measured: Sequence[dict[str, float]]) -> float:
 
 
 def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str = "cpu",
-        staging: Sequence[dict[str, float]] = (), colocated: float = 1.0) -> HardwareConfig:
+        staging: Sequence[dict[str, float]] = (), colocated: float = 1.0, tiles=None) -> HardwareConfig:
     """The profile whose cost model best reproduces `points` and `copies` (least squares, see module
     doc), with ``staging_step_slowdown`` from the `measure_staging` results `staging` and
-    ``colocated_step_slowdown`` `colocated` (`measure_colocated`'s, at least 1)."""
+    ``colocated_step_slowdown`` `colocated` (`measure_colocated`'s, at least 1). tiles: the measured
+    engine's step layout (`engine.runner.TileRules`) where its simulator prices steps by it
+    (`CostModel.tiles`: the rollout replay's), else None."""
     n = inst.arena.mesh.devices.size
     shapes = inst.shapes()
     # unit rates: the probe's decode seconds x n x GB are the bytes a step reads
@@ -363,16 +365,26 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
                            hbm_bw_efficiency=1.0, matmul_tflops=1.0, prefill_efficiency=1.0, nvlink_gbps=1e4,
                            allreduce_latency_us=0.0, step_overhead_us=0.0, pcie_h2d_gbps=1.0, pcie_d2h_gbps=1.0,
                            weight_load_efficiency=1.0, d2d_gbps=1.0, host_memory_gb=1.0, host_reserve_gb=0.0)
-    cost = CostModel(probe)
+    cost = CostModel(probe, tiles)
     verify = [p for p in points if p.kind == "verify"]
     after = [p for p in points if p.kind == "prefill" and p.past]
     points = [p for p in points if p.kind != "verify" and not p.past]
-    # per point: weight bytes read, KV bytes read (and written), FLOPs
-    w = np.array([cost.decode_step_s(shapes[p.model], p.batch if p.kind == "decode" else 1, 0) * n * GB
+
+    def work(p: Point) -> tuple[float, float, float]:
+        """A point's step beside its weights: KV bytes read (and written), FLOPs, of those attention's
+        at ``attention_efficiency`` (`CostModel.step_work`; without tiles, a decode step's as
+        `decode_step_s` prices it)."""
+        m = shapes[p.model]
+        if p.kind == "decode" and tiles is None:
+            return p.batch * p.tokens * m.kv_bytes_per_token, cost.decode_flops(m, p.batch, p.batch * p.tokens), 0.0
+        return cost.step_work(m, [(1, p.tokens)] * p.batch if p.kind == "decode" else [(p.tokens, p.past)])[1:]
+
+    # per point: weight bytes read (with tiles, every point's step is priced as a prefill step's: all of
+    # them), KV bytes read (and written), FLOPs, the attention's part of those
+    w = np.array([shapes[p.model].weight_bytes if tiles is not None else
+                  cost.decode_step_s(shapes[p.model], p.batch if p.kind == "decode" else 1, 0) * n * GB
                   for p in points])
-    kv = np.array([p.batch * p.tokens * shapes[p.model].kv_bytes_per_token for p in points])
-    flops = np.array([cost.decode_flops(shapes[p.model], p.batch, p.batch * p.tokens) if p.kind == "decode"
-                      else cost.prefill_flops(shapes[p.model], p.tokens, 0) for p in points])
+    kv, flops, attention = (np.array(c) for c in zip(*map(work, points)))
     t = np.array([p.seconds for p in points])
     decode = np.array([p.kind == "decode" for p in points])
     # with one size of weights (one dense model) a step's fixed cost cannot be told from their read: 0
@@ -383,10 +395,6 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
             probe, hbm_bw_gbps=1.0 / max(inv_w, 1e-15) / n / GB, matmul_tflops=1.0 / max(inv_flops, 1e-30) / n / 1e12,
             step_overhead_us=overhead * 1e6, kv_bw_efficiency=min(1.0, max(0.01, inv_w / inv_kv)) if inv_kv > inv_w
             else 1.0, compute_memory_overlap=overlap)
-
-    # of the prefill points' FLOPs, attention's (the prompt's own), at `attention_efficiency` of the matmul rate
-    attention = np.array([0.0 if p.kind == "decode" else cost.prefill_attention_flops(shapes[p.model], p.tokens, 0)
-                          for p in points])
 
     def base(efficiency: float) -> HardwareConfig:
         f = flops + attention * (1.0 / efficiency - 1.0)
@@ -399,15 +407,15 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
         # added (a CPU's cores both read and compute): t = overhead + weights / rate + KV / (...) + FLOPs / matmul rate
         fits.append(profile(*_nonneg_lstsq(np.c_[sizes, w, kv, f], t), 0.0))
         fits = [dataclasses.replace(hw, attention_efficiency=efficiency) for hw in fits]
-        errors = [sum((pred / p.seconds - 1) ** 2 for p, pred in predicted(hw, inst, points)) for hw in fits]
+        errors = [sum((pred / p.seconds - 1) ** 2 for p, pred in predicted(hw, inst, points, tiles)) for hw in fits]
         return fits[int(np.argmin(errors))]
 
     best = base(1.0)
     # prefill after a cached context: the seconds beyond the fit's are its attention's, at a lower rate than the
     # matmuls'; that rate and the base fit (whose fresh prompts attend too) settle together
-    after_attention = np.array([cost.prefill_attention_flops(shapes[p.model], p.tokens, p.past) for p in after])
-    for _ in range(20 if after else 0):
-        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, after)])
+    after_attention = np.array([work(p)[2] for p in after])
+    for _ in range(20 if after_attention.any() else 0):
+        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, after, tiles)])
         per_flop = float(after_attention @ left / (after_attention @ after_attention))  # seconds per FLOP beyond
         rate = best.num_gpus * best.matmul_tflops * 1e12 * best.prefill_efficiency
         inverse = 1.0 / best.attention_efficiency + per_flop * rate
@@ -416,7 +424,7 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
             break
         best = base(efficiency)
     if verify:  # what verifying steps take beyond their chunks' prefill cost, per token (least squares)
-        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, verify)])
+        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, verify, tiles)])
         tokens = np.array([p.batch * (1 + round(p.drafted)) for p in verify])
         best = dataclasses.replace(best, verify_token_overhead_us=max(0.0, float(tokens @ left / (tokens @ tokens))) * 1e6)
     kv_h2d = copies["kv_bytes"] / copies["kv_restore_s"]
@@ -450,12 +458,14 @@ def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> list[float]:
     return out
 
 
-def predicted(hw: HardwareConfig, inst: Instance, points: list[Point]) -> list[tuple[Point, float]]:
-    """Each point next to the fitted cost model's seconds for it."""
-    cost, shapes = CostModel(hw), inst.shapes()
+def predicted(hw: HardwareConfig, inst: Instance, points: list[Point], tiles=None) -> list[tuple[Point, float]]:
+    """Each point next to the fitted cost model's seconds for it (with `tiles`, as `fit`'s)."""
+    cost, shapes = CostModel(hw, tiles), inst.shapes()
 
     def seconds(p: Point) -> float:
         m = shapes[p.model]
+        if p.kind == "decode" and tiles is not None:
+            return cost.prefill_batch_s(m, [(1, p.tokens)] * p.batch)
         if p.kind == "decode":
             return cost.decode_step_s(m, p.batch, p.batch * p.tokens)
         if p.kind == "verify":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +211,69 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
     return (*out, max_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class TileRules:
+    """How a runner lays out a step: its tokens padded to a bucket and grouped in query tiles. Plain
+    arithmetic, so the simulator prices a step on the jnp reference attention as the runner runs it
+    (`walk`: the page blocks each tile visits there)."""
+    max_tokens_per_step: int
+    max_seqs: int
+    page_size: int
+    pages_per_block: int = 4
+    query_tile: int = 16
+    whole_step_tile: bool = True  # one sequence's chunk runs as one tile of the whole step (the reference's)
+
+    @functools.cached_property
+    def buckets(self) -> tuple[int, ...]:
+        return token_buckets(self.max_tokens_per_step)
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"{n} tokens exceed the step budget {self.max_tokens_per_step}")
+
+    def tile_counts(self, t: int) -> tuple[int, ...]:
+        """Tile counts a step of bucket `t` may use with tiles of `query_tile` tokens: T/Q (one chunk),
+        2T/Q (chunks ending mid-tile) and T/Q plus one tile per sequence (chunks beside decode tokens,
+        one tile each), only those below T: a tile costs a page-block read whether it is full or not,
+        so more tiles than tokens would read more than tiles of one token do. Steps under two tiles'
+        worth keep tiles of one (their mostly empty tiles would multiply the attention FLOPs)."""
+        q = self.query_tile
+        if q == 1 or t < 2 * q:
+            return ()
+        return tuple(sorted(n for n in {t // q, 2 * (t // q), t // q + min(t, self.max_seqs)} if 0 < n < t))
+
+    def tiles(self, t: int, runs: Sequence[int]) -> tuple[int, int] | None:
+        """(tokens a tile, tiles) of a step of bucket `t` whose sequences bring `runs` tokens each: one
+        tile of the whole step when it is one sequence's chunk (`whole_step_tile`: on the jnp
+        reference the tile's matmuls are then [t x G, head_dim] x [head_dim, block] rather than many
+        [query_tile x G, ...] ones, which XLA:CPU runs far better, a 512-token chunk over 8K cached
+        tokens in 110 against 207 ms per layer on a 2-core CPU; a single chunk fills at least half its
+        bucket, so its empty rows cost less than small tiles would); tiles of `query_tile` when a
+        prefill chunk is in the step and few enough of them cover it, their count one of
+        `tile_counts`; None: tiles of one token (decode)."""
+        counts = self.tile_counts(t)
+        if not counts or all(n <= 1 for n in runs):
+            return None
+        if len(runs) == 1 and self.whole_step_tile:
+            return t, 1
+        need = sum(-(-n // self.query_tile) for n in runs)
+        return (self.query_tile, next(c for c in counts if c >= need)) if need <= counts[-1] else None
+
+    def walk(self, chunks: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
+        """A step of `chunks` (each sequence's new tokens, its cached tokens) on the jnp reference:
+        (tokens padded to the bucket, tiles, query rows a tile, key tokens each tile visits). Every
+        tile, a padding one too, walks the blocks of the step's longest sequence
+        (engine/paged_attention.py)."""
+        runs = [n for n, _ in chunks]
+        t = self.bucket(sum(runs))
+        tile, tiles = self.tiles(t, runs) or (1, t)
+        pages = max(-(-(n + p) // self.page_size) for n, p in chunks)
+        blocks, per = reference_blocks(tile, -(-pages // self.pages_per_block), self.pages_per_block)
+        return t, tiles, tile, blocks * per * self.page_size
+
+
 class Runner:
     def __init__(self, model: ShardedModel, arena: KVArena, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
                  max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16,
@@ -227,9 +291,11 @@ class Runner:
         self.mask_words = mask_words(model.cfg.vocab_size)
         self.pages_per_block = pages_per_block
         self.query_tile = query_tile
+        self.rules = TileRules(max_tokens_per_step, max_seqs, spec.page_size, pages_per_block, query_tile,
+                               whole_step_tile=attention == "reference")
         # Page-table width: whole blocks, so the attention loop's dynamic slices never run past it.
         self.table_width = -(-max_pages_per_seq // pages_per_block) * pages_per_block
-        self.buckets = token_buckets(max_tokens_per_step)
+        self.buckets = self.rules.buckets
         self.compilations = 0
         self.slot, self.layout = None, None  # see use_slot
         self.on_device = True  # the model's own arrays hold its weights (see set_model)
@@ -267,51 +333,23 @@ class Runner:
         self.arena.array = array
 
     def bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if n <= b:
-                return b
-        raise ValueError(f"{n} tokens exceed the step budget {self.buckets[-1]}")
-
-    def _tile_counts(self, t: int) -> tuple[int, ...]:
-        """Tile counts a step of bucket `t` may use with tiles of `query_tile` tokens: T/Q (one chunk),
-        2T/Q (chunks ending mid-tile) and T/Q plus one tile per sequence (chunks beside decode tokens,
-        one tile each), only those below T: a tile costs a page-block read whether it is full or not,
-        so more tiles than tokens would read more than tiles of one token do. Steps under two tiles'
-        worth keep tiles of one (their mostly empty tiles would multiply the attention FLOPs)."""
-        q = self.query_tile
-        if q == 1 or t < 2 * q:
-            return ()
-        return tuple(sorted(n for n in {t // q, 2 * (t // q), t // q + min(t, self.max_seqs)} if 0 < n < t))
-
-    def _whole_step_tile(self, t: int) -> bool:
-        """Whether a step of bucket `t` that is one sequence's chunk runs as one tile of t tokens. On the
-        jnp reference the tile's matmuls are then [t x G, head_dim] x [head_dim, block] rather than
-        many [query_tile x G, ...] ones, which XLA:CPU runs far better (a 512-token chunk over 8K
-        cached tokens: 110 against 207 ms per layer on a 2-core CPU, 121 against 64 GFLOPS; torch's
-        fused SDPA takes 115 ms). A single chunk fills at least half its bucket, so the empty rows cost
-        less than the small tiles would. Not for the Pallas kernel: one program holds a tile's rows."""
-        return self.attention == "reference" and bool(self._tile_counts(t))
+        return self.rules.bucket(n)
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (tokens, tile, tiles) shape a step can take: what `warmup` compiles."""
-        return [s for t in self.buckets for s in [(t, 1, t)] + [(t, self.query_tile, n) for n in self._tile_counts(t)]
-                + ([(t, t, 1)] if self._whole_step_tile(t) else [])]
+        rules = self.rules
+        return [s for t in self.buckets for s in [(t, 1, t)] + [(t, self.query_tile, n) for n in rules.tile_counts(t)]
+                + ([(t, t, 1)] if rules.whole_step_tile and rules.tile_counts(t) else [])]
 
     def tiling(self, b: StepBatch):
-        """Query tiles for a step: one tile of the whole step when it is one sequence's chunk
-        (`_whole_step_tile`); tiles of `query_tile` tokens of one sequence when a prefill chunk is in
-        the step and few enough tiles cover it, their count one of `_tile_counts`; else (decode) tiles
-        of one token."""
-        t, q = len(b.tokens), self.query_tile
-        counts = self._tile_counts(t)
+        """Query tiles for a step, as `TileRules.tiles` lays them out for its runs of tokens."""
+        t = len(b.tokens)
         s = b.seq[:b.num_tokens]
-        if counts and np.any(s[1:] == s[:-1]):  # a sequence brings several tokens: a prefill chunk
+        if self.rules.tile_counts(t) and np.any(s[1:] == s[:-1]):  # a sequence brings several tokens
             runs = seq_runs(b.seq, b.num_tokens)
-            if len(runs) == 1 and self._whole_step_tile(t):
-                return query_tiles(runs, t, t, 1)
-            need = sum(-(-(e - a) // q) for _, a, e in runs)
-            if need <= counts[-1]:
-                return query_tiles(runs, t, q, next(n for n in counts if n >= need))
+            plan = self.rules.tiles(t, [e - a for _, a, e in runs])
+            if plan is not None:
+                return query_tiles(runs, t, *plan)
         return single_token_tiles(b.seq, b.num_tokens)
 
     def warmup(self, progress: bool | None = True) -> None:

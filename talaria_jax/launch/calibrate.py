@@ -60,9 +60,10 @@ ROLLOUT_ENGINE = dict(max_seqs=8, max_tokens_per_step=256, max_model_len=3072, k
                       prefix_cache=True, warmup=False)
 
 
-def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
-    """Step points of a rollout replica's engine for each of `models`, and the colocated slowdown of
-    two replicas of the first (`devices` each) on this host."""
+def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float, object]:
+    """Step points of a rollout replica's engine for each of `models`, the colocated slowdown of two
+    replicas of the first (`devices` each) on this host, and how its runner lays out a step where its
+    attention is the jnp reference (the rollout replay prices steps by it), else None."""
     import jax
 
     from talaria_jax import calibration
@@ -71,7 +72,7 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
     from talaria_jax.sharding import make_mesh
     from talaria_jax.weights import load_model
 
-    points, colocated = [], 1.0
+    points, colocated, tiles = [], 1.0, None
     for i, m in enumerate(models):
         engines = [Engine(load_model(m, make_mesh(jax.devices()[r * devices:(r + 1) * devices]), dtype="float32").model,
                           EngineConfig(**ROLLOUT_ENGINE)) for r in range(2)]
@@ -86,11 +87,12 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float]:
             points += calibration.measure_verify(spec, m, batches=(1, 2, 4, 8), context=context, steps=FLAGS.steps)
         del spec
         if i == 0:
+            tiles = engines[0].runner.rules if engines[0].runner.attention == "reference" else None
             r = calibration.measure_colocated(engines, steps=FLAGS.steps)
             colocated = r["slowdown"]
             print(f"decode step of {m} (batch 4, context 1,024): {r['step_alone_s'] * 1e3:.1f} ms alone, "
                   f"{r['step_together_s'] * 1e3:.1f} ms while another replica steps ({colocated:.2f}x)")
-    return points, colocated
+    return points, colocated, tiles
 
 
 def main(argv: Sequence[str]) -> None:
@@ -110,9 +112,9 @@ def main(argv: Sequence[str]) -> None:
     budget = None if FLAGS.weight_budget == "slot" else FLAGS.weight_budget
     inst = build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
                            engine_config=ec, tokens=SessionTokens(), weight_budget=budget)[0]
-    points, colocated = [], 1.0
+    points, colocated, tiles = [], 1.0, None
     if rollout:
-        points, colocated = rollout_points(FLAGS.models, FLAGS.devices_per_instance)
+        points, colocated, tiles = rollout_points(FLAGS.models, FLAGS.devices_per_instance)
     for m in [] if rollout else FLAGS.models:
         print(f"timing {m} ...", file=sys.stderr)
         points += calibration.measure_model(inst, m, steps=FLAGS.steps)
@@ -133,9 +135,9 @@ def main(argv: Sequence[str]) -> None:
             print(f"timing {m} while {other} stages ...", file=sys.stderr)
             staging.append((m, other, calibration.measure_staging(inst, m, other, steps=FLAGS.steps)))
     hw = calibration.fit(points, copies, inst, name=pathlib.Path(FLAGS.out).stem, staging=[r for _, _, r in staging],
-                       colocated=colocated)
+                       colocated=colocated, tiles=tiles)
     print("| model | kind | batch | tokens | measured (ms) | cost model (ms) | error |\n|---|---|---:|---:|---:|---:|---:|")
-    for p, pred in calibration.predicted(hw, inst, points):
+    for p, pred in calibration.predicted(hw, inst, points, tiles):
         kind = (f"{p.kind} ({p.drafted:.1f} drafts)" if p.kind == "verify"
                 else f"{p.kind} (after {p.past} cached)" if p.past else p.kind)
         print(f"| {p.model} | {kind} | {p.batch} | {p.tokens} | {p.seconds * 1e3:.1f} | {pred * 1e3:.1f} "
@@ -151,6 +153,8 @@ def main(argv: Sequence[str]) -> None:
     whose = "rollout replica" if rollout else "instance"
     given = "".join(f" --{k}={','.join(FLAGS[k].value)}" for k in ("contexts", "verify_contexts")
                     if rollout and FLAGS[k].present)
+    tiled = ("Steps are priced as the runner lays them out (its query tiles, sim.cost.CostModel.tiles), as\n"
+             "benchmarks/rollout_throughput.py's replay prices them on this profile.\n" if tiles else "")
     header = (f"Measured by talaria-calibrate on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs,\n"
               f"{FLAGS.devices_per_instance} simulated device(s) per {whose}; models {', '.join(FLAGS.models)};\n"
               f"weights: {'one slot' if FLAGS.weight_budget == 'slot' else 'own arrays, budget ' + FLAGS.weight_budget}).\n"
@@ -161,6 +165,7 @@ def main(argv: Sequence[str]) -> None:
               f"verify_token_overhead_us is what each token of a step verifying drafts takes beyond a prefill token;\n"
               f"staging_step_slowdown is a decode step's time with another model staging over its idle time.\n"
               f"colocated_step_slowdown is a decode step's time while another replica steps over its time alone.\n"
+              f"{tiled}"
               f"Regenerate: python -m talaria_jax.launch.calibrate"
               f"{' --engine=rollout --models=' + ','.join(FLAGS.models) if rollout else ''}"
               f"{f' --steps={FLAGS.steps}' if FLAGS['steps'].present else ''}"

@@ -55,7 +55,7 @@ def test_any_tile_size_gives_the_same_attention(window):
 
 
 def test_a_single_chunk_runs_as_one_tile():
-    """A step that is one sequence's chunk runs as one tile of the whole step (Runner._whole_step_tile),
+    """A step that is one sequence's chunk runs as one tile of the whole step (TileRules.whole_step_tile),
     a step mixing sequences in tiles of query_tile; the greedy output is the reference's either way."""
     from talaria_jax.engine import Engine, EngineConfig, SamplingParams
     from talaria_jax.models import greedy_generate, init_model, load_model_config

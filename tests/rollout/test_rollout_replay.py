@@ -2,9 +2,12 @@
 suffix drafter and speculation policy: tokens are conserved under every policy, no trajectory ends
 before its own work allows, cache-aware placement reuses a trajectory's KV, and drafts are accepted
 exactly as far as they match what comes next."""
+import dataclasses
+
 import numpy as np
 import pytest
 
+from talaria_jax.engine.runner import TileRules
 from talaria_jax.engine.spec import SpecConfig
 from talaria_jax.engine.spec.suffix import Draft
 from talaria_jax.rollout.placement import PlacementRequest
@@ -97,6 +100,23 @@ def test_trajectory_files_round_trip_and_bad_input_is_named(tmp_path):
         replay_step([long], ReplicaShape(HW, MODEL, kv_tokens=64), 1)
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         replay_step(trajs, SHAPE, 0)
+    with pytest.raises(ValueError, match=r"ReplicaShape.tiles.max_seqs=8 differs from max_seqs=16"):
+        ReplicaShape(HW, MODEL, max_seqs=16, max_tokens_per_step=1024, tiles=TileRules(1024, 8, 16))
+
+
+def test_a_replica_on_the_reference_attention_is_priced_as_its_runner_lays_steps_out():
+    """With its runner's tiles (`ReplicaShape.tiles`) a replica's steps pad their tokens and walk the
+    longest sequence's pages in every tile: the same tokens, a longer step than a ragged kernel's."""
+    from talaria_jax.models import load_model_config
+    from talaria_jax.sim.hardware import ModelShape
+
+    trajs = step()
+    shape = ReplicaShape(load_hardware("cpu_rollout"), ModelShape.from_config(load_model_config("tiny-dense"), "float32", 1),
+                         max_seqs=16, max_tokens_per_step=1024)
+    ragged = replay_step(trajs, shape, 2, "cache_aware")
+    tiled = replay_step(trajs, dataclasses.replace(shape, tiles=TileRules(1024, 16, 16)), 2, "cache_aware")
+    assert (tiled.output_tokens, tiled.prefill_tokens) == (ragged.output_tokens, ragged.prefill_tokens)
+    assert tiled.step_s > 1.05 * ragged.step_s
 
 
 def test_the_launcher_prints_every_configuration_and_names_a_bad_flag(tmp_path):

@@ -72,6 +72,22 @@ def test_nonneg_lstsq_keeps_every_coefficient_at_least_zero():
     assert calibration._nonneg_lstsq(a, y) == pytest.approx([0.0, float(a[:, 1] @ y / (a[:, 1] @ a[:, 1]))])
 
 
+_COPIES = dict(kv_bytes=1e6, kv_restore_s=1e-3, kv_offload_s=1e-3, weight_bytes=1e8, weight_load_s=0.05, d2d_s=0.01)
+
+
+def _points(cost, shape, batches, decode_s):
+    """Calibration points of tiny-dense priced by `cost` (decode steps by `decode_s(batch, context)`),
+    and an instance that serves its shape."""
+    points = [calibration.Point("tiny-dense", "decode", b, c, decode_s(b, c)) for b in batches for c in (256, 2048)]
+    points += [calibration.Point("tiny-dense", "prefill", 1, n, cost.prefill_s(shape, n, past), past=past)
+               for n in (16, 64, 256) for past in (0, 1024, 2048)]
+    points += [calibration.Point("tiny-dense", "verify", b, 512, cost.verify_batch_s(shape, [(1 + d, 512)] * b), d)
+               for b, d in ((1, 6), (4, 3), (8, 5))]
+    inst = types.SimpleNamespace(arena=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.zeros(1))),
+                                 shapes=lambda: {"tiny-dense": shape}, capacity=2**30)
+    return points, inst
+
+
 def test_fit_recovers_a_profile_from_its_own_points():
     """Points priced by a known profile (one dense model, KV read at 40% of the weights' rate, prefill
     attention at 20% of the matmul rate, two replicas slowing each other 1.4x, a verified token 2 ms
@@ -85,22 +101,36 @@ def test_fit_recovers_a_profile_from_its_own_points():
                                 step_overhead_us=0.0, colocated_step_slowdown=1.4, verify_token_overhead_us=2000.0,
                                 attention_efficiency=0.2)
     cost = CostModel(truth)
-    points = [calibration.Point("tiny-dense", "decode", b, c, cost.decode_step_s(shape, b, b * c))
-              for b in (1, 4, 8) for c in (256, 2048)]
-    points += [calibration.Point("tiny-dense", "prefill", 1, n, cost.prefill_s(shape, n, past), past=past)
-               for n in (16, 64, 256) for past in (0, 1024, 2048)]
-    points += [calibration.Point("tiny-dense", "verify", b, 512, cost.verify_batch_s(shape, [(1 + d, 512)] * b), d)
-               for b, d in ((1, 6), (4, 3), (8, 5))]
-    inst = types.SimpleNamespace(arena=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.zeros(1))),
-                                 shapes=lambda: {"tiny-dense": shape}, capacity=2**30)
-    copies = dict(kv_bytes=1e6, kv_restore_s=1e-3, kv_offload_s=1e-3, weight_bytes=1e8, weight_load_s=0.05, d2d_s=0.01)
-    hw = calibration.fit(points, copies, inst, name="t", colocated=1.4)
+    points, inst = _points(cost, shape, (1, 4, 8), lambda b, c: cost.decode_step_s(shape, b, b * c))
+    hw = calibration.fit(points, _COPIES, inst, name="t", colocated=1.4)
     assert hw.hbm_bw_gbps == pytest.approx(11.0, rel=1e-3) and hw.kv_bw_efficiency == pytest.approx(0.4, rel=1e-3)
     assert hw.step_overhead_us == 0.0 and hw.colocated_step_slowdown == 1.4
     assert hw.verify_token_overhead_us == pytest.approx(2000.0, rel=0.05)  # verified tokens cost 2 ms more
     assert hw.attention_efficiency == pytest.approx(0.2, rel=0.01)
     for p, pred in calibration.predicted(hw, inst, points):
         assert p.kind == "prefill" or pred == pytest.approx(p.seconds, rel=1e-3)
+
+
+def test_fit_recovers_a_profile_priced_with_the_runners_tiles():
+    """The rollout calibration's fit, where the replay prices steps with the runner's tiles
+    (`CostModel.tiles`): points priced so (chunks of 16 tokens run as tiles of one, decode batches
+    padded to their bucket) fit back to the profile that priced them, every point within 0.1%."""
+    from talaria_jax.engine.runner import TileRules
+    from talaria_jax.sim.cost import CostModel
+    from talaria_jax.sim.hardware import ModelShape
+
+    cfg = load_model_config("tiny-dense")
+    shape = ModelShape.from_config(cfg, "float32", 1, name="tiny-dense")
+    tiles = TileRules(max_tokens_per_step=256, max_seqs=8, page_size=16)
+    truth = dataclasses.replace(load_hardware("cpu_rollout"), name="t", hbm_bw_gbps=11.0, kv_bw_efficiency=0.4,
+                                step_overhead_us=0.0, verify_token_overhead_us=2000.0, attention_efficiency=0.2)
+    cost = CostModel(truth, tiles)
+    points, inst = _points(cost, shape, (1, 3, 8), lambda b, c: cost.prefill_batch_s(shape, [(1, c)] * b))
+    hw = calibration.fit(points, _COPIES, inst, name="t", tiles=tiles)
+    assert hw.kv_bw_efficiency == pytest.approx(0.4, rel=1e-3) and hw.attention_efficiency == pytest.approx(0.2, rel=0.01)
+    assert hw.verify_token_overhead_us == pytest.approx(2000.0, rel=0.01)
+    for p, pred in calibration.predicted(hw, inst, points, tiles):
+        assert pred == pytest.approx(p.seconds, rel=1e-3)
 
 
 def test_a_weight_budget_instance_is_measured_through_its_own_copies():
