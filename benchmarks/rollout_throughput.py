@@ -140,7 +140,7 @@ def replica_shape(e):
     return ReplicaShape(load_hardware(_HARDWARE.value), ModelShape.from_config(cfg, cfg.weight_dtype, _DEVICES.value),
                         max_seqs=e.config.max_seqs, max_tokens_per_step=e.config.max_tokens_per_step,
                         page_size=e.page_size, kv_tokens=e.pool_spec.num_slots,
-                        tiles=e.runner.rules if e.runner.attention == "reference" else None)
+                        tiles=e.runner.reference_tiles)
 
 
 def simulate(load: str, records, measured: dict, shapes: dict) -> list[dict]:
@@ -202,7 +202,6 @@ def tunix_step() -> None:
     import sys
 
     import jax
-    import numpy as np
     from flax import nnx
     from tunix.models.llama3 import model as llama3
     from tunix.rl.rollout import base_rollout, vanilla_rollout

@@ -335,6 +335,12 @@ class Runner:
     def bucket(self, n: int) -> int:
         return self.rules.bucket(n)
 
+    @property
+    def reference_tiles(self) -> TileRules | None:
+        """`rules` where the step's attention is the jnp reference, whose layout `TileRules.walk` gives
+        (what `sim.cost.CostModel.tiles` takes to price this runner's steps), else None."""
+        return self.rules if self.attention == "reference" else None
+
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (tokens, tile, tiles) shape a step can take: what `warmup` compiles."""
         rules = self.rules

@@ -87,7 +87,7 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float, ob
             points += calibration.measure_verify(spec, m, batches=(1, 2, 4, 8), context=context, steps=FLAGS.steps)
         del spec
         if i == 0:
-            tiles = engines[0].runner.rules if engines[0].runner.attention == "reference" else None
+            tiles = engines[0].runner.reference_tiles
             r = calibration.measure_colocated(engines, steps=FLAGS.steps)
             colocated = r["slowdown"]
             print(f"decode step of {m} (batch 4, context 1,024): {r['step_alone_s'] * 1e3:.1f} ms alone, "

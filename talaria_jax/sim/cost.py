@@ -71,9 +71,9 @@ class CostModel:
                     sum(self.prefill_flops(m, n, p) for n, p in chunks),
                     sum(self.prefill_attention_flops(m, n, p) for n, p in chunks if n > 1))
         tokens, tiles, rows, keys = self.tiles.walk(chunks)
-        layers = m.layers / max(1, m.full_attn_layers)  # kv_bytes_per_token counts full-attention layers only
+        every_layer = m.layers / max(1, m.full_attn_layers)  # kv_bytes_per_token counts full-attention layers only
         attention = 4.0 * m.layers * m.attn_dim * tiles * rows * keys
-        return (tokens, tiles * keys * m.kv_bytes_per_token * layers, 2.0 * m.active_params_b * 1e9 * tokens + attention,
+        return (tokens, tiles * keys * m.kv_bytes_per_token * every_layer, 2.0 * m.active_params_b * 1e9 * tokens + attention,
                 attention if rows > 1 else 0.0)
 
     def decode_flops(self, m: ModelShape, batch: int, context_tokens: int) -> float:

@@ -319,8 +319,6 @@ def test_the_replay_holds_a_real_replicas_kv():
     rollout; the replay of its trajectories on the same limits computes as many prefill tokens and
     preempts as often: its admission, eviction and preemption are the engine's. (A replay that admits
     every waiting turn at once, pinning its cached prefix, preempts 3x as often here.)"""
-    import dataclasses
-
     from conftest import TEST_CACHE
     from talaria_jax.engine import EngineConfig, SamplingParams
     from talaria_jax.rollout.replica import ReplicaSpec
