@@ -9,14 +9,17 @@ read), weight and KV bytes over their bandwidths and FLOPs over a matmul rate, e
 (the longer of the two, a GPU's roofline) or added (a CPU's cores do both), whichever fits the
 points better, and copy rates for the links. Efficiencies are 1 but the KV reads' share of the
 weights' rate and prefill attention's share of the matmul rate (from prefill steps after a
-prefix-cache hit, `measure_engine`'s `pasts`): the rates measured are the effective ones.
+prefix-cache hit, `measure_engine`'s `pasts`): the rates measured are the effective ones. Where the
+simulator prices a step as the engine's runner lays it out (`fit`'s `tiles`: the jnp reference's
+query tiles), every point is fitted at once, compute and memory added, with the tiles' walk over
+the keys they visit at its own rate (``tile_walk_efficiency``).
 `measure_staging` times decode steps with another model's staging copy kept in flight against
 steps with nothing staging; their ratio is ``staging_step_slowdown``
 (``benchmarks/model_switch.py`` times the same thing with `decode_step_times`). `measure_engine`
 times any ``Engine`` the same way (the rollout replicas' too), `measure_verify` steps that verify
 suffix drafts (their time beyond their tokens' prefill cost, per token: ``verify_token_overhead_us``), and
-`measure_colocated` decode steps of replicas on this host stepping at once against one alone:
-``colocated_step_slowdown``.
+`measure_colocated` steps of replicas on this host stepping at once against one alone, decode and
+prefill shapes alike: ``colocated_step_slowdown``.
 """
 from __future__ import annotations
 
@@ -135,30 +138,85 @@ def measure_verify(eng, model: str, *, batches=(1, 4, 8), context: int = 1024, s
     return out
 
 
-def measure_colocated(engines: Sequence, *, batch: int = 4, context: int = 1024, steps: int = 6,
-                      reps: int = 3) -> dict[str, float]:
-    """Median decode step seconds of `engines[0]` stepping alone (`step_alone_s`) and while every
-    engine of `engines` (replicas on this host, each on its own devices) steps at once, each in its
-    own thread (`step_together_s`, the median over all of them); `slowdown` is their ratio."""
-    for eng in engines[1:]:  # compiled before anything is timed
-        decode_step_times(eng, batch, context, 1)
-    alone, together = [], []
-    for r in range(reps):
-        alone += decode_step_times(engines[0], batch, context, steps, seed=r)[0]
-        got: list[list[float]] = [[] for _ in engines]
+COLOCATED_SHAPES = (("decode", 2, 2048), ("decode", 4, 1024), ("decode", 8, 512), ("prefill", 1, 256))
 
-        def run(i: int) -> None:
-            got[i] = decode_step_times(engines[i], batch, context, steps, seed=r)[0]
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        together += [x for g in got for x in g]
-    res = {"step_alone_s": float(np.median(alone)), "step_together_s": float(np.median(together))}
-    res["slowdown"] = res["step_together_s"] / res["step_alone_s"]
-    return res
+def prefill_step_times(eng, tokens: int, steps: int, warmup: int = 1, seed: int = 0) -> list[float]:
+    """Seconds of each of `steps` steps of `eng` that each prefill one fresh prompt of `tokens` random
+    tokens (at most the engine's ``max_tokens_per_step``: one step), after `warmup` untimed (the first
+    compiles); the engine is left with no request and an empty prefix cache."""
+    if tokens > eng.config.max_tokens_per_step:
+        raise ValueError(f"prefill_step_times: tokens={tokens} exceeds max_tokens_per_step="
+                         f"{eng.config.max_tokens_per_step} (one step a prompt)")
+    rng = np.random.default_rng(seed)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out = []
+    for i in range(warmup + steps):
+        eng.add_request(rng.integers(0, eng.model.cfg.vocab_size, tokens).tolist(), one)
+        t = time.perf_counter()
+        eng.step()
+        if i >= warmup:
+            out.append(time.perf_counter() - t)
+        _drain(eng)
+        eng.clear_prefix_cache()
+    return out
+
+
+def _shape_step_times(eng, shape: tuple[str, int, int], steps: int, seed: int) -> list[float]:
+    kind, batch, tokens = shape
+    if kind == "decode":
+        return decode_step_times(eng, batch, tokens, steps, seed=seed)[0]
+    return prefill_step_times(eng, tokens, steps, seed=seed)
+
+
+def measure_colocated(engines: Sequence, *, shapes: Sequence[tuple[str, int, int]] = COLOCATED_SHAPES,
+                      steps: int = 6, reps: int = 3) -> dict:
+    """How much slower a replica steps while the other replicas of this host step at once.
+
+    For each shape of `shapes` (``("decode", batch, context)``: `decode_step_times`'s steps;
+    ``("prefill", 1, tokens)``: `prefill_step_times`'), `reps` times: `steps` steps of `engines[0]`
+    alone, then `steps` steps of every engine of `engines` (replicas on this host, each on its own
+    devices) at once, each in its own thread; each rep's ratio is the median step together over the
+    median step alone just before it, so the machine's drift between reps cancels. Returns
+    ``shapes``: per shape, its ``kind``, ``batch``, ``tokens``, ``step_alone_s`` and
+    ``step_together_s`` (medians over its reps) and ``slowdown`` (the median of its reps' ratios);
+    ``slowdown``: the median of every rep's ratio of every shape (``colocated_step_slowdown``)."""
+    for shape in shapes:
+        if shape[0] not in ("decode", "prefill") or (shape[0] == "prefill" and shape[1] != 1):
+            raise ValueError(f"measure_colocated: shape {tuple(shape)} is neither ('decode', batch, context) nor "
+                             f"('prefill', 1, tokens)")
+    per_shape, ratios = [], []
+    for shape in shapes:
+        for eng in engines:  # compiled before anything is timed
+            _shape_step_times(eng, shape, 1, seed=0)
+        alone, together, mine = [], [], []
+        for r in range(reps):
+            a = _shape_step_times(engines[0], shape, steps, seed=r)
+            got: list[list[float]] = [[] for _ in engines]
+            errors: list[BaseException] = []
+
+            def run(i: int) -> None:
+                try:
+                    got[i] = _shape_step_times(engines[i], shape, steps, seed=r)
+                except BaseException as e:  # raised below, on the calling thread
+                    errors.append(e)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            g = [x for times in got for x in times]
+            alone += a
+            together += g
+            mine.append(float(np.median(g) / np.median(a)))
+        ratios += mine
+        per_shape.append({"kind": shape[0], "batch": shape[1], "tokens": shape[2],
+                          "step_alone_s": float(np.median(alone)), "step_together_s": float(np.median(together)),
+                          "slowdown": float(np.median(mine))})
+    return {"shapes": per_shape, "slowdown": float(np.median(ratios))}
 
 
 def measure_copies(inst: Instance, model: str, tokens: int = 512, reps: int = 3) -> dict[str, float]:
@@ -357,7 +415,7 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
     doc), with ``staging_step_slowdown`` from the `measure_staging` results `staging` and
     ``colocated_step_slowdown`` `colocated` (`measure_colocated`'s, at least 1). tiles: the measured
     engine's step layout (`engine.runner.TileRules`) where its simulator prices steps by it
-    (`CostModel.tiles`: the rollout replay's), else None."""
+    (`CostModel.tiles`: the rollout replay's; `_fit_tiled`), else None."""
     n = inst.arena.mesh.devices.size
     shapes = inst.shapes()
     # unit rates: the probe's decode seconds x n x GB are the bytes a step reads
@@ -365,24 +423,43 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
                            hbm_bw_efficiency=1.0, matmul_tflops=1.0, prefill_efficiency=1.0, nvlink_gbps=1e4,
                            allreduce_latency_us=0.0, step_overhead_us=0.0, pcie_h2d_gbps=1.0, pcie_d2h_gbps=1.0,
                            weight_load_efficiency=1.0, d2d_gbps=1.0, host_memory_gb=1.0, host_reserve_gb=0.0)
-    cost = CostModel(probe, tiles)
+    best = _fit_tiled(points, shapes, probe, tiles) if tiles is not None else _fit_ragged(points, shapes, probe, inst)
+    kv_h2d = copies["kv_bytes"] / copies["kv_restore_s"]
+    weight_h2d = copies["weight_bytes"] / copies["weight_load_s"]
+    h2d = max(kv_h2d, weight_h2d)
+    capacity = inst.capacity / n
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    return dataclasses.replace(
+        best, hbm_gib_per_gpu=max(1.0, capacity / GIB), pcie_h2d_gbps=h2d / n / GB,
+        pcie_d2h_gbps=copies["kv_bytes"] / copies["kv_offload_s"] / n / GB,
+        weight_load_efficiency=weight_h2d / h2d,
+        d2d_gbps=min(1e5, max(1.0, 2 * copies["weight_bytes"] / copies["d2d_s"] / n / GB)),
+        host_memory_gb=mem, host_reserve_gb=mem / 4, staging_step_slowdown=staging_slowdown(staging),
+        colocated_step_slowdown=max(1.0, colocated))
+
+
+def _fit_ragged(points: list[Point], shapes: dict, probe: HardwareConfig, inst: Instance) -> HardwareConfig:
+    """`fit`'s step rates where the simulator prices each sequence's attention reading its own context
+    (no tiles): decode points fit the weights' and the KV's read rates (and a fixed cost, where models
+    of several sizes tell it apart), prefill points the matmul rate, both overlapped (a GPU's roofline)
+    or added (a CPU's cores), whichever fits better; prefill after a cached context the attention's
+    rate; verifying steps their overhead per token."""
+    cost, n = CostModel(probe), probe.num_gpus
     verify = [p for p in points if p.kind == "verify"]
     after = [p for p in points if p.kind == "prefill" and p.past]
     points = [p for p in points if p.kind != "verify" and not p.past]
 
     def work(p: Point) -> tuple[float, float, float]:
         """A point's step beside its weights: KV bytes read (and written), FLOPs, of those attention's
-        at ``attention_efficiency`` (`CostModel.step_work`; without tiles, a decode step's as
-        `decode_step_s` prices it)."""
+        at ``attention_efficiency`` (`CostModel.step_work`; a decode step's as `decode_step_s` prices it)."""
         m = shapes[p.model]
-        if p.kind == "decode" and tiles is None:
+        if p.kind == "decode":
             return p.batch * p.tokens * m.kv_bytes_per_token, cost.decode_flops(m, p.batch, p.batch * p.tokens), 0.0
-        return cost.step_work(m, [(1, p.tokens)] * p.batch if p.kind == "decode" else [(p.tokens, p.past)])[1:]
+        _, kv, _, flops, attention = cost.step_work(m, [(p.tokens, p.past)])
+        return kv, flops, attention
 
-    # per point: weight bytes read (with tiles, every point's step is priced as a prefill step's: all of
-    # them), KV bytes read (and written), FLOPs, the attention's part of those
-    w = np.array([shapes[p.model].weight_bytes if tiles is not None else
-                  cost.decode_step_s(shapes[p.model], p.batch if p.kind == "decode" else 1, 0) * n * GB
+    # per point: weight bytes read, KV bytes read (and written), FLOPs, the attention's part of those
+    w = np.array([cost.decode_step_s(shapes[p.model], p.batch if p.kind == "decode" else 1, 0) * n * GB
                   for p in points])
     kv, flops, attention = (np.array(c) for c in zip(*map(work, points)))
     t = np.array([p.seconds for p in points])
@@ -407,7 +484,7 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
         # added (a CPU's cores both read and compute): t = overhead + weights / rate + KV / (...) + FLOPs / matmul rate
         fits.append(profile(*_nonneg_lstsq(np.c_[sizes, w, kv, f], t), 0.0))
         fits = [dataclasses.replace(hw, attention_efficiency=efficiency) for hw in fits]
-        errors = [sum((pred / p.seconds - 1) ** 2 for p, pred in predicted(hw, inst, points, tiles)) for hw in fits]
+        errors = [sum((pred / p.seconds - 1) ** 2 for p, pred in predicted(hw, inst, points)) for hw in fits]
         return fits[int(np.argmin(errors))]
 
     best = base(1.0)
@@ -415,7 +492,7 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
     # matmuls'; that rate and the base fit (whose fresh prompts attend too) settle together
     after_attention = np.array([work(p)[2] for p in after])
     for _ in range(20 if after_attention.any() else 0):
-        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, after, tiles)])
+        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, after)])
         per_flop = float(after_attention @ left / (after_attention @ after_attention))  # seconds per FLOP beyond
         rate = best.num_gpus * best.matmul_tflops * 1e12 * best.prefill_efficiency
         inverse = 1.0 / best.attention_efficiency + per_flop * rate
@@ -424,21 +501,66 @@ def fit(points: list[Point], copies: dict[str, float], inst: Instance, name: str
             break
         best = base(efficiency)
     if verify:  # what verifying steps take beyond their chunks' prefill cost, per token (least squares)
-        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, verify, tiles)])
+        left = np.array([p.seconds - pred for p, pred in predicted(best, inst, verify)])
         tokens = np.array([p.batch * (1 + round(p.drafted)) for p in verify])
         best = dataclasses.replace(best, verify_token_overhead_us=max(0.0, float(tokens @ left / (tokens @ tokens))) * 1e6)
-    kv_h2d = copies["kv_bytes"] / copies["kv_restore_s"]
-    weight_h2d = copies["weight_bytes"] / copies["weight_load_s"]
-    h2d = max(kv_h2d, weight_h2d)
-    capacity = inst.capacity / n
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    return best
+
+
+def _fit_tiled(points: list[Point], shapes: dict, probe: HardwareConfig, tiles) -> HardwareConfig:
+    """`fit`'s step rates where the simulator prices a step with the runner's tiles: every point is a
+    step `CostModel.prefill_batch_s` prices (plus `verify_overhead_s` for a verifying one), linear in
+    the profile's inverse rates (the weights' read, the KV's, the tiles' walk, the matmuls', the
+    attention's, a verified token's overhead, and a fixed cost where models of several sizes tell it
+    from the weights' read), compute and memory times added (a CPU's cores do both). One least squares
+    over all points at once, on relative errors (a 50 ms step weighs as much as a 1.5 s one), every
+    rate's coefficient >= 0."""
+    cost, n = CostModel(probe, tiles), probe.num_gpus
+    rows = []
+    for p in points:
+        chunks = _chunks(p)
+        m = shapes[p.model]
+        _, kv, walked, flops, attention = cost.step_work(m, chunks)
+        verified = sum(c for c, _ in chunks) if p.kind == "verify" else 0
+        rows.append([m.weight_bytes, kv, walked, flops - attention, attention, verified])
+    a, t = np.array(rows, dtype=float), np.array([p.seconds for p in points])
+    # with one size of weights (one dense model) a step's fixed cost cannot be told from their read: 0
+    sizes = np.ones(len(points)) if np.ptp(a[:, 0]) > 0.01 * a[:, 0].mean() else np.zeros(len(points))
+    # the KV's read and the tiles' walk run at an efficiency of the weights' read rate (column 0), the
+    # attention at one of the matmuls' (3), each at most `bound`: a term the fit puts faster is refitted
+    # at its bound, its column folded into its base's
+    base, bound, fixed = {1: 0, 2: 0, 4: 3}, {1: 1.0, 2: 100.0, 4: 1.0}, set()
+    while True:
+        x = a.copy()
+        for c in fixed:
+            x[:, base[c]] += a[:, c] / bound[c]
+            x[:, c] = 0.0
+        coef = _nonneg_lstsq(np.c_[sizes, x] / t[:, None], np.ones(len(t)))
+        overhead, inv, verified = coef[0], coef[1:6], coef[6]
+        if inv[0] <= 0 or inv[3] <= 0:
+            raise ValueError(f"calibration: the fit leaves no time for the {'weights read' if inv[0] <= 0 else 'matmuls'}"
+                             f" of its {len(points)} points; time more batches and contexts")
+        faster = {c for c in base if c not in fixed and inv[c] < inv[base[c]] / bound[c]}
+        if not faster:
+            break
+        fixed |= faster
+
+    def efficiency(c: int, low: float) -> float:
+        return bound[c] if c in fixed else max(low, inv[base[c]] / inv[c])
+
     return dataclasses.replace(
-        best, hbm_gib_per_gpu=max(1.0, capacity / GIB), pcie_h2d_gbps=h2d / n / GB,
-        pcie_d2h_gbps=copies["kv_bytes"] / copies["kv_offload_s"] / n / GB,
-        weight_load_efficiency=weight_h2d / h2d,
-        d2d_gbps=min(1e5, max(1.0, 2 * copies["weight_bytes"] / copies["d2d_s"] / n / GB)),
-        host_memory_gb=mem, host_reserve_gb=mem / 4, staging_step_slowdown=staging_slowdown(staging),
-        colocated_step_slowdown=max(1.0, colocated))
+        probe, step_overhead_us=overhead * 1e6, hbm_bw_gbps=1.0 / inv[0] / n / GB, kv_bw_efficiency=efficiency(1, 0.01),
+        tile_walk_efficiency=efficiency(2, 0.01), matmul_tflops=1.0 / inv[3] / n / 1e12,
+        attention_efficiency=efficiency(4, 0.001), compute_memory_overlap=0.0, verify_token_overhead_us=verified * 1e6)
+
+
+def _chunks(p: Point) -> list[tuple[int, int]]:
+    """A point's step as (new tokens, cached tokens) per sequence."""
+    if p.kind == "decode":
+        return [(1, p.tokens)] * p.batch
+    if p.kind == "verify":
+        return [(1 + round(p.drafted), p.tokens)] * p.batch
+    return [(p.tokens, p.past)]
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> list[float]:
@@ -464,13 +586,11 @@ def predicted(hw: HardwareConfig, inst: Instance, points: list[Point], tiles=Non
 
     def seconds(p: Point) -> float:
         m = shapes[p.model]
-        if p.kind == "decode" and tiles is not None:
-            return cost.prefill_batch_s(m, [(1, p.tokens)] * p.batch)
-        if p.kind == "decode":
+        if p.kind == "decode" and tiles is None:
             return cost.decode_step_s(m, p.batch, p.batch * p.tokens)
         if p.kind == "verify":
-            return cost.verify_batch_s(m, [(1 + round(p.drafted), p.tokens)] * p.batch)
-        return cost.prefill_s(m, p.tokens, p.past)
+            return cost.verify_batch_s(m, _chunks(p))
+        return cost.prefill_batch_s(m, _chunks(p))
 
     return [(p, seconds(p)) for p in points]
 

@@ -14,7 +14,8 @@ point next to the fitted cost model's prediction, and writes the profile. `talar
 prefix cache): decode steps and prefill steps, fresh and after a prefix-cache hit
 (``attention_efficiency``), steps verifying suffix drafts (``verify_token_overhead_us``), at the
 contexts `--contexts` and `--verify_contexts` name, and how much slower a step is while two replicas on this host step
-at once (``colocated_step_slowdown``). `benchmarks/rollout_throughput.py` checks the rollout
+at once (``colocated_step_slowdown``, decode and prefill shapes). The fit prices every step as the engine's
+runner lays it out (``tile_walk_efficiency``). `benchmarks/rollout_throughput.py` checks the rollout
 simulator with the profile it writes:
 
     python -m talaria_jax.launch.calibrate --engine=rollout --models=smollm2-135m-instruct --steps=12 \
@@ -90,8 +91,12 @@ def rollout_points(models: Sequence[str], devices: int) -> tuple[list, float, ob
             tiles = engines[0].runner.reference_tiles
             r = calibration.measure_colocated(engines, steps=FLAGS.steps)
             colocated = r["slowdown"]
-            print(f"decode step of {m} (batch 4, context 1,024): {r['step_alone_s'] * 1e3:.1f} ms alone, "
-                  f"{r['step_together_s'] * 1e3:.1f} ms while another replica steps ({colocated:.2f}x)")
+            for c in r["shapes"]:
+                what = (f"decode, batch {c['batch']}, context {c['tokens']:,}" if c["kind"] == "decode"
+                        else f"prefill of {c['tokens']:,} tokens")
+                print(f"step of {m} ({what}): {c['step_alone_s'] * 1e3:.1f} ms alone, {c['step_together_s'] * 1e3:.1f} ms "
+                      f"while another replica steps ({c['slowdown']:.2f}x, the median of its paired reps)")
+            print(f"colocated_step_slowdown: {colocated:.2f} (the median over every shape's reps)")
     return points, colocated, tiles
 
 
@@ -154,17 +159,19 @@ def main(argv: Sequence[str]) -> None:
     given = "".join(f" --{k}={','.join(FLAGS[k].value)}" for k in ("contexts", "verify_contexts")
                     if rollout and FLAGS[k].present)
     tiled = ("Steps are priced as the runner lays them out (its query tiles, sim.cost.CostModel.tiles), as\n"
-             "benchmarks/rollout_throughput.py's replay prices them on this profile.\n" if tiles else "")
+             "benchmarks/rollout_throughput.py's replay prices them on this profile: the step's KV read once\n"
+             "(kv_bw_efficiency) and each tile's walk over the keys it visits (tile_walk_efficiency of the\n"
+             "weights' rate), fitted to every point at once, compute and memory times added.\n" if tiles else "")
     header = (f"Measured by talaria-calibrate on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs,\n"
               f"{FLAGS.devices_per_instance} simulated device(s) per {whose}; models {', '.join(FLAGS.models)};\n"
               f"weights: {'one slot' if FLAGS.weight_budget == 'slot' else 'own arrays, budget ' + FLAGS.weight_budget}).\n"
               f"Rates are effective ones (efficiencies 1, but kv_bw_efficiency: the KV reads' share of the weights'\n"
               f"rate, and attention_efficiency: prefill attention's share of the matmul rate); step_overhead_us\n"
               f"is the fitted fixed cost of a step; compute_memory_overlap 1 or 0: a step takes the longer of its\n"
-              f"compute and memory times, or their sum (whichever fitted better);\n"
+              f"compute and memory times, or their sum (whichever fitted better{'; with tiles, their sum' if tiles else ''});\n"
               f"verify_token_overhead_us is what each token of a step verifying drafts takes beyond a prefill token;\n"
               f"staging_step_slowdown is a decode step's time with another model staging over its idle time.\n"
-              f"colocated_step_slowdown is a decode step's time while another replica steps over its time alone.\n"
+              f"colocated_step_slowdown is a step's time while another replica steps over its time alone.\n"
               f"{tiled}"
               f"Regenerate: python -m talaria_jax.launch.calibrate"
               f"{' --engine=rollout --models=' + ','.join(FLAGS.models) if rollout else ''}"

@@ -21,7 +21,8 @@ class CostModel:
     """hw: the profile's rates. tiles: how the engine lays out a step (`engine.runner.TileRules`, or
     anything with its `walk`), or None: each sequence's attention reads its own context once, as a
     ragged kernel's does. With it, `prefill_batch_s` prices a step as the jnp reference runs it:
-    tokens padded to the step's bucket, and every query tile walking the longest sequence's pages."""
+    tokens padded to the step's bucket, the step's KV read once, and every query tile walking the
+    longest sequence's pages (at ``tile_walk_efficiency``)."""
     hw: HardwareConfig
     tiles: object | None = None
 
@@ -57,24 +58,25 @@ class CostModel:
         span (QK^T and PV, 2 FLOPs a multiply-add)."""
         return 4.0 * m.full_attn_layers * m.attn_dim * (past_tokens + new_tokens / 2.0) * new_tokens
 
-    def step_work(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> tuple[int, float, float, float]:
+    def step_work(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> tuple[int, float, float, float, float]:
         """What one step of `chunks` (new tokens, cached tokens; none empty) does beside reading the
-        weights: (tokens it runs, KV bytes read, FLOPs, of those the attention's that run at
-        ``attention_efficiency`` of the matmul rate). Without `tiles`: each chunk's tokens, its KV
-        once and its FLOPs (`prefill_flops`), the attention of the chunks of several tokens at its own
-        rate (a decoding sequence's one token is bound by its KV reads, as in `decode_step_s`). With
-        `tiles` (the chunks within one step's budget): the tokens padded to the step's bucket, and
-        each query tile reading and attending to every key it visits (`walk`) in every layer (a
-        sliding window only masks there), at the attention rate where a tile holds several queries."""
+        weights: (tokens it runs, KV bytes read once (each chunk's context and tokens), KV bytes its
+        query tiles walk (0 without `tiles`), FLOPs, of those the attention's that run at
+        ``attention_efficiency`` of the matmul rate). Without `tiles`: each chunk's tokens and its
+        FLOPs (`prefill_flops`), the attention of the chunks of several tokens at its own rate (a
+        decoding sequence's one token is bound by its KV reads, as in `decode_step_s`). With `tiles`
+        (the chunks within one step's budget): the tokens padded to the step's bucket, and each query
+        tile walking and attending to every key it visits (`walk`) in every layer (a sliding window
+        only masks there), at the attention rate where a tile holds several queries."""
+        kv = sum(n + p for n, p in chunks) * m.kv_bytes_per_token
         if self.tiles is None:
-            return (sum(n for n, _ in chunks), sum(n + p for n, p in chunks) * m.kv_bytes_per_token,
-                    sum(self.prefill_flops(m, n, p) for n, p in chunks),
+            return (sum(n for n, _ in chunks), kv, 0.0, sum(self.prefill_flops(m, n, p) for n, p in chunks),
                     sum(self.prefill_attention_flops(m, n, p) for n, p in chunks if n > 1))
         tokens, tiles, rows, keys = self.tiles.walk(chunks)
         every_layer = m.layers / max(1, m.full_attn_layers)  # kv_bytes_per_token counts full-attention layers only
         attention = 4.0 * m.layers * m.attn_dim * tiles * rows * keys
-        return (tokens, tiles * keys * m.kv_bytes_per_token * every_layer, 2.0 * m.active_params_b * 1e9 * tokens + attention,
-                attention if rows > 1 else 0.0)
+        return (tokens, kv, tiles * keys * m.kv_bytes_per_token * every_layer,
+                2.0 * m.active_params_b * 1e9 * tokens + attention, attention if rows > 1 else 0.0)
 
     def decode_flops(self, m: ModelShape, batch: int, context_tokens: int) -> float:
         """FLOPs of a decode step of `batch` sequences over `context_tokens` of context in all."""
@@ -91,9 +93,10 @@ class CostModel:
         chunks = [(n, p) for n, p in chunks if n > 0]
         if not chunks:
             return 0.0
-        tokens, kv, flops, attention = self.step_work(m, chunks)
+        tokens, kv, walked, flops, attention = self.step_work(m, chunks)
         compute = (flops + attention * (1.0 / self.hw.attention_efficiency - 1.0)) / self._matmul_rate()
-        memory = (m.weight_bytes + kv / self.hw.kv_bw_efficiency) / self._hbm_rate()
+        walk = walked / self.hw.tile_walk_efficiency if walked else 0.0
+        memory = (m.weight_bytes + kv / self.hw.kv_bw_efficiency + walk) / self._hbm_rate()
         return self._roofline(compute, memory) + self._allreduce_s(m, tokens) + self._overhead_s()
 
     def verify_batch_s(self, m: ModelShape, chunks: Sequence[tuple[int, int]]) -> float:

@@ -56,8 +56,8 @@ class HardwareConfig:
     # replicas_per_host uses it)
     colocated_step_slowdown: float = 1.0
     # share of the weights' read rate that attention's reads of the KV cache get (paged gathers): 1.0
-    # where both stream at the HBM rate; below 1 on a CPU (talaria-calibrate fits it when its decode
-    # points span enough context)
+    # where both stream at the HBM rate; below 1 on a CPU (talaria-calibrate fits it when its points
+    # span enough context)
     kv_bw_efficiency: float = 1.0
     # share of the matmul rate that prefill attention's FLOPs (a chunk's queries against its cached
     # context and itself) get: 1.0 where an attention kernel runs them at the matmul rate; below 1 on a
@@ -66,12 +66,18 @@ class HardwareConfig:
     attention_efficiency: float = 1.0
     # how far a step's compute and memory traffic overlap: 1.0, a step takes the longer of the two (the
     # roofline: a GPU's tensor cores compute while HBM streams); 0.0, their sum (a CPU's cores do both);
-    # talaria-calibrate keeps whichever fits its points better
+    # talaria-calibrate keeps whichever fits its points better (with a runner's tiles: their sum)
     compute_memory_overlap: float = 1.0
     # what each token of a step that verifies drafts takes beyond a prefill token's FLOPs and bytes (its
     # logits, the draft tree's mask, acceptance): talaria-calibrate --engine=rollout measures it; not
     # measured on GPUs (0)
     verify_token_overhead_us: float = 0.0
+    # with a runner's tiles (`CostModel.tiles`: the jnp reference attention's layout, priced by the CPU
+    # rollout replay), the rate of each query tile's walk over the keys it visits, block by block, as a
+    # share of the weights' read rate; the step's KV itself is read once, at kv_bw_efficiency. Above 1
+    # where the walks read mostly from cache (the tiles of one sequence walk the same pages);
+    # talaria-calibrate --engine=rollout fits it; unused without tiles
+    tile_walk_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for field, what in (("staging_step_slowdown", "a step's time while a staging copy is in flight over its "
@@ -157,7 +163,7 @@ _HW_LIMITS: dict[str, tuple[float, float]] = {
     "d2d_gbps": (1, 1e5), "host_memory_gb": (1, 1e6), "host_reserve_gb": (0, 1e6),
     "staging_step_slowdown": (1.0, 100.0), "colocated_step_slowdown": (1.0, 100.0),
     "kv_bw_efficiency": (0.01, 1.0), "attention_efficiency": (0.001, 1.0), "compute_memory_overlap": (0.0, 1.0),
-    "verify_token_overhead_us": (0, 1e6),
+    "verify_token_overhead_us": (0, 1e6), "tile_walk_efficiency": (0.01, 100.0),
 }
 
 

@@ -1,6 +1,6 @@
-"""talaria_jax.calibration's staging measurement on a real engine and weight slot (what it leaves behind;
-its times are measured, not asserted), the slowdown fit, the decode fit (a profile recovered from
-its own points), and the profile round trip through to_yaml."""
+"""talaria_jax.calibration's staging and colocation measurements on real engines (what they leave behind;
+their times are measured, not asserted), the slowdown fit, the step fits (a profile recovered from
+its own points, ragged and with the runner's tiles), and the profile round trip through to_yaml."""
 import dataclasses
 import types
 
@@ -111,10 +111,13 @@ def test_fit_recovers_a_profile_from_its_own_points():
         assert p.kind == "prefill" or pred == pytest.approx(p.seconds, rel=1e-3)
 
 
-def test_fit_recovers_a_profile_priced_with_the_runners_tiles():
+@pytest.mark.parametrize("kv,walk,attention", [(0.4, 1.5, 0.2), (1.0, 100.0, 1.0)])
+def test_fit_recovers_a_profile_priced_with_the_runners_tiles(kv, walk, attention):
     """The rollout calibration's fit, where the replay prices steps with the runner's tiles
     (`CostModel.tiles`): points priced so (chunks of 16 tokens run as tiles of one, decode batches
-    padded to their bucket) fit back to the profile that priced them, every point within 0.1%."""
+    padded to their bucket; the KV read once at 40% of the weights' rate, the tiles' walk at 1.5x,
+    attention at 20% of the matmuls'; or each at its bound, where a free fit may put it past) fit
+    back to the profile that priced them, every point within 0.1%."""
     from talaria_jax.engine.runner import TileRules
     from talaria_jax.sim.cost import CostModel
     from talaria_jax.sim.hardware import ModelShape
@@ -122,13 +125,16 @@ def test_fit_recovers_a_profile_priced_with_the_runners_tiles():
     cfg = load_model_config("tiny-dense")
     shape = ModelShape.from_config(cfg, "float32", 1, name="tiny-dense")
     tiles = TileRules(max_tokens_per_step=256, max_seqs=8, page_size=16)
-    truth = dataclasses.replace(load_hardware("cpu_rollout"), name="t", hbm_bw_gbps=11.0, kv_bw_efficiency=0.4,
-                                step_overhead_us=0.0, verify_token_overhead_us=2000.0, attention_efficiency=0.2)
+    truth = dataclasses.replace(load_hardware("cpu_rollout"), name="t", hbm_bw_gbps=11.0, matmul_tflops=0.2,
+                                kv_bw_efficiency=kv, tile_walk_efficiency=walk, step_overhead_us=0.0,
+                                verify_token_overhead_us=2000.0, attention_efficiency=attention, compute_memory_overlap=0.0)
     cost = CostModel(truth, tiles)
     points, inst = _points(cost, shape, (1, 3, 8), lambda b, c: cost.prefill_batch_s(shape, [(1, c)] * b))
     hw = calibration.fit(points, _COPIES, inst, name="t", tiles=tiles)
-    assert hw.kv_bw_efficiency == pytest.approx(0.4, rel=1e-3) and hw.attention_efficiency == pytest.approx(0.2, rel=0.01)
-    assert hw.verify_token_overhead_us == pytest.approx(2000.0, rel=0.01)
+    for field in ("hbm_bw_gbps", "matmul_tflops", "kv_bw_efficiency", "tile_walk_efficiency", "attention_efficiency",
+                  "verify_token_overhead_us"):
+        assert getattr(hw, field) == pytest.approx(getattr(truth, field), rel=1e-3), field
+    assert hw.step_overhead_us == 0.0 and hw.compute_memory_overlap == 0.0
     for p, pred in calibration.predicted(hw, inst, points, tiles):
         assert pred == pytest.approx(p.seconds, rel=1e-3)
 
@@ -158,3 +164,28 @@ def test_a_weight_budget_instance_is_measured_through_its_own_copies():
     idle, staging = calibration.decode_step_times(inst.served["tiny-dense"].engine, batch=2, context=16, steps=3,
                                                   keep=keep)
     assert len(staging) == 3 and keep.copies >= 1 and w.staging is None and w.on_device("tiny-dense")
+
+
+def test_colocated_slowdown_pairs_each_rep_per_shape_and_leaves_the_engines_clean():
+    """measure_colocated on two tiny replicas: one result per shape (decode and prefill), the overall
+    slowdown among theirs, the engines left as they were, and a shape it cannot time refused up front."""
+    model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=1)
+    cfg = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=128, prefix_cache=True,
+                       warmup=False)
+    engines = [Engine(init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[r:r + 1]), seed=1), cfg)
+               for r in range(2)]
+    shapes = (("decode", 2, 24), ("prefill", 1, 32))
+    r = calibration.measure_colocated(engines, shapes=shapes, steps=2, reps=3)
+    assert [(c["kind"], c["batch"], c["tokens"]) for c in r["shapes"]] == list(shapes)
+    assert all(c["step_alone_s"] > 0 and c["step_together_s"] > 0 and c["slowdown"] > 0 for c in r["shapes"])
+    assert min(c["slowdown"] for c in r["shapes"]) <= r["slowdown"] <= max(c["slowdown"] for c in r["shapes"])
+    for eng in engines:  # nothing left behind: the engines serve exactly as the model does
+        assert not eng.requests and eng.allocator.num_free == eng.allocator.num_pages
+        assert eng.prefix_cache.num_pages == 0
+        prompt = list(range(1, 20))
+        out = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), progress=False)
+        assert out[0].token_ids == greedy_generate(model, [prompt], 4)[0]
+    with pytest.raises(ValueError, match="max_tokens_per_step=32"):
+        calibration.prefill_step_times(engines[0], 33, steps=1)
+    with pytest.raises(ValueError, match="'verify'"):
+        calibration.measure_colocated(engines, shapes=(("verify", 2, 24),), steps=1, reps=1)

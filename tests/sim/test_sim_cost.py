@@ -30,25 +30,30 @@ def test_batched_prefill_reads_the_weights_once():
 
 
 def test_a_step_with_the_runners_tiles_is_priced_as_the_reference_runs_it():
-    """With the runner's tiles, every query tile walks the blocks of the step's longest sequence and the
-    tokens are padded to the step's bucket; without them each sequence reads its own context."""
+    """With the runner's tiles, the step's KV is read once, every query tile walks the blocks of the
+    step's longest sequence and the tokens are padded to the step's bucket; without them each
+    sequence reads its own context."""
     from talaria_jax.engine.runner import TileRules
 
     rules = TileRules(max_tokens_per_step=256, max_seqs=8, page_size=16)
     tiled = CostModel(TOY_HW, rules)
-    # two decoding sequences of 64 and 1,984 tokens: two tiles of one token, each visiting 124 pages (in
-    # 62 half blocks): (10 GB + 2 x 1,984 x 1 MB) / 100 GB/s, where each reading its own is 2,048 MB
+    # two decoding sequences of 64 and 1,984 tokens: their 2,048 MB of KV read once, and two tiles of one
+    # token, each visiting 124 pages (in 62 half blocks): (10 GB + 2,048 MB + 2 x 1,984 x 1 MB) / 100 GB/s,
+    # where each reading its own is (10 GB + 2,048 MB) / 100 GB/s
     assert rules.walk([(1, 63), (1, 1983)]) == (2, 2, 1, 1984)
-    assert tiled.prefill_batch_s(M, [(1, 63), (1, 1983)]) == pytest.approx(0.13968)
+    assert tiled.prefill_batch_s(M, [(1, 63), (1, 1983)]) == pytest.approx(0.16016)
     assert C.prefill_batch_s(M, [(1, 63), (1, 1983)]) == pytest.approx(0.12048)
+    # the walk at twice the weights' rate (mostly from cache) costs half as much
+    fast = CostModel(dataclasses.replace(TOY_HW, tile_walk_efficiency=2.0), rules)
+    assert fast.prefill_batch_s(M, [(1, 63), (1, 1983)]) == pytest.approx(0.14032)
     # a 100-token chunk after 1,000 cached beside three decoding sequences: 103 tokens in the 128 bucket,
     # 7 + 3 tiles of 16 needed, 16 run (the next tile count), each visiting 18 blocks of 64 tokens:
-    # memory (10 GB + 16 x 1,152 x 1 MB) / 100 GB/s = 0.28432 s over compute (2e9 x 128 padded tokens +
-    # 4 x 1000 x 16 tiles x 16 rows x 1,152 keys) / 1e12 = 0.25718 s
+    # memory (10 GB + 1,163 MB + 16 x 1,152 x 1 MB) / 100 GB/s = 0.29595 s over compute (2e9 x 128 padded
+    # tokens + 4 x 1000 x 16 tiles x 16 rows x 1,152 keys) / 1e12 = 0.25718 s
     chunks = [(1, 10), (1, 20), (1, 30), (100, 1000)]
     assert rules.walk(chunks) == (128, 16, 16, 1152)
-    assert tiled.step_work(M, chunks) == pytest.approx((128, 18.432e9, 2.56e11 + 1.179648e9, 1.179648e9))
-    assert tiled.prefill_batch_s(M, chunks) == pytest.approx(0.28432)
+    assert tiled.step_work(M, chunks) == pytest.approx((128, 1.163e9, 18.432e9, 2.56e11 + 1.179648e9, 1.179648e9))
+    assert tiled.prefill_batch_s(M, chunks) == pytest.approx(0.29595)
     # one sequence's chunk is one tile of its bucket; under two tiles' worth, tiles of one token
     assert rules.walk([(256, 2048)]) == (256, 1, 256, 2304)
     assert rules.walk([(9, 2048)]) == (16, 16, 1, 2112)
