@@ -222,8 +222,7 @@ class Engine:
         self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
                              pages_per_block=config.pages_per_block, query_tile=config.query_tile,
-                             attention=attention_kind(config.attention, model.mesh, self.pool_spec,
-                                                      self.model.cfg.attention_sinks),
+                             attention=attention_kind(config.attention, model.mesh, self.pool_spec),
                              draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
                              compiler_options=config.compiler_options)
         if weight_slot is not None:

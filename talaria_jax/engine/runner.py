@@ -171,17 +171,14 @@ def single_token_tiles(seq: np.ndarray, num_tokens: int):
 ATTENTION = ("reference", "pallas", "auto")  # EngineConfig.attention's values
 
 
-def attention_kind(attention: str, mesh, spec: PoolSpec, sinks: bool = False) -> str:
+def attention_kind(attention: str, mesh, spec: PoolSpec, gpu: bool | None = None) -> str:
     """The attention a runner runs for EngineConfig.attention: "pallas" or "reference" as asked, "auto"
-    the Pallas kernel where `mesh`'s devices are GPUs and Triton can tile the pool's pages (else the
-    reference). ValueError naming the field where "pallas" cannot run on this pool, or for a model with
-    attention sinks (`sinks`, gpt-oss), which only the reference runs."""
+    the Pallas kernel where the devices are GPUs (`gpu`; None: `mesh`'s) and Triton can tile the pool's
+    pages (else the reference). ValueError naming the field where "pallas" cannot run on this pool."""
     if attention == "reference":
         return attention
-    gpu = kernels.on_gpu(mesh)
+    gpu = kernels.on_gpu(mesh) if gpu is None else gpu
     try:
-        if sinks:
-            raise ValueError("the model has attention sinks (gpt-oss), which the Pallas kernel does not run")
         kernels.check_shapes(spec.page_size, spec.head_dim, gpu)
     except ValueError as e:
         if attention == "pallas":
@@ -222,10 +219,15 @@ class TileRules:
     pages_per_block: int = 4
     query_tile: int = 16
     whole_step_tile: bool = True  # one sequence's chunk runs as one tile of the whole step (the reference's)
+    # The fewest tokens a step pads to: 2 on GPUs, where XLA's compiler rewrites a one-row matmul as a
+    # multiply and a reduction that writes the [in, out] products to memory in between, three times
+    # the weights' bytes (benchmarks/step_audit.py, --target=h200 at batch 1); a second row costs
+    # nothing on a step bound by reading the weights.
+    smallest_bucket: int = 1
 
     @functools.cached_property
     def buckets(self) -> tuple[int, ...]:
-        return token_buckets(self.max_tokens_per_step)
+        return token_buckets(self.max_tokens_per_step, min(self.smallest_bucket, self.max_tokens_per_step))
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -292,7 +294,8 @@ class Runner:
         self.pages_per_block = pages_per_block
         self.query_tile = query_tile
         self.rules = TileRules(max_tokens_per_step, max_seqs, spec.page_size, pages_per_block, query_tile,
-                               whole_step_tile=attention == "reference")
+                               whole_step_tile=attention == "reference",
+                               smallest_bucket=2 if kernels.on_gpu(model.mesh) else 1)
         # Page-table width: whole blocks, so the attention loop's dynamic slices never run past it.
         self.table_width = -(-max_pages_per_seq // pages_per_block) * pages_per_block
         self.buckets = self.rules.buckets
@@ -405,8 +408,9 @@ class Runner:
 
         def attn(layer, q, k, v, arena, sinks=None):
             arena = write_kv(arena, spec, mesh, layer, k, v, slots)
-            if self.attention == "pallas":  # reads the pages straight from the arena (no sinks: attention_kind)
-                return kernels.ragged_paged_attention(q, arena, spec, mesh, layer, meta, ppb, cfg.window(layer)), arena
+            if self.attention == "pallas":  # reads the pages straight from the arena
+                return kernels.ragged_paged_attention(q, arena, spec, mesh, layer, meta, ppb, cfg.window(layer),
+                                                      sinks), arena
             read = functools.partial(read_kv, arena, spec, mesh, layer)
             blocks, pages_per_block = reference_blocks(meta.tile_tok.shape[1], meta.num_blocks, ppb)
             out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size,
@@ -458,14 +462,17 @@ class Runner:
         return StepInputs(b.tokens, b.positions, meta, b.slots, b.seq, b.logits_idx, b.sampling, b.allowed,
                           b.allowed_at)
 
-    def lower(self, b: StepBatch, params=None, kv=None) -> jax.stages.Lowered:
+    def lower(self, b: StepBatch, params=None, kv=None, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The step program for `b` lowered, not run (`.compile()` it to read the compiled program:
         benchmarks/step_audit.py). `params` and `kv` (None: this runner's) may be abstract
-        (`jax.ShapeDtypeStruct`s), so a model's step can be read without its weights or its pool."""
+        (`jax.ShapeDtypeStruct`s), so a model's step can be read without its weights or its pool.
+        platforms: lower for these instead of the mesh's devices (("cuda",): the program a GPU would
+        compile, the Pallas kernel as its Triton call; readable here, not compilable)."""
         params = params if params is not None else (self.model.state if self.slot is None else self.slot.array)
         with jax.set_mesh(self.model.mesh):
-            return self._step.lower(self.model.graphdef, params, self.kv if kv is None else kv, self.inputs(b),
-                                    layout=self.layout)
+            traced = self._step.trace(self.model.graphdef, params, self.kv if kv is None else kv, self.inputs(b),
+                                      layout=self.layout)
+            return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
     def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
         params = self.model.state if self.slot is None else self.slot.array

@@ -17,6 +17,7 @@ from talaria_jax.engine.runner import NO_TREE, attention_kind, query_tiles, seq_
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.pool import PoolSpec, allocate_pool, read_kv, write_kv
 from talaria_jax.models import init_model, load_model_config
+from talaria_jax.models.model import with_params
 from talaria_jax.engine.spec.suffix import Draft, SpecConfig
 from talaria_jax.sharding import make_mesh
 
@@ -52,7 +53,7 @@ def _arena(mesh, spec, seed=1):
 
 
 def _both(mesh, *, kvh=2, g=2, d=16, ps=4, ppb=2, tile=4, window=0, dtype="float32", runs=RUNS, tree=None,
-          layer=1):
+          layer=1, sinks=None):
     """(kernel, reference, number of real tokens) for one batch over a random arena."""
     seq, pos, pages, (tile_tok, tile_seq, tok_slot), num_blocks = _batch(ps, ppb, tile, runs)
     spec = PoolSpec(2, pages.size, ps, kvh, d, dtype)
@@ -64,8 +65,8 @@ def _both(mesh, *, kvh=2, g=2, d=16, ps=4, ppb=2, tile=4, window=0, dtype="float
     @jax.jit
     def run(arena, q):
         read = functools.partial(read_kv, arena, spec, mesh, layer)
-        return (kernel_attention(q, arena, spec, mesh, layer, meta, ppb, window),
-                reference_attention(q, read, kvh, ps, meta, ppb, window))
+        return (kernel_attention(q, arena, spec, mesh, layer, meta, ppb, window, sinks),
+                reference_attention(q, read, kvh, ps, meta, ppb, window, sinks))
 
     with jax.set_mesh(mesh):
         out, ref = run(arena, q)
@@ -98,6 +99,22 @@ def test_kernel_on_a_multi_device_mesh(devices, kvh, g):
     out, ref, real = _both(_mesh(devices), kvh=kvh, g=g, tile=4)
     np.testing.assert_allclose(out[:real], ref[:real], rtol=1e-5, atol=1e-6)
     assert np.all(out[real:] == 0)
+
+
+@pytest.mark.parametrize("devices,kvh,g,tile,window", [
+    (1, 2, 2, 1, 0),  # decode tiles, GQA 2
+    (1, 2, 4, 4, 5),  # prefill tiles beside decode, sliding window
+    (2, 3, 4, 4, 0),  # replicated kv heads, a device's q heads straddling two kv heads
+])
+def test_kernel_with_attention_sinks(devices, kvh, g, tile, window):
+    """gpt-oss's sinks: each head's logit joins its rows' softmax with no value, so every output shrinks
+    by the sink's share, differently per head."""
+    sinks = jnp.asarray(np.random.RandomState(3).randn(kvh * g) * 2, jnp.float32)
+    out, ref, real = _both(_mesh(devices), kvh=kvh, g=g, tile=tile, window=window, sinks=sinks)
+    np.testing.assert_allclose(out[:real], ref[:real], rtol=1e-5, atol=1e-6)
+    assert np.all(out[real:] == 0)
+    plain, _, _ = _both(_mesh(devices), kvh=kvh, g=g, tile=tile, window=window)
+    assert not np.allclose(plain[:real], out[:real], atol=1e-3)  # the sinks matter
 
 
 def test_kernel_with_draft_trees():
@@ -215,3 +232,34 @@ def test_engine_greedy_is_the_same_with_the_kernel():
     got = [o.token_ids for o in eng.generate(prompts, GREEDY, progress=False)]
     assert got == want
     assert eng.runner.attention == "pallas" and 0 < eng.stats.accepted_tokens < eng.stats.draft_tokens
+
+
+def test_engine_with_attention_sinks_runs_the_kernel():
+    """A gpt-oss-style model (sinks, a sliding-window layer and a full one): the kernel's engine gives the
+    reference's greedy tokens and logprobs; "auto" would pick the kernel on a GPU (no refusal for sinks)."""
+    cfg = load_model_config("tiny-dense").replace(num_layers=2, sliding_windows=(6, 0), attention_sinks=True)
+    model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=5)
+    rng = np.random.RandomState(7)
+    params = {k: rng.randn(*v.shape) * 2 if k.endswith(".sinks") else v  # sinks of either sign, per head
+              for k, v in model.param_arrays().items()}
+    model = with_params(model, params, "sinks")
+    prompts = _prompts(8, (5, 13))
+    sampling = dataclasses.replace(GREEDY, logprobs=0)
+    ref = Engine(model, _config("reference")).generate(prompts, sampling, progress=False)
+    got = Engine(model, _config("pallas")).generate(prompts, sampling, progress=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    np.testing.assert_allclose([o.logprobs for o in got], [o.logprobs for o in ref], rtol=1e-5, atol=1e-5)
+
+
+def test_steps_pad_to_two_tokens_on_a_gpu(monkeypatch):
+    """On GPUs a step has at least two token rows (XLA's GPU compiler turns one-row matmuls into a
+    multiply and a reduction through memory): a lone decode runs in the 2-token bucket, with the same
+    greedy tokens as the CPU engine's 1-token steps."""
+    model = init_model(load_model_config("tiny-dense").replace(num_layers=2), make_mesh(jax.devices()[:1]), seed=5)
+    prompts = _prompts(9, (6,))
+    want, cpu = _generate(model, "reference", prompts)
+    assert cpu.runner.buckets[0] == 1
+    monkeypatch.setattr(kernels, "on_gpu", lambda mesh: True)
+    got, gpu = _generate(model, "reference", prompts)
+    assert gpu.runner.buckets[:2] == (2, 4) and gpu.runner.bucket(1) == 2
+    assert got == want

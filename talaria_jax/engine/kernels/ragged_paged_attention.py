@@ -30,7 +30,8 @@ Not done: splitting a sequence's pages over programs (flash-decoding), so a deco
 sequences runs few programs (tiles x kv heads), each walking its whole context; nor loading a
 block of pages at once (a program reads one page per loop step).
 
-Draft-tree masks (`tree`) and sliding windows are supported as in the reference. Triton needs
+Draft-tree masks (`tree`), sliding windows and attention sinks (gpt-oss: each row's online softmax
+starts from its head's sink logit) are supported as in the reference. Triton needs
 power-of-two block shapes of at least 16 for its dots: on GPU, page_size and head_dim must be
 powers of two >= 16 (`check_shapes` says which field is wrong); the interpreter takes any.
 """
@@ -58,14 +59,21 @@ def on_gpu(mesh: Mesh) -> bool:
     return mesh_platform(mesh) == "gpu"
 
 
+def _untileable(page_size: int, head_dim: int) -> list[tuple[str, int]]:
+    """The (field, value) pairs Triton cannot tile: a K/V load is [page_size, head_dim], and Triton's
+    blocks are powers of two, its dots at least 16 wide."""
+    return [(f, n) for f, n in (("page_size", page_size), ("head_dim", head_dim)) if n < 16 or n & (n - 1)]
+
+
+def triton_fits(page_size: int, head_dim: int) -> bool:
+    """Whether Triton takes the pool's page_size and head_dim (`check_shapes` says which does not)."""
+    return not _untileable(page_size, head_dim)
+
+
 def check_shapes(page_size: int, head_dim: int, gpu: bool = True) -> None:
-    """ValueError naming the field when Triton cannot tile it: a K/V load is [page_size, head_dim],
-    and Triton's blocks are powers of two, its dots at least 16 wide. The interpreter takes any shape."""
-    if not gpu:
-        return
-    for field, n in (("page_size", page_size), ("head_dim", head_dim)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"the Pallas attention kernel needs {field} to be a power of two >= 16 on GPU, got {n}")
+    """ValueError naming the field when Triton cannot tile it (on GPU). The interpreter takes any shape."""
+    for field, n in _untileable(page_size, head_dim) if gpu else ():
+        raise ValueError(f"the Pallas attention kernel needs {field} to be a power of two >= 16 on GPU, got {n}")
 
 
 def _pow2_rows(n: int) -> int:
@@ -73,12 +81,12 @@ def _pow2_rows(n: int) -> int:
 
 
 def _kernel(nb_ref, pages_ref, kvg_ref, kv_ref, q_ref, qpos_ref, *rest, page_size: int, rows: int, layer: int,
-            pages_per_block: int, window: int, tree: bool):
+            pages_per_block: int, window: int, tree: bool, sinks: bool):
     """Program (tile n, head group j): out [M, D] of the group's M query rows over the tile's pages."""
-    if tree:
-        base_ref, anc_ref, o_ref = rest
-    else:
-        (o_ref,) = rest
+    rest = list(rest)
+    base_ref, anc_ref = (rest.pop(0), rest.pop(0)) if tree else (None, None)
+    sink_ref = rest.pop(0) if sinks else None
+    (o_ref,) = rest
     n, j = pl.program_id(0), pl.program_id(1)
     ps = page_size
     kv_head = kvg_ref[j]
@@ -119,25 +127,30 @@ def _kernel(nb_ref, pages_ref, kvg_ref, kv_ref, q_ref, qpos_ref, *rest, page_siz
         return m_new, l, acc
 
     rows_, d = q.shape
-    init = (jnp.full((rows_,), _NEG, jnp.float32), jnp.zeros((rows_,), jnp.float32),
-            jnp.zeros((rows_, d), jnp.float32))
+    if sinks:  # the online softmax starts from each row's sink logit (running max = sink, sum = 1)
+        init = (sink_ref[...], jnp.ones((rows_,), jnp.float32), jnp.zeros((rows_, d), jnp.float32))
+    else:
+        init = (jnp.full((rows_,), _NEG, jnp.float32), jnp.zeros((rows_,), jnp.float32),
+                jnp.zeros((rows_, d), jnp.float32))
     _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
     o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
 def ragged_paged_attention(q: jax.Array, arena: jax.Array, spec: PoolSpec, mesh: Mesh, layer: int,
-                           meta: AttentionMetadata, pages_per_block: int, window: int = 0, *,
+                           meta: AttentionMetadata, pages_per_block: int, window: int = 0,
+                           sinks: jax.Array | None = None, *,
                            interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """The reference's attention with layer `layer`'s K/V read by the kernel from `arena` (viewed as
     `spec` on `mesh`) instead of through a `read` function; the other arguments and the result as in
     `talaria_jax.engine.paged_attention.ragged_paged_attention`. interpret: run the Pallas
-    interpreter (None: unless the mesh's devices are GPUs)."""
+    interpreter (True) or Triton (False); None: by the platform the program is lowered for
+    (`jax.lax.platform_dependent`): Triton for CUDA or ROCm, the interpreter elsewhere, so a program
+    lowered for CUDA on a machine without a GPU holds the GPU's kernel. On a GPU mesh, or with Triton
+    asked for, page_size and head_dim must suit it (`check_shapes`: a ValueError naming the field);
+    lowered for a GPU from elsewhere, shapes it cannot tile keep the interpreter."""
     page_tables, pos, tile_tok, tile_seq, tok_slot, num_blocks, tree = (
         meta.page_tables, meta.pos, meta.tile_tok, meta.tile_seq, meta.tok_slot, meta.num_blocks, meta.tree)
-    gpu = on_gpu(mesh)
-    check_shapes(spec.page_size, spec.head_dim, gpu)
-    if interpret is None:
-        interpret = not gpu
+    check_shapes(spec.page_size, spec.head_dim, on_gpu(mesh) or interpret is False)
     t, h, d = q.shape
     kvh = spec.kv_heads
     if h % kvh:
@@ -163,35 +176,51 @@ def ragged_paged_attention(q: jax.Array, arena: jax.Array, spec: PoolSpec, mesh:
     meta = [rows_of(pos_pad[tile_tok].astype(jnp.int32))]
     if tree is not None:
         meta += [rows_of(jnp.concatenate([a.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])[tile_tok]) for a in tree]
+    sink_logits = [] if sinks is None else [sinks.astype(jnp.float32)]  # [H], split over devices as q's heads
     tile_pages = page_tables[tile_seq].astype(jnp.int32)  # [NT, MP]: each tile's page-table row
     nb = jnp.reshape(num_blocks, (1,)).astype(jnp.int32)
     head_ids = jnp.arange(h, dtype=jnp.int32)  # sharded as q's heads: each device's global q head ids
 
-    def local(rows, qtiles, head_ids, tile_pages, nb, tok_slot, *meta):
+    def local(rows, qtiles, head_ids, tile_pages, nb, tok_slot, *meta_and_sinks):
         groups = h_loc // gs
+        meta = list(meta_and_sinks[:len(meta_and_sinks) - len(sink_logits)])
+        if sink_logits:  # each group's rows (slot x G' + head) get their head's sink; padding rows none
+            rows_sink = jnp.tile(meta_and_sinks[-1].reshape(groups, gs), (1, qt))
+            meta.append(jnp.pad(rows_sink, ((0, 0), (0, m - qt * gs)), constant_values=_NEG))
         kvg = (head_ids[::gs] // g) % kvh_loc  # each group's kv head among the device's own
         flat = local_view(rows, spec).reshape(spec.num_pages * spec.rows, kvh_loc, d)
         qg = qtiles.reshape(nt, qt, groups, gs, d).transpose(0, 2, 1, 3, 4).reshape(nt, groups, qt * gs, d)
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m - qt * gs), (0, 0)))
         row_spec = pl.BlockSpec((None, m), lambda i, j: (i, 0))
         kernel = functools.partial(_kernel, page_size=spec.page_size, rows=spec.rows, layer=layer,
-                                   pages_per_block=pages_per_block, window=window, tree=tree is not None)
-        out = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((nt, groups, m, d), q.dtype),
-            grid=(nt, groups),
-            # num_blocks, the tiles' pages, each group's kv head and the arena rows: whole refs
-            in_specs=[pl.no_block_spec] * 4 + [pl.BlockSpec((None, None, m, d), lambda i, j: (i, j, 0, 0)),
-                                               *[row_spec] * len(meta)],
-            out_specs=pl.BlockSpec((None, None, m, d), lambda i, j: (i, j, 0, 0)),
-            interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            name=f"ragged_paged_attention_m{m}_ps{spec.page_size}",
-        )(nb, tile_pages, kvg, flat, qg, *meta)
+                                   pages_per_block=pages_per_block, window=window, tree=tree is not None,
+                                   sinks=bool(sink_logits))
+        group_spec = [pl.BlockSpec((None, m), lambda i, j: (j, 0))] * len(sink_logits)
+        def call(interpreted: bool, *args):
+            return pl.pallas_call(
+                kernel,
+                out_shape=jax.ShapeDtypeStruct((nt, groups, m, d), q.dtype),
+                grid=(nt, groups),
+                # num_blocks, the tiles' pages, each group's kv head and the arena rows: whole refs
+                in_specs=[pl.no_block_spec] * 4 + [pl.BlockSpec((None, None, m, d), lambda i, j: (i, j, 0, 0)),
+                                                   *[row_spec] * (len(meta) - len(sink_logits)), *group_spec],
+                out_specs=pl.BlockSpec((None, None, m, d), lambda i, j: (i, j, 0, 0)),
+                interpret=interpreted,
+                compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                name=f"ragged_paged_attention_m{m}_ps{spec.page_size}",
+            )(*args)
+
+        args = (nb, tile_pages, kvg, flat, qg, *meta)
+        if interpret is not None:
+            out = call(interpret, *args)
+        else:
+            gpu = {} if not triton_fits(spec.page_size, spec.head_dim) else dict(
+                cuda=functools.partial(call, False), rocm=functools.partial(call, False))
+            out = jax.lax.platform_dependent(*args, default=functools.partial(call, True), **gpu)
         out = out[:, :, :qt * gs].reshape(nt, groups, qt, gs, d).transpose(0, 2, 1, 3, 4).reshape(nt * qt, h_loc, d)
         return jnp.concatenate([out, jnp.zeros((1, h_loc, d), out.dtype)])[tok_slot]
 
     heads = P(None, None, qspec[1], None)
-    fn = on_each_device(local, mesh, (arena_sharding(mesh).spec, heads, P(qspec[1]), P(), P(), P(), *[P()] * len(meta)),
-                 qspec)
-    return fn(arena, qtiles, head_ids, tile_pages, nb, tok_slot, *meta)
+    fn = on_each_device(local, mesh, (arena_sharding(mesh).spec, heads, P(qspec[1]), P(), P(), P(), *[P()] * len(meta),
+                                      *[P(qspec[1])] * len(sink_logits)), qspec)
+    return fn(arena, qtiles, head_ids, tile_pages, nb, tok_slot, *meta, *sink_logits)
