@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: test test-fast demo docs venv hf golden clean
+.PHONY: test test-fast demo docs venv hf golden gpu-compiler clean
 
 $(STAMP): pyproject.toml requirements-model.txt setup.py talaria_jax/engine/spec/_suffix_native.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,5 +51,16 @@ golden: hf
 	$(PY) tests/assets/make_golden.py
 	$(PY) tests/assets/make_gguf_golden.py
 
+# XLA's GPU compiler without a GPU (`benchmarks.step_audit --target=h200`): a second environment that
+# reads .venv's packages and adds the CUDA PJRT plugin of the same jax (about 500 MB), kept apart so
+# that the suite's JAX stays CPU-only.
+GPU_VENV := .venv-gpu-compiler
+gpu-compiler: $(STAMP)
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
+	  > "$$($(GPU_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/talaria_base.pth"
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps "jax-cuda12-plugin==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+	  "jax-cuda12-pjrt==$$($(PY) -c 'import jax; print(jax.__version__)')"
+
 clean:
-	rm -rf $(VENV) .pytest_cache site
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache site

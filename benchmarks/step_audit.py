@@ -35,7 +35,20 @@ Models: a config name under configs/models (the tiny test configs as they are; t
 their widths and --layers layers), `smollm2-135m-instruct` (the embedded GGUF's config, read from its
 header) and `llama-1b-shape` (the ~1.1B Llama of benchmarks/device_check.py). TP=8 on a CPU uses 8
 simulated host devices; on an accelerator it needs 8 devices and is left out (and said) otherwise.
+--ep splits each MoE layer's experts over a second mesh axis (ep x tp devices).
 The same script runs unchanged on a GPU: it reads the program compiled for the local backend.
+
+Without a GPU, two views of the GPU's program:
+- --target=h100 or h200: XLA's GPU compiler run from the GPU's description (a deviceless compile:
+  `make gpu-compiler` installs the CUDA plugin beside .venv, no driver or GPU needed). The step is the
+  GPU's: the Pallas kernel compiled by Triton, one custom call a layer, so no loop depends on the
+  context; its reads are counted as its walk of each tile's pages (`kernel_walk`), and
+  `gathered_bytes` is what the step all-gathers.
+- --lower_for=cuda: the step lowered for CUDA, not compiled (no plugin needed): StableHLO ops (an
+  upper bound on kernels), Triton calls and while loops, a layer's from one more layer.
+
+  .venv-gpu-compiler/bin/python -m benchmarks.step_audit --target=h200 --models=llama-1b-shape --tp=1,8
+  .venv/bin/python -m benchmarks.step_audit --lower_for=cuda --models=llama-1b-shape --tp=1,8
 """
 from __future__ import annotations
 
@@ -55,6 +68,8 @@ _MODELS = flags.DEFINE_list("models", ["tiny-dense"], "Models: config names unde
 _CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048", "8192", "32768"],
                               "Tokens of each sequence's KV the step attends over, its own tokens included.")
 _TP = flags.DEFINE_list("tp", ["1", "8"], "Tensor-parallel widths.")
+_EP = flags.DEFINE_integer("ep", 1, "Expert-parallel width: each TP width runs on a mesh of ep x tp devices (the "
+                          "MoE layers' experts split over ep).")
 _STEPS = flags.DEFINE_list("steps", ["decode", "mixed"], "Step kinds: decode, mixed (a prefill chunk beside decodes).")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences in a step (the engine's max_seqs).")
 _CHUNK = flags.DEFINE_integer("chunk", 128, "Prefill chunk of the mixed step, in tokens.")
@@ -63,6 +78,12 @@ _DTYPE = flags.DEFINE_string("dtype", "", "Compute dtype of every model (default
                              "this backend).")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["reference", "pallas", "auto"],
                                "The step's attention, as EngineConfig.attention.")
+_TARGET = flags.DEFINE_enum("target", "", ["", "h100", "h200"], "Compile for this GPU without one (XLA's deviceless "
+                             "GPU compile from the GPU's description; needs jax-cuda12-plugin installed, no GPU or "
+                             "driver) instead of for this machine's backend.")
+_LOWER_FOR = flags.DEFINE_enum("lower_for", "", ["", "cuda"], "Instead of compiling for this machine's backend, "
+                                "lower the step for this platform and read its StableHLO (the GPU path's structure "
+                                "on a machine without a GPU).")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
 STEP_KINDS = ("decode", "mixed")
@@ -130,6 +151,16 @@ def _operands(rest: str) -> list[str]:
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0}
+
+
+def tuple_halves(t: str) -> tuple[str, str]:
+    """The two top-level elements of a pair type "(A, B)" (each a type or a tuple of them)."""
+    depth = 0
+    for i, ch in enumerate(t):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 1:
+            return t[1:i], t[i + 1:-1]
+    return t, t
 
 
 def type_bytes(t: str) -> float:
@@ -208,6 +239,35 @@ def _reads(comp: list[Instr], sizes: dict[str, float], param: str) -> float:
     return sizes[param]
 
 
+KERNEL_NAME = "ragged_paged_attention_m"  # the Pallas kernel's name (engine/kernels/ragged_paged_attention.py)
+
+
+def attention_kernel(instr: Instr) -> bool:
+    """Whether `instr` is the Pallas attention kernel compiled (a custom call named for it)."""
+    return instr.opcode == "custom-call" and KERNEL_NAME in instr.line
+
+
+def kernel_walk(cfg, kind: str, context: int, batch: int, chunk: int) -> int:
+    """Key tokens the Pallas kernel reads over all layers in a `kind` step at `context`: each query tile
+    reads its sequence's pages up to the page of its last position (from its window's first page on a
+    sliding-window layer), once per head group (engine/kernels/ragged_paged_attention.py). Decode: `batch`
+    tiles of one token at position context - 1; mixed: the chunk's tiles of EngineConfig.query_tile
+    ending at context - 1, and `batch` - 1 decode tiles."""
+    from talaria_jax.engine.engine import EngineConfig
+
+    ec = EngineConfig()
+    ps, q = ec.page_size, ec.query_tile
+    tiles = [(context - 1, context - 1)] * (batch if kind == "decode" else batch - 1)
+    if kind == "mixed":
+        start = context - chunk
+        tiles += [(start + i, min(start + i + q, context) - 1) for i in range(0, chunk, q)]
+    total = 0
+    for layer in range(cfg.num_layers):
+        w = cfg.window(layer)
+        total += sum((last // ps + 1 - (max(first - w + 1, 0) // ps if w else 0)) * ps for first, last in tiles)
+    return total
+
+
 def moved_bytes(hlo: Hlo, instr: Instr, sizes: dict[str, float]) -> float:
     """Bytes one run of a top-level instruction reads and writes: its operands and result, except that a
     gather or dynamic slice reads only what it takes and an in-place update (scatter, dynamic update
@@ -224,6 +284,8 @@ def moved_bytes(hlo: Hlo, instr: Instr, sizes: dict[str, float]) -> float:
         written = inner[root.operands[IN_PLACE[root.opcode]]] if root.opcode in IN_PLACE else type_bytes(instr.type)
         return read + written
     operands = [sizes.get(o, 0.0) for o in instr.operands]
+    if attention_kernel(instr):  # the arena is read where the kernel walks: counted per context (`kernel_walk`)
+        operands.remove(max(operands))
     if instr.opcode in SLICING:
         return 2 * type_bytes(instr.type) + sum(operands[1:])
     if instr.opcode in IN_PLACE:
@@ -284,8 +346,11 @@ def count(hlo: Hlo, comp: str) -> Counts:
             continue
         elif op.removesuffix("-start") in COLLECTIVES:
             c.fixed[(COLLECTIVES[op.removesuffix("-start")], in_layer(hlo, instr))] += 1
+            if op.removesuffix("-start") == "all-gather":  # its results (an async start's type: (operands, results))
+                c.fixed["gathered"] += type_bytes(tuple_halves(instr.type)[1] if op.endswith("-start") else instr.type)
         elif op in KERNEL_OPS:
             c.fixed["kernels"] += 1
+            c.fixed["attention_kernels"] += attention_kernel(instr)
         elif op not in NO_WORK:
             c.fixed["other"] += 1
     return c
@@ -334,6 +399,85 @@ def body_bytes(hlo: Hlo, loop: Instr, client) -> float | None:
         return None
 
 
+# ---- the step lowered for another platform (StableHLO) ---------------------------------------------------------
+
+_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([^\s(]+)\(")
+_OP = re.compile(r"^\s*(?:%[^=]+= )?\"?([a-z_]+\.[a-z_0-9]+|call)\"?[ (<{@]")
+NO_LAUNCH = {"stablehlo.constant", "stablehlo.return", "func.return", "func.call", "stablehlo.get_tuple_element",
+             "stablehlo.tuple", "stablehlo.optimization_barrier"}
+TRITON = "__gpu$xla.gpu.triton"  # a Pallas kernel compiled by Triton
+SHARDING_MARKS = ("@Sharding", "@SPMDFullToShardShape", "@SPMDShardToFullShape", "@xla.sdy.")
+
+
+def stablehlo_counts(text: str) -> collections.Counter:
+    """What a lowered module's `main` runs, each private function counted as often as it is called:
+    "ops", the operations that may launch work (an upper bound on kernels: a GPU compile fuses
+    elementwise chains, and ops inside a reduction's or a loop's region are counted once); "triton",
+    the Pallas kernels as Triton calls; "loops", while loops (their trips are not read here)."""
+    own, calls, cur = {}, {}, None
+    for line in text.splitlines():
+        head = _FUNC.match(line)
+        if head:
+            cur = head.group(1)
+            own[cur], calls[cur] = collections.Counter(), []
+            continue
+        m = _OP.match(line) if cur else None
+        if not m:
+            continue
+        op = m.group(1)
+        if op in ("func.call", "call"):
+            calls[cur].append(re.search(r"call @([^\s(]+)\(", line).group(1))
+        elif op.startswith("sdy.") or (op == "stablehlo.custom_call" and any(mark in line for mark in SHARDING_MARKS)):
+            continue  # sharding annotations: no work
+        elif op not in NO_LAUNCH:
+            own[cur]["ops"] += 1
+            own[cur]["loops"] += op == "stablehlo.while"
+            own[cur]["triton"] += op == "stablehlo.custom_call" and TRITON in line
+
+    def total(fn: str, seen: tuple = ()) -> collections.Counter:
+        out = collections.Counter(own.get(fn, {}))
+        for callee in calls.get(fn, []):
+            if callee not in seen:
+                out.update(total(callee, seen + (fn,)))
+        return out
+
+    return total("main")
+
+
+def lowered_step(cfg, mesh, tp: int, kind: str, batch: int, chunk: int, max_model_len: int, attention: str,
+                 platform: str) -> dict:
+    """The `kind` step of `cfg` lowered for `platform` (not compiled): its counts (`stablehlo_counts`)
+    and those of one layer, from the same step lowered with one layer more."""
+    counts = []
+    for layers in (cfg.num_layers, cfg.num_layers + 1):
+        c = cfg if layers == cfg.num_layers else with_layers(cfg, layers)
+        runner, kv, spec = abstract_runner(c, mesh, batch, max_model_len, attention, gpu=platform in ("cuda", "rocm"))
+        t0 = time.perf_counter()
+        lowered = runner.lower(step_batch(runner, kind, batch, chunk), kv=kv, platforms=(platform,))
+        lower_s = time.perf_counter() - t0
+        counts.append(stablehlo_counts(lowered.as_text()))
+    per_layer = counts[1] - counts[0]
+    return dict(attention=runner.attention, lower_s=lower_s, per_layer=per_layer,
+                rest={k: counts[0][k] - cfg.num_layers * per_layer[k] for k in ("ops", "triton", "loops")},
+                total=counts[0])
+
+
+def lowered_row(cfg, lo: dict, kind: str, tp: int, context: int, platform: str) -> dict:
+    """One context's row of a lowered step: the same program at every context, so the same counts; a
+    step with no while loop runs no work a number of times that depends on the context."""
+    return dict(model=cfg.name, platform=platform, step=kind, tp=tp, context=context, layers=cfg.num_layers,
+                attention=lo["attention"], ops=lo["total"]["ops"], loops=lo["total"]["loops"],
+                triton=lo["total"]["triton"], ops_per_layer=lo["per_layer"]["ops"],
+                triton_per_layer=lo["per_layer"]["triton"], loops_per_layer=lo["per_layer"]["loops"],
+                ops_rest=lo["rest"]["ops"], flat=lo["total"]["loops"] == 0, lower_s=lo["lower_s"])
+
+
+LOWERED_COLUMNS = [("step", "step", ""), ("TP", "tp", "d"), ("context", "context", "d"), ("attention", "attention", ""),
+                   ("ops", "ops", "d"), ("ops/layer", "ops_per_layer", "d"), ("ops, rest", "ops_rest", "d"),
+                   ("Triton calls/layer", "triton_per_layer", "d"), ("while loops", "loops", "d"),
+                   ("flat", "flat", ""), ("lower s", "lower_s", ".1f")]
+
+
 # ---- the step ---------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -349,13 +493,21 @@ class Program:
     exe_kind: str            # "serialized" or "as_text"
     maps_added: int | None
     counts: Counts
-    xla_bytes: float         # XLA's cost analysis of the whole step (each loop body once)
+    xla_bytes: float | None  # XLA's cost analysis of the whole step (each loop body once); None: not given
     loop_bytes: list[tuple[int | None, float | None]]  # (known trips or None, one trip's bytes) per entry loop
     weight_bytes: int        # per device
-    kv_token_bytes: int      # per device: one token's K and V in one layer
+    kv_token_bytes: int      # per device: one token's K and V in one layer, of the kv heads its query heads use
+    walk_token_bytes: int    # per device: what the Pallas kernel reads of one token in one layer (once per head group)
     pool_bytes: int          # per device: the KV arena
     attention: str
     largest_moves: list[dict]  # `largest_moves` of the program
+
+
+def with_layers(cfg, layers: int):
+    """`cfg` with `layers` layers, its per-layer sliding windows repeated in their pattern."""
+    w = cfg.sliding_windows
+    return dataclasses.replace(cfg, num_layers=layers,
+                               sliding_windows=tuple(w[i % len(w)] for i in range(layers)) if w else w)
 
 
 def audit_config(name: str, layers: int, dtype: str, platform: str):
@@ -373,16 +525,17 @@ def audit_config(name: str, layers: int, dtype: str, platform: str):
     elif name in available_models():
         cfg = load_model_config(name)
         if name not in TINY:  # real widths, few layers, computing in the dtype its checkpoint stores
-            cfg = dataclasses.replace(cfg, num_layers=layers, dtype=cfg.weight_dtype)
+            cfg = dataclasses.replace(with_layers(cfg, layers), dtype=cfg.weight_dtype)
     else:
         raise app.UsageError(f"--models={name}: not a config under configs/models ({', '.join(available_models())}), "
                              f"smollm2-135m-instruct or llama-1b-shape")
     return cfg.replace(dtype=dtype) if dtype else with_default_compute_dtype(cfg, platform)
 
 
-def abstract_runner(cfg, mesh, batch: int, max_model_len: int, attention: str):
+def abstract_runner(cfg, mesh, batch: int, max_model_len: int, attention: str, gpu: bool | None = None):
     """A Runner as the engine builds it (EngineConfig's defaults, `batch` sequences, `max_model_len`),
-    over abstract weights; with the abstract KV arena it steps over and its pool spec."""
+    over abstract weights, its attention chosen as on GPUs where `gpu` (None: as on `mesh`'s devices);
+    with the abstract KV arena it steps over and its pool spec."""
     import jax
     import numpy as np
 
@@ -401,7 +554,7 @@ def abstract_runner(cfg, mesh, batch: int, max_model_len: int, attention: str):
     model = ShardedModel(cfg, mesh, graphdef, params)
     runner = Runner(model, None, spec, max_seqs=batch, max_pages_per_seq=pages,
                     max_tokens_per_step=max(ec.max_tokens_per_step, batch), pages_per_block=ec.pages_per_block,
-                    query_tile=ec.query_tile, attention=attention_kind(attention, mesh, spec, cfg.attention_sinks))
+                    query_tile=ec.query_tile, attention=attention_kind(attention, mesh, spec, gpu))
     return runner, kv, spec
 
 
@@ -434,12 +587,22 @@ def serialized_size(compiled) -> tuple[int, str]:
         return len(compiled.as_text()), "as_text"
 
 
+def kv_heads_read(cfg, mesh) -> tuple[int, int]:
+    """(kv heads one device's query heads use, head groups the Pallas kernel runs there): a device holds
+    num_heads / tp query heads where tp divides them (else all), a kv head serves num_heads /
+    num_kv_heads of them, and the kernel reads a page once per group of gcd(local heads, that ratio)
+    heads (engine/kernels/ragged_paged_attention.py); device 0's, as every device's in these models."""
+    tp = mesh.shape.get("tp", 1)
+    local = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
+    ratio = cfg.num_heads // cfg.num_kv_heads
+    return len({head // ratio for head in range(local)}), local // math.gcd(local, ratio)
+
+
 def compile_step(cfg, mesh, tp: int, kind: str, batch: int, chunk: int, max_model_len: int, attention: str) -> Program:
     """Lowers and compiles the `kind` step of `cfg` on `mesh` and reads what the audit reports from it."""
     import jax
 
     from talaria_jax.engine.memory_maps import map_count
-    from talaria_jax.kvcache.pool import kv_shards
 
     runner, kv, spec = abstract_runner(cfg, mesh, batch, max_model_len, attention)
     b = step_batch(runner, kind, batch, chunk)
@@ -453,15 +616,17 @@ def compile_step(cfg, mesh, tp: int, kind: str, batch: int, chunk: int, max_mode
     maps_after = map_count()
     hlo = parse_hlo(compiled.as_text())
     client = jax.devices()[0].client
+    cost = compiled.cost_analysis()  # None from a deviceless GPU compile
     exe_bytes, exe_kind = serialized_size(compiled)
-    kv_heads = spec.kv_heads // kv_shards(spec, mesh)
+    read, groups = kv_heads_read(cfg, mesh)
+    token_bytes = 2 * spec.head_dim * jax.numpy.dtype(spec.dtype).itemsize
     return Program(
         step=kind, tp=tp, tile=runner.tiling(b)[0].shape[1], compile_s=t2 - t1, lower_s=t1 - t0, exe_bytes=exe_bytes,
         exe_kind=exe_kind, maps_added=None if maps is None else maps_after - maps, counts=count(hlo, hlo.entry),
-        xla_bytes=float(compiled.cost_analysis()["bytes accessed"]),
+        xla_bytes=float(cost["bytes accessed"]) if cost else None,
         loop_bytes=[(known_trips(loop), body_bytes(hlo, loop, client)) for loop in entry_loops(hlo)],
         weight_bytes=per_device_bytes(runner.model.state),
-        kv_token_bytes=2 * kv_heads * spec.head_dim * jax.numpy.dtype(spec.dtype).itemsize,
+        kv_token_bytes=read * token_bytes, walk_token_bytes=groups * token_bytes,
         pool_bytes=per_device_bytes(kv), attention=runner.attention, largest_moves=largest_moves(hlo))
 
 
@@ -500,7 +665,9 @@ def context_row(cfg, p: Program, context: int, batch: int, chunk: int) -> dict:
     kv_min = p.kv_token_bytes * batch * sum(min(context, cfg.window(layer) or context)
                                             for layer in range(cfg.num_layers))
     minimum = p.weight_bytes + kv_min
-    accessed = None if extra is None else p.xla_bytes + extra
+    accessed = None if extra is None or p.xla_bytes is None else p.xla_bytes + extra
+    walk = kernel_walk(cfg, p.step, context, batch, chunk) * p.walk_token_bytes if counts["attention_kernels"] else 0
+    counts["bytes"] += walk
     return dict(
         model=cfg.name, step=p.step, tp=p.tp, context=context, batch=batch, chunk=chunk if p.step == "mixed" else None,
         attention=p.attention, tile=p.tile, trips=trips, runtime_loops=p.counts.runtime_loops,
@@ -508,7 +675,8 @@ def context_row(cfg, p: Program, context: int, batch: int, chunk: int) -> dict:
         collectives_per_layer=collective_text(counts, True, cfg.num_layers),
         collectives_rest=collective_text(counts, False),
         collectives={f"{k[0]}_{'layers' if k[1] else 'rest'}": v for k, v in counts.items() if isinstance(k, tuple)},
-        bytes_accessed=accessed, xla_bytes_accessed=p.xla_bytes, loop_trip_bytes=[b for _, b in p.loop_bytes],
+        gathered_bytes=counts["gathered"], gathered_mb=counts["gathered"] / 1e6,
+        bytes_accessed=accessed, xla_bytes_accessed=p.xla_bytes, kernel_walk_bytes=walk, loop_trip_bytes=[b for _, b in p.loop_bytes],
         min_bytes=minimum, min_weight_bytes=p.weight_bytes, min_kv_bytes=kv_min, pool_bytes=p.pool_bytes,
         ratio=None if accessed is None else accessed / minimum, moved_bytes=counts["bytes"],
         moved_ratio=counts["bytes"] / minimum, compile_s=p.compile_s, lower_s=p.lower_s,
@@ -521,6 +689,7 @@ COLUMNS = [("step", "step", ""), ("TP", "tp", "d"), ("context", "context", "d"),
            ("collectives/layer", "collectives_per_layer", ""), ("collectives, rest", "collectives_rest", ""),
            ("GB minimum", "gb_min", ".3f"), ("GB accessed (XLA)", "gb_accessed", ".1f"), ("XLA / min", "ratio", ".0f"),
            ("GB moved", "gb_moved", ".3f"), ("moved / min", "moved_ratio", ".2f"),
+           ("all-gathered MB", "gathered_mb", ".1f"),
            ("compile s", "compile_s", ".1f"), ("exe MB", "exe_mb", ".1f"), ("maps added", "maps_added", "d")]
 
 
@@ -543,7 +712,7 @@ def check_flags() -> tuple[list[int], list[int], list[str]]:
     steps = _STEPS.value
     if not steps or set(steps) - set(STEP_KINDS):
         raise app.UsageError(f"--steps={','.join(steps)}: give some of {', '.join(STEP_KINDS)}")
-    for flag in (_BATCH, _CHUNK, _LAYERS):
+    for flag in (_BATCH, _CHUNK, _LAYERS, _EP):
         if flag.value < 1:
             raise app.UsageError(f"--{flag.name}={flag.value}: give a positive integer")
     budget = max(EngineConfig().max_tokens_per_step, _BATCH.value)
@@ -553,11 +722,66 @@ def check_flags() -> tuple[list[int], list[int], list[str]]:
     return contexts, tps, steps
 
 
-def audit_model(name: str, contexts: list[int], tps: list[int], steps: list[str], platform: str,
-                notes: list[str]) -> list[dict]:
-    """The rows of one model: each TP width and step kind compiled once, read at each context."""
-    import jax
+# The GPUs `--target` compiles for, as XLA's GpuTargetConfigProto describes a device (text format): the
+# figures of NVIDIA's datasheets (docs/references.md) and the sm_90 limits of the CUDA programming guide.
+GPU_TARGETS = {
+    "h100": dict(name="NVIDIA H100 80GB HBM3", memory=80 * 10**9, bandwidth=3_350 * 10**9),
+    "h200": dict(name="NVIDIA H200", memory=141 * 10**9, bandwidth=4_800 * 10**9),
+}
 
+
+def gpu_target_config(target: str) -> str:
+    """The GpuTargetConfigProto text of `target` (GPU_TARGETS): a Hopper GPU of 132 SMs."""
+    t = GPU_TARGETS[target]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  shared_memory_per_block_optin: 232448
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  memory_bandwidth: {t["bandwidth"]}
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: {t["memory"]}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  cuda_compute_capability {{ major: 9 }}
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 }}
+device_description_str: "{t["name"]}"
+"""
+
+
+def target_devices(target: str, n: int) -> list:
+    """`n` devices of GPU `target` for a deviceless compile (jax.experimental.topologies); a usage error
+    naming --target where this jaxlib has no CUDA plugin."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(target, "cuda", target_config=gpu_target_config(target),
+                                            topology=f"1x1x{n}")
+    except Exception as e:  # no CUDA PJRT plugin: the compile for a GPU needs it, not a GPU
+        import jax
+
+        raise app.UsageError(f"--target={target}: XLA's GPU compiler is not installed ({type(e).__name__}: "
+                             f"{str(e)[:120]}); pip install jax-cuda12-plugin=={jax.__version__} (no GPU needed; "
+                             f"docs/benchmarks/step_audit.md shows a separate environment for it)") from None
+    return list(topo.devices)
+
+
+def audit_model(name: str, contexts: list[int], tps: list[int], steps: list[str], platform: str,
+                notes: list[str], devices: list) -> list[dict]:
+    """The rows of one model: each TP width and step kind compiled once on `devices`, read at each context."""
     from talaria_jax.sharding import make_mesh
 
     cfg = audit_config(name, _LAYERS.value, _DTYPE.value, platform)
@@ -566,17 +790,23 @@ def audit_model(name: str, contexts: list[int], tps: list[int], steps: list[str]
         notes.append(f"{cfg.name}: contexts {[c for c in contexts if c not in fit]} left out: past its max_position "
                      f"{cfg.max_position} (the engine refuses a max_model_len past it)")
     rows = []
+    ep = _EP.value
     for tp in tps:
-        if tp > len(jax.devices()):
-            notes.append(f"{cfg.name}: TP={tp} left out: {len(jax.devices())} {platform} device(s)")
+        if tp * ep > len(devices):
+            notes.append(f"{cfg.name}: TP={tp} x EP={ep} left out: {len(devices)} {platform} device(s)")
             continue
-        mesh = make_mesh(jax.devices()[:tp])
+        mesh = make_mesh(devices[:tp * ep], tp=tp, ep=ep)
         for kind in steps:
             ctxs = [c for c in fit if kind == "decode" or c >= _CHUNK.value]
             if len(ctxs) < len(fit) and tp == tps[0]:
                 notes.append(f"{cfg.name}: mixed step at contexts {sorted(set(fit) - set(ctxs))} left out: shorter "
                              f"than --chunk={_CHUNK.value}")
             if not ctxs:
+                continue
+            if _LOWER_FOR.value:
+                lo = lowered_step(cfg, mesh, tp, kind, _BATCH.value, _CHUNK.value, max(ctxs), _ATTENTION.value,
+                                  _LOWER_FOR.value)
+                rows += [lowered_row(cfg, lo, kind, tp, c, _LOWER_FOR.value) for c in ctxs]
                 continue
             t0 = time.perf_counter()
             p = compile_step(cfg, mesh, tp, kind, _BATCH.value, _CHUNK.value, max(ctxs), _ATTENTION.value)
@@ -588,32 +818,55 @@ def audit_model(name: str, contexts: list[int], tps: list[int], steps: list[str]
 
 def main(argv):
     del argv
+    if _TARGET.value:  # before jax loads: the host's CPU backend only, the GPU's devices come from its description
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     contexts, tps, steps = check_flags()
-    if max(tps) > 1:
+    target, lowered_for = _TARGET.value, _LOWER_FOR.value
+    if target and lowered_for:
+        raise app.UsageError(f"--target={target} --lower_for={lowered_for}: give one (--target compiles for that "
+                             "GPU; --lower_for only lowers)")
+    devices_needed = max(tps) * _EP.value
+    if devices_needed > 1 and not target:
         from talaria_jax.sharding import simulate_cpu_devices
 
-        simulate_cpu_devices(max(tps))  # CPU host devices; an accelerator backend keeps its own
+        simulate_cpu_devices(devices_needed)  # CPU host devices; an accelerator backend keeps its own
     import jax
 
     machine = common.Machine.start(threads=os.cpu_count() or 1)
-    platform = jax.default_backend()
+    devices = target_devices(target, devices_needed) if target else jax.devices()
+    platform = "gpu" if target else jax.default_backend()
+    where = f"compiled for {GPU_TARGETS[target]['name']}, no GPU" if target else (
+        f"lowered for {lowered_for}" if lowered_for else platform)
     notes, results = [], {}
     for name in _MODELS.value:
-        rows = audit_model(name, contexts, tps, steps, platform, notes)
+        rows = audit_model(name, contexts, tps, steps, lowered_for or platform, notes, devices)
         results[name] = rows
         if rows:
-            print(f"\n### {rows[0]['model']} ({platform}, attention {rows[0]['attention']}, batch {_BATCH.value}"
-                  f"{f', chunk {_CHUNK.value}' if 'mixed' in steps else ''})")
-            common.print_markdown_table(COLUMNS, rows)
+            print(f"\n### {rows[0]['model']} ({where}, "
+                  f"{f'EP={_EP.value}, ' if _EP.value > 1 else ''}attention "
+                  f"{rows[0]['attention']}, batch {_BATCH.value}{f', chunk {_CHUNK.value}' if 'mixed' in steps else ''})")
+            common.print_markdown_table(LOWERED_COLUMNS if lowered_for else COLUMNS, rows)
     machine.stop()
-    if any(r["runtime_loops"] for rows in results.values() for r in rows):
+    if lowered_for:
+        notes.append(f"lowered for {lowered_for}, not compiled: ops bound the kernels from above (a GPU compile fuses "
+                     "elementwise chains); one program serves every context, so a step with no while loop (flat) "
+                     "runs the same kernels at every context; collectives are placed by the compile, so they are "
+                     "read from the compiled view")
+    if any(r.get("runtime_loops") for rows in results.values() for r in rows):
         notes.append("trips: the attention loop's bound is a runtime scalar (no known trip count in the HLO); its "
                      "trips are computed from the context, EngineConfig.page_size and pages_per_block")
-    exe_kinds = {r["exe_kind"] for rows in results.values() for r in rows}
-    notes.append(f"exe MB: the size of the executable's {' / '.join(sorted(exe_kinds))} form")
+    exe_kinds = {r["exe_kind"] for rows in results.values() for r in rows if "exe_kind" in r}
+    if exe_kinds:
+        notes.append(f"exe MB: the size of the executable's {' / '.join(sorted(exe_kinds))} form")
+    if target:
+        notes.append(f"compiled by XLA's GPU compiler for {GPU_TARGETS[target]['name']} from its description (no GPU): "
+                     "GB moved counts the attention kernel's reads as its walk of each tile's pages "
+                     "(kernel_walk); XLA gives no cost analysis without a device")
     print("\n" + "\n".join(notes))
     print(machine.report())
-    common.write_json(_OUT.value, dict(backend=platform, jax_version=jax.__version__, notes=notes, batch=_BATCH.value,
+    common.write_json(_OUT.value, dict(backend=platform, target=target or None, lowered_for=lowered_for or None,
+                                       ep=_EP.value,
+                                       jax_version=jax.__version__, notes=notes, batch=_BATCH.value,
                                        chunk=_CHUNK.value, layers=_LAYERS.value, models=results), machine)
 
 

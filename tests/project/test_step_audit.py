@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from talaria_jax.engine.engine import EngineConfig
 from talaria_jax.engine.runner import reference_blocks
 
@@ -41,3 +43,57 @@ def test_step_audit_tiny_dense(tmp_path):
         small, large = by[(step, CONTEXTS[0])], by[(step, CONTEXTS[1])]
         assert small["kernels_per_trip"] == large["kernels_per_trip"]
         assert large["kernels"] - small["kernels"] == (large["trips"] - small["trips"]) * small["kernels_per_trip"]
+
+
+
+def _lowered(tmp_path, attention: str) -> list[dict]:
+    out = tmp_path / f"lowered_{attention}.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.step_audit", "--lower_for=cuda", "--models=tiny-dense",
+                          "--tp=1", f"--contexts={','.join(map(str, CONTEXTS))}", "--batch=4", "--chunk=64",
+                          f"--attention={attention}", f"--out={out}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "lowered for cuda" in run.stdout
+    return json.loads(out.read_text())["models"]["tiny-dense"]
+
+
+def test_the_gpu_path_lowered_for_cuda_has_one_kernel_a_layer_and_no_loop(tmp_path):
+    """The step lowered for CUDA on this machine: with the Pallas kernel ("auto" as on a GPU) each
+    layer's attention is one Triton call and the program has no while loop, so a step runs the same
+    kernels at every context; the reference lowered the same way keeps a loop over page blocks in
+    every layer, which the audit reports as not flat (the check can fail)."""
+    rows = _lowered(tmp_path, "auto")
+    assert {(r["step"], r["context"]) for r in rows} == {(s, c) for s in ("decode", "mixed") for c in CONTEXTS}
+    for r in rows:
+        assert r["attention"] == "pallas" and r["flat"] and r["loops"] == 0
+        assert r["triton_per_layer"] == 1 and r["triton"] == r["layers"] == 4
+        assert 0 < r["ops_per_layer"] < r["ops"]
+    for r in _lowered(tmp_path, "reference"):
+        assert r["attention"] == "reference" and not r["flat"] and r["triton"] == 0
+        assert r["loops_per_layer"] == 1
+
+
+GPU_COMPILER = ROOT / ".venv-gpu-compiler" / "bin" / "python"
+
+
+@pytest.mark.skipif(not GPU_COMPILER.exists(), reason="XLA's GPU compiler is not installed (make gpu-compiler)")
+def test_the_step_compiled_for_an_h200_without_one(tmp_path):
+    """XLA's GPU compiler run without a GPU (--target=h200, in the environment `make gpu-compiler`
+    builds): the decode step runs the same kernels at 256 and 1024 tokens of context, one attention
+    kernel a layer, and at TP=8 the layers' collectives are all-reduces (no all-gather of weights)."""
+    out = tmp_path / "h200.json"
+    run = subprocess.run([str(GPU_COMPILER), "-m", "benchmarks.step_audit", "--target=h200", "--models=tiny-dense",
+                          "--tp=1,8", f"--contexts={','.join(map(str, CONTEXTS))}", "--batch=1", "--steps=decode",
+                          f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["models"]["tiny-dense"]
+    assert {(r["tp"], r["context"]) for r in rows} == {(tp, c) for tp in (1, 8) for c in CONTEXTS}
+    for tp in (1, 8):
+        small, large = (next(r for r in rows if r["tp"] == tp and r["context"] == c) for c in CONTEXTS)
+        assert small["attention"] == "pallas" and small["runtime_loops"] == 0
+        assert small["kernels"] == large["kernels"] and large["kernel_walk_bytes"] > small["kernel_walk_bytes"] > 0
+    table = 512 * 256 * 2  # tiny-dense's embedding, bf16 on a GPU: all-gathered at batch 1 by a plain take
+    for r in rows:
+        assert set(r["collectives"]) <= {"AR_layers", "AR_rest", "AG_rest"}
+        assert r["gathered_bytes"] < table / 8  # the sampler's candidates, never a weight
