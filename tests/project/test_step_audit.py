@@ -1,5 +1,6 @@
-"""The compiled-step audit (`python -m benchmarks.step_audit`) on tiny-dense at TP=1: its numbers are sane
-and follow from the step's structure (kernels per step = fixed kernels + trips x kernels per trip)."""
+"""The compiled-step audit (`python -m benchmarks.step_audit`) on tiny-dense: compiled for this CPU at TP=1,
+its numbers sane and following from the step's structure (kernels per step = fixed kernels + trips x
+kernels per trip); lowered for CUDA; and compiled for an H200 where XLA's GPU compiler is installed."""
 import json
 import os
 import pathlib
