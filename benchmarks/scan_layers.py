@@ -16,6 +16,12 @@ side) or reads them in place.
 
   .venv/bin/python -m benchmarks.scan_layers                       # SmolLM2-135M's MLP shapes
   .venv/bin/python -m benchmarks.scan_layers --hidden=2048 --ffn=5632 --layers=22   # the 1.1B shape
+
+With --target=h100 or h200 both programs are compiled by XLA's GPU compiler for that GPU without one
+(benchmarks/hlo_program.py; `make gpu-compiler`) and not run: per step, the kernels (a loop's body
+counted once a trip) and the bytes its kernels move (`hlo_program.count`), against the weights.
+
+  .venv-gpu-compiler/bin/python -m benchmarks.scan_layers --target=h200 --dtype=bfloat16 --hidden=2048 --ffn=5632 --layers=22
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ _LAYERS = flags.DEFINE_integer("layers", 30, "Layers (SmolLM2-135M: 30).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "64"], "Tokens per step.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' dtype.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed reps per side and batch (best kept).")
+_TARGET = flags.DEFINE_enum("target", "", ["", "h100", "h200"], "Compile for this GPU without one and read the "
+                             "programs (no timing): XLA's deviceless GPU compile, benchmarks/hlo_program.py.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
 
@@ -39,13 +47,37 @@ def _weight_copies(text: str, e: int, f: int, n: int) -> int:
     """Kernels of the compiled program (its text) whose result is one layer's weight matrix or the
     stack of them, in any float type: copies of weights (a slice of the stack, or a conversion, e.g.
     XLA:CPU's of bf16 weights to f32), where a dot that reads a weight where it lies needs none."""
-    shapes = [f"[{e},{f}]", f"[{f},{e}]", f"[{n},{e},{f}]", f"[{n},{f},{e}]"]
+    shapes = [f"[{e},{f}]", f"[{f},{e}]", f"[1,{e},{f}]", f"[1,{f},{e}]", f"[{n},{e},{f}]", f"[{n},{f},{e}]"]
     return sum(1 for line in text.splitlines()
                if " fusion(" in line and any(f"= {t}{s}" in line for t in ("f32", "bf16") for s in shapes))
 
 
+def compiled_for_gpu(sides: dict, batches: list[int], e: int, f: int, n: int, dt, target: str) -> list[dict]:
+    """Each side's program for each batch compiled for GPU `target` (no GPU): compile seconds, kernels
+    per step and the bytes they move, against the weights' bytes."""
+    import jax
+
+    from benchmarks.hlo_program import count, parse_hlo, target_devices
+
+    device = jax.sharding.SingleDeviceSharding(target_devices(target, 1)[0])
+    shaped = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device)
+    rows = []
+    for b in batches:
+        for name, (fn, w) in sides.items():
+            t0 = time.perf_counter()
+            compiled = fn.lower(jax.ShapeDtypeStruct((b, e), dt, sharding=device), jax.tree.map(shaped, w)).compile()
+            hlo = parse_hlo(compiled.as_text())
+            step = count(hlo, hlo.entry).at(0)
+            rows.append({"batch": b, "program": name, "compile_s": time.perf_counter() - t0, "kernels": step["kernels"],
+                         "moved_mb": step["bytes"] / 1e6, "moved_over_weights": step["bytes"] / (3 * n * e * f * dt.itemsize),
+                         "copies_weights": "yes" if _weight_copies(compiled.as_text(), e, f, n) else "no"})
+    return rows
+
+
 def main(argv):
     del argv
+    if _TARGET.value:  # before jax loads: the host's CPU backend only, the GPU's devices come from its description
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     machine = common.Machine.start(os.cpu_count() or 1)
     import jax
     import jax.numpy as jnp
@@ -71,6 +103,18 @@ def main(argv):
         return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0]
 
     sides = {"unrolled": (unrolled, per_layer), "scan": (scanned, (gate, up, down))}
+    if _TARGET.value:
+        rows = compiled_for_gpu(sides, [int(v) for v in _BATCHES.value], e, f, n, dt, _TARGET.value)
+        machine.stop()
+        print(f"MLP stack {n} x ({e} -> {f} -> {e}), {dt.name} weights ({3 * n * e * f * dt.itemsize / 1e6:.0f} MB), "
+              f"compiled for {_TARGET.value} (no GPU; not run)")
+        common.print_markdown_table([("batch", "batch", "d"), ("program", "program", ""), ("compile (s)", "compile_s", ".2f"),
+                                     ("kernels", "kernels", "d"), ("MB moved", "moved_mb", ".1f"),
+                                     ("moved / weights", "moved_over_weights", ".2f"),
+                                     ("copies each layer's weights", "copies_weights", "")], rows)
+        print(machine.report())
+        common.write_json(_OUT.value, {"target": _TARGET.value, "rows": rows}, machine)
+        return
     rows, programs = [], {}
     for b in [int(v) for v in _BATCHES.value]:
         x = jnp.ones((b, e), dt)
