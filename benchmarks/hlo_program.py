@@ -170,27 +170,6 @@ def attention_kernel(instr: Instr) -> bool:
     return instr.opcode == "custom-call" and KERNEL_NAME in instr.line
 
 
-def kernel_walk(cfg, kind: str, context: int, batch: int, chunk: int) -> int:
-    """Key tokens the Pallas kernel reads over all layers in a `kind` step at `context`: each query tile
-    reads its sequence's pages up to the page of its last position (from its window's first page on a
-    sliding-window layer), once per head group (engine/kernels/ragged_paged_attention.py). Decode: `batch`
-    tiles of one token at position context - 1; mixed: the chunk's tiles of EngineConfig.query_tile
-    ending at context - 1, and `batch` - 1 decode tiles."""
-    from talaria_jax.engine.engine import EngineConfig
-
-    ec = EngineConfig()
-    ps, q = ec.page_size, ec.query_tile
-    tiles = [(context - 1, context - 1)] * (batch if kind == "decode" else batch - 1)
-    if kind == "mixed":
-        start = context - chunk
-        tiles += [(start + i, min(start + i + q, context) - 1) for i in range(0, chunk, q)]
-    total = 0
-    for layer in range(cfg.num_layers):
-        w = cfg.window(layer)
-        total += sum((last // ps + 1 - (max(first - w + 1, 0) // ps if w else 0)) * ps for first, last in tiles)
-    return total
-
-
 def moved_bytes(hlo: Hlo, instr: Instr, sizes: dict[str, float]) -> float:
     """Bytes one run of a top-level instruction reads and writes: its operands and result, except that a
     gather or dynamic slice reads only what it takes and an in-place update (scatter, dynamic update

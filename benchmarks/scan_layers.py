@@ -69,7 +69,8 @@ def compiled_for_gpu(sides: dict, batches: list[int], e: int, f: int, n: int, dt
             hlo = parse_hlo(compiled.as_text())
             step = count(hlo, hlo.entry).at(0)
             rows.append({"batch": b, "program": name, "compile_s": time.perf_counter() - t0, "kernels": step["kernels"],
-                         "moved_mb": step["bytes"] / 1e6, "moved_over_weights": step["bytes"] / (3 * n * e * f * dt.itemsize),
+                         "moved_mb": step["bytes"] / 1e6,
+                         "moved_over_weights": step["bytes"] / (3 * n * e * f * dt.itemsize),
                          "copies_weights": "yes" if _weight_copies(compiled.as_text(), e, f, n) else "no"})
     return rows
 
@@ -108,7 +109,8 @@ def main(argv):
         machine.stop()
         print(f"MLP stack {n} x ({e} -> {f} -> {e}), {dt.name} weights ({3 * n * e * f * dt.itemsize / 1e6:.0f} MB), "
               f"compiled for {_TARGET.value} (no GPU; not run)")
-        common.print_markdown_table([("batch", "batch", "d"), ("program", "program", ""), ("compile (s)", "compile_s", ".2f"),
+        common.print_markdown_table([("batch", "batch", "d"), ("program", "program", ""),
+                                     ("compile (s)", "compile_s", ".2f"),
                                      ("kernels", "kernels", "d"), ("MB moved", "moved_mb", ".1f"),
                                      ("moved / weights", "moved_over_weights", ".2f"),
                                      ("copies each layer's weights", "copies_weights", "")], rows)

@@ -62,8 +62,8 @@ import time
 from absl import app, flags
 
 from benchmarks import common
-from benchmarks.hlo_program import (COLLECTIVES, GPU_TARGETS, Counts, body_bytes, count, entry_loops, kernel_walk,
-                                    known_trips, largest_moves, parse_hlo, target_devices)
+from benchmarks.hlo_program import (COLLECTIVES, GPU_TARGETS, Counts, body_bytes, count, entry_loops, known_trips,
+                                    largest_moves, parse_hlo, target_devices)
 
 _MODELS = flags.DEFINE_list("models", ["tiny-dense"], "Models: config names under configs/models, "
                             "smollm2-135m-instruct, llama-1b-shape.")
@@ -323,6 +323,27 @@ def compile_step(cfg, mesh, tp: int, kind: str, batch: int, chunk: int, max_mode
         pool_bytes=per_device_bytes(kv), attention=runner.attention, largest_moves=largest_moves(hlo))
 
 
+def kernel_walk(cfg, kind: str, context: int, batch: int, chunk: int) -> int:
+    """Key tokens the Pallas kernel reads over all layers in a `kind` step at `context`: each query tile
+    reads its sequence's pages up to the page of its last position (from its window's first page on a
+    sliding-window layer), once per head group (engine/kernels/ragged_paged_attention.py). Decode: `batch`
+    tiles of one token at position context - 1; mixed: the chunk's tiles of EngineConfig.query_tile
+    ending at context - 1, and `batch` - 1 decode tiles."""
+    from talaria_jax.engine.engine import EngineConfig
+
+    ec = EngineConfig()
+    ps, q = ec.page_size, ec.query_tile
+    tiles = [(context - 1, context - 1)] * (batch if kind == "decode" else batch - 1)
+    if kind == "mixed":
+        start = context - chunk
+        tiles += [(start + i, min(start + i + q, context) - 1) for i in range(0, chunk, q)]
+    total = 0
+    for layer in range(cfg.num_layers):
+        w = cfg.window(layer)
+        total += sum((last // ps + 1 - (max(first - w + 1, 0) // ps if w else 0)) * ps for first, last in tiles)
+    return total
+
+
 def attention_trips(context: int, tile: int) -> int:
     """Trips of the reference attention's page-block loop for sequences of `context` tokens, as the
     runner computes them (EngineConfig's page_size and pages_per_block, `reference_blocks`)."""
@@ -369,7 +390,8 @@ def context_row(cfg, p: Program, context: int, batch: int, chunk: int) -> dict:
         collectives_rest=collective_text(counts, False),
         collectives={f"{k[0]}_{'layers' if k[1] else 'rest'}": v for k, v in counts.items() if isinstance(k, tuple)},
         gathered_bytes=counts["gathered"], gathered_mb=counts["gathered"] / 1e6,
-        bytes_accessed=accessed, xla_bytes_accessed=p.xla_bytes, kernel_walk_bytes=walk, loop_trip_bytes=[b for _, b in p.loop_bytes],
+        bytes_accessed=accessed, xla_bytes_accessed=p.xla_bytes, kernel_walk_bytes=walk,
+        loop_trip_bytes=[b for _, b in p.loop_bytes],
         min_bytes=minimum, min_weight_bytes=p.weight_bytes, min_kv_bytes=kv_min, pool_bytes=p.pool_bytes,
         ratio=None if accessed is None else accessed / minimum, moved_bytes=counts["bytes"],
         moved_ratio=counts["bytes"] / minimum, compile_s=p.compile_s, lower_s=p.lower_s,
@@ -480,7 +502,8 @@ def main(argv):
         if rows:
             print(f"\n### {rows[0]['model']} ({where}, "
                   f"{f'EP={_EP.value}, ' if _EP.value > 1 else ''}attention "
-                  f"{rows[0]['attention']}, batch {_BATCH.value}{f', chunk {_CHUNK.value}' if 'mixed' in steps else ''})")
+                  f"{rows[0]['attention']}, batch {_BATCH.value}"
+                  f"{f', chunk {_CHUNK.value}' if 'mixed' in steps else ''})")
             common.print_markdown_table(LOWERED_COLUMNS if lowered_for else COLUMNS, rows)
     machine.stop()
     if lowered_for:

@@ -52,7 +52,8 @@ def _lowered(tmp_path, attention: str) -> list[dict]:
     run = subprocess.run([sys.executable, "-m", "benchmarks.step_audit", "--lower_for=cuda", "--models=tiny-dense",
                           "--tp=1", f"--contexts={','.join(map(str, CONTEXTS))}", "--batch=4", "--chunk=64",
                           f"--attention={attention}", f"--out={out}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                         cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "lowered for cuda" in run.stdout
     return json.loads(out.read_text())["models"]["tiny-dense"]
