@@ -704,13 +704,14 @@ def check_weight_budget(budget: str | None) -> None:
 def resolve_weight_budget(budget: str | None, models: Mapping[str, ShardedModel]) -> int | None:
     """The device bytes an instance's models' weights may take, over all its devices: None for "all" (or
     None: every model stays on the devices), the largest model's for "largest" (one model of that size at
-    a time, smaller ones beside each other), or a number of bytes."""
+    a time, smaller ones beside each other), or a number of bytes; None too where the bytes hold every
+    model at once (one model, for one): nothing is ever evicted, so no host copy is kept."""
     check_weight_budget(budget)
     if budget is None or budget == "all":
         return None
-    if budget == "largest":
-        return max(held_bytes(m) for m in models.values())
-    return int(budget)
+    held = [held_bytes(m) for m in models.values()]
+    limit = max(held) if budget == "largest" else int(budget)
+    return None if limit >= sum(held) else limit
 
 
 def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig, *, instances: int = 2,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Sequence
 
@@ -73,6 +74,10 @@ class DraftBatch:
                    np.zeros(num_tokens, np.int32), np.zeros(rows, bool))
 
 
+# Programs `Runner.warmup` compiles at once (at most one per CPU; each holds its own compiler memory).
+# XLA:CPU already spreads one program's kernels over the cores: on a 2-core machine SmolLM2's 16 step
+# programs took 89.0 s two at a time against 92.7 s one at a time.
+COMPILE_WORKERS = 4
 NO_TREE = 2**30  # DraftBatch.base of a token outside any draft tree
 NO_MASK = 2**30  # StepBatch.allowed_at of an unused mask row (dropped)
 
@@ -236,15 +241,33 @@ class TileRules:
         raise ValueError(f"{n} tokens exceed the step budget {self.max_tokens_per_step}")
 
     def tile_counts(self, t: int) -> tuple[int, ...]:
-        """Tile counts a step of bucket `t` may use with tiles of `query_tile` tokens: T/Q (one chunk),
-        2T/Q (chunks ending mid-tile) and T/Q plus one tile per sequence (chunks beside decode tokens,
-        one tile each), only those below T: a tile costs a page-block read whether it is full or not,
-        so more tiles than tokens would read more than tiles of one token do. Steps under two tiles'
-        worth keep tiles of one (their mostly empty tiles would multiply the attention FLOPs)."""
+        """Tile counts a step of bucket `t` may use with tiles of `query_tile` tokens: T/Q (one chunk,
+        or several that fit), 2T/Q (chunks ending mid-tile) and `most_tiles(t)` (chunks beside decode
+        tokens, one tile each); none above `most_tiles(t)`, which no step needs (each count is a
+        program to compile); only those below T: a tile costs a page-block read whether it is full or
+        not, so more tiles than tokens would read more than tiles of one token do. Steps under two
+        tiles' worth keep tiles of one (their mostly empty tiles would multiply the attention FLOPs)."""
         q = self.query_tile
         if q == 1 or t < 2 * q:
             return ()
-        return tuple(sorted(n for n in {t // q, 2 * (t // q), t // q + min(t, self.max_seqs)} if 0 < n < t))
+        most = self.most_tiles(t)
+        return tuple(sorted(n for n in {t // q, 2 * (t // q), most} if 0 < n < t and n <= most))
+
+    def most_tiles(self, t: int) -> int:
+        """The most tiles of `query_tile` a step of up to `t` tokens can need: one a sequence (as many
+        as it may hold) and one for each further `query_tile` tokens (a sequence of n tokens needs
+        ceil(n / Q) = 1 + (n - 1) // Q)."""
+        seqs = min(t, self.max_seqs)
+        return seqs + (t - seqs) // self.query_tile
+
+    def single_token_tiles(self, t: int) -> bool:
+        """Whether a step of bucket `t` may run in tiles of one token: it has no tile counts, or it may
+        hold one token from each of more sequences than the bucket below holds tokens, or its
+        sequences may need more tiles than its largest count. (Each (t, 1, t) shape is a program, and
+        with max_seqs below a bucket's tokens most are never run.)"""
+        counts = self.tile_counts(t)
+        below = max((b for b in self.buckets if b < t), default=0)
+        return not counts or below + 1 <= self.max_seqs or counts[-1] < self.most_tiles(t)
 
     def tiles(self, t: int, runs: Sequence[int]) -> tuple[int, int] | None:
         """(tokens a tile, tiles) of a step of bucket `t` whose sequences bring `runs` tokens each: one
@@ -263,14 +286,23 @@ class TileRules:
         need = sum(-(-n // self.query_tile) for n in runs)
         return (self.query_tile, next(c for c in counts if c >= need)) if need <= counts[-1] else None
 
+    def shape(self, runs: Sequence[int]) -> tuple[int, int, int]:
+        """(bucket, tokens a tile, tiles) of a step whose sequences bring `runs` tokens each."""
+        t = self.bucket(sum(runs))
+        return t, *(self.tiles(t, runs) or (1, t))
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every shape `shape` can give: the step programs a runner compiles."""
+        return [s for t in self.buckets for s in [(t, 1, t)] * self.single_token_tiles(t)
+                + [(t, self.query_tile, n) for n in self.tile_counts(t)]
+                + ([(t, t, 1)] if self.whole_step_tile and self.tile_counts(t) else [])]
+
     def walk(self, chunks: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
         """A step of `chunks` (each sequence's new tokens, its cached tokens) on the jnp reference:
         (tokens padded to the bucket, tiles, query rows a tile, key tokens each tile visits). Every
         tile, a padding one too, walks the blocks of the step's longest sequence
         (engine/paged_attention.py)."""
-        runs = [n for n, _ in chunks]
-        t = self.bucket(sum(runs))
-        tile, tiles = self.tiles(t, runs) or (1, t)
+        t, tile, tiles = self.shape([n for n, _ in chunks])
         pages = max(-(-(n + p) // self.page_size) for n, p in chunks)
         blocks, per = reference_blocks(tile, -(-pages // self.pages_per_block), self.pages_per_block)
         return t, tiles, tile, blocks * per * self.page_size
@@ -346,9 +378,7 @@ class Runner:
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (tokens, tile, tiles) shape a step can take: what `warmup` compiles."""
-        rules = self.rules
-        return [s for t in self.buckets for s in [(t, 1, t)] + [(t, self.query_tile, n) for n in rules.tile_counts(t)]
-                + ([(t, t, 1)] if rules.whole_step_tile and rules.tile_counts(t) else [])]
+        return self.rules.shapes()
 
     def tiling(self, b: StepBatch):
         """Query tiles for a step, as `TileRules.tiles` lays them out for its runs of tokens."""
@@ -362,24 +392,48 @@ class Runner:
         return single_token_tiles(b.seq, b.num_tokens)
 
     def warmup(self, progress: bool | None = True) -> None:
-        """Compiles every step shape now (all-padding steps: nothing is written), so serving adds none;
-        with draft_nodes, the verifying step of every shape too.
+        """Compiles every step shape now, so serving adds none; with draft_nodes, the verifying step of
+        every shape too. Each program is traced and lowered here and compiled by XLA on up to
+        `COMPILE_WORKERS` threads at once (one per CPU; XLA compiles without Python's lock), then run
+        once (an all-padding step: nothing is written), which finds it compiled.
         progress: a bar (True), none (False), or a bar only on a terminal (None)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm.auto import tqdm
 
-        draft_nodes = self.draft_nodes
-        programs = [(s, False) for s in self.step_shapes()] + [(s, True) for s in self.step_shapes() if draft_nodes]
+        programs = [(s, None) for s in self.step_shapes()]
+        if self.draft_nodes:
+            programs += [(s, DraftBatch.empty(s[0], self.max_seqs, self.draft_nodes)) for s in self.step_shapes()]
         maps = MapBudget(len(programs), f"the step programs of {self.model.cfg.name}")
-        for (t, q, n), spec in tqdm(programs, desc="compiling step shapes", leave=False,
-                                    disable=None if progress is None else not progress):
-            maps.check()  # a clear error before XLA:CPU runs out of memory maps
-            b = self.empty_batch(t)
-            tiles = query_tiles([], t, q, n)
-            if spec:
-                self._run_verify(b, DraftBatch.empty(t, self.max_seqs, draft_nodes), *tiles)
-            else:
-                self._run(b, *tiles)
-            maps.compiled()
+        workers = min(COMPILE_WORKERS, os.cpu_count() or 1)
+        with tqdm(total=len(programs), desc="compiling step shapes", leave=False,
+                  disable=None if progress is None else not progress) as bar, ThreadPoolExecutor(workers) as pool:
+            compiling = []
+
+            def finish_one():
+                compiling.pop(0).result()
+                maps.compiled()
+                bar.update()
+
+            for (t, q, n), d in programs:
+                while len(compiling) >= (workers if maps.done else 1):  # the first alone: MapBudget's base
+                    finish_one()
+                maps.check()  # a clear error before XLA:CPU runs out of memory maps
+                compiling.append(pool.submit(self._lower_step(t, q, n, d).compile))
+            while compiling:
+                finish_one()
+        for (t, q, n), d in programs:
+            b, tiles = self.empty_batch(t), query_tiles([], t, q, n)
+            self._run(b, *tiles) if d is None else self._run_verify(b, d, *tiles)
+
+    def _lower_step(self, t: int, q: int, n: int, d: "DraftBatch | None") -> jax.stages.Lowered:
+        """The all-padding step of shape (t, q, n) lowered (the verifying one with drafts `d`)."""
+        params = self.model.state if self.slot is None else self.slot.array
+        inputs = self.inputs(self.empty_batch(t), query_tiles([], t, q, n))
+        with jax.set_mesh(self.model.mesh):
+            if d is None:
+                return self._step.trace(self.model.graphdef, params, self.kv, inputs, layout=self.layout).lower()
+            return self._verify.trace(self.model.graphdef, params, self.kv, inputs, d, layout=self.layout).lower()
 
     def step_seconds(self, reps: int = 3) -> tuple[dict[int, float], dict[int, float]]:
         """Seconds of a plain and of a verifying step (draft_nodes must be set) at each token bucket:

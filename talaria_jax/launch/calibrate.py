@@ -117,6 +117,9 @@ def main(argv: Sequence[str]) -> None:
     budget = None if FLAGS.weight_budget == "slot" else FLAGS.weight_budget
     inst = build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
                            engine_config=ec, tokens=SessionTokens(), weight_budget=budget)[0]
+    if inst.slot is None and inst.weights is None:
+        raise app.UsageError(f"--weight_budget={FLAGS.weight_budget} holds every model of --models at once: "
+                             f"no weight copy to time; give more models or a smaller budget")
     points, colocated, tiles = [], 1.0, None
     if rollout:
         points, colocated, tiles = rollout_points(FLAGS.models, FLAGS.devices_per_instance)

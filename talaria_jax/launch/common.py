@@ -1,6 +1,7 @@
 """What the launchers share: the model on the first `tp` devices, with the persistent compilation cache."""
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import pathlib
@@ -49,11 +50,22 @@ def instance_apps(config, *, compilation_cache: str | None, instances: int = 1) 
     if compilation_cache != "off":
         enable_compilation_cache(compilation_cache)
     try:
-        return local_cluster.instance_apps(config, instances)
+        apps = local_cluster.instance_apps(config, instances)
     except (CheckpointError, ValueError) as e:  # (ConfigError is a ValueError)
         raise app.UsageError(str(e)) from None
     except MapLimitError as e:  # a limit of this machine, not a usage error: its one-line message, no traceback
         sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")
+    release_freed_memory()
+    return apps
+
+
+def release_freed_memory() -> None:
+    """Hands the C heap's freed pages back to the system (glibc's `malloc_trim`; nothing elsewhere):
+    loading a model and compiling its step programs leave a few hundred MB freed but held."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def chat_template_text(path: str | None) -> str | None:

@@ -44,10 +44,11 @@ _MAX_LEN = flags.DEFINE_integer("max_model_len", 2048, "Context limit (tokens)."
 _MAX_SEQS = flags.DEFINE_integer("max_seqs", 16, "Requests decoding at once.", lower_bound=1)
 _KV_MB = flags.DEFINE_integer("kv_mib_per_device", None, "KV pool per device in MiB (default: room for max_seqs "
                               "sequences of max_model_len).", lower_bound=1)
-_WEIGHTS = flags.DEFINE_string("weight_budget", None, "Models in arrays of their own, taking turns on the devices "
-                               "under a budget of weight bytes over the instance's devices: 'largest' (the largest "
-                               "model's), a number of bytes, or 'all' (every model stays); a switch to an evicted "
-                               "model copies it from host memory. Default: one weight slot the models share.")
+_WEIGHTS = flags.DEFINE_string("weight_budget", "largest", "Models in arrays of their own, taking turns on the "
+                               "devices under a budget of weight bytes over the instance's devices: 'largest' (the "
+                               "largest model's), a number of bytes, or 'all' (every model stays); a switch to an "
+                               "evicted model copies it from host memory. 'slot': one weight slot the models share, "
+                               "carved inside each step (on a CPU a copy of every parameter each step).")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens_limit", 4096, "Largest max_tokens a request may ask.", lower_bound=1)
 _MAX_N = flags.DEFINE_integer("max_n", 8, "Largest n a request may ask.", lower_bound=1)
 _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body (bytes; larger: 413).",

@@ -78,8 +78,9 @@ class InstanceConfig:
     models, per device (None: as `engine` says); `host_kv_bytes`: host memory for session KV copies
     (None: unbounded). `resident`: every model keeps its own device arrays (no weight slot; for a CPU).
     `weight_budget`: models in arrays of their own taking turns on the devices under a budget, "largest"
-    (the largest model's bytes), a number of bytes over the instance's devices, or "all" (every model
-    stays); None: as `resident` says (``instance.resolve_weight_budget``)."""
+    (the largest model's bytes; talaria-serve's default too), a number of bytes over the instance's
+    devices, or "all" (every model stays) (``instance.resolve_weight_budget``); "slot": one weight slot
+    the models share; None: as `resident` says (the slot where it is False)."""
     models: dict[str, str]
     server: ServerConfig
     engine: EngineConfig = EngineConfig(prefix_cache=True)
@@ -90,7 +91,7 @@ class InstanceConfig:
     kv_bytes_per_device: int | None = None
     host_kv_bytes: int | None = None
     resident: bool = False
-    weight_budget: str | int | None = None
+    weight_budget: str | int | None = "largest"
 
     def __post_init__(self):
         if not isinstance(self.models, dict) or not self.models or not all(
@@ -104,9 +105,10 @@ class InstanceConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise config_io.ConfigError(f"InstanceConfig.{f} must be a non-negative int or None, got {v!r}")
         try:
-            check_weight_budget(self.weight_budget)
+            if self.weight_budget != "slot":
+                check_weight_budget(self.weight_budget)
         except ValueError as e:
-            raise config_io.ConfigError(f"InstanceConfig.weight_budget: {e}") from None
+            raise config_io.ConfigError(f"InstanceConfig.weight_budget: {e}, or 'slot'") from None
         if self.dtype not in (None, "float32", "bfloat16"):
             raise config_io.ConfigError(f"InstanceConfig.dtype must be float32, bfloat16 or None, got {self.dtype!r}")
         try:

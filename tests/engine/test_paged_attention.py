@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from talaria_jax.engine.paged_attention import AttentionMetadata, ragged_paged_attention
-from talaria_jax.engine.runner import query_tiles, seq_runs, single_token_tiles
+from talaria_jax.engine.runner import TileRules, query_tiles, seq_runs, single_token_tiles
 
 
 def test_query_tiles_by_hand():
@@ -20,6 +20,29 @@ def test_query_tiles_by_hand():
         query_tiles(runs, 10, 2, 4)
     for got, want in zip(single_token_tiles(seq, 8), query_tiles(runs, 10, 1, 10)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rules", [
+    TileRules(256, 16, 16),  # talaria-serve's: no step of 17+ tokens is all one-token runs
+    TileRules(64, 6, 8, query_tile=8),
+    TileRules(256, 64, 16),  # more sequences than a bucket's tokens: one-token tiles up to 64
+    TileRules(100, 7, 8, query_tile=8),  # a budget that is no power of two nor a multiple of the tile
+    TileRules(128, 16, 16, whole_step_tile=False, smallest_bucket=2),  # the Pallas kernel's, on a GPU
+])
+def test_every_step_takes_a_compiled_shape(rules):
+    """`TileRules.shapes` (what warm-up compiles) holds the shape of every step a runner can take, and
+    only those: a shape no step takes is a program compiled for nothing."""
+    rng, shapes, taken = np.random.RandomState(0), rules.shapes(), set()
+    for i in range(20000):
+        cap = rng.choice(rules.buckets)  # steps of every bucket, with few sequences or many
+        seqs = rng.randint(1, min(rules.max_seqs, cap) + 1)
+        total = seqs if i % 4 == 0 else cap if i % 4 == 1 else rng.randint(seqs, cap + 1)
+        runs = 1 + rng.multinomial(total - seqs, rng.dirichlet(np.ones(seqs) * rng.choice([0.05, 0.3, 1, 5])))
+        taken.add(rules.shape(runs.tolist()))
+    assert taken <= set(shapes) and len(shapes) == len(set(shapes))
+    assert taken == set(shapes)
+    if rules.max_seqs == 16 and rules.whole_step_tile:
+        assert len(shapes) == 20 and (32, 1, 32) not in shapes and (16, 1, 16) in shapes
 
 
 @pytest.mark.parametrize("window", [0, 5])

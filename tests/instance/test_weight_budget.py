@@ -13,7 +13,7 @@ import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig, RequestError
 from talaria_jax.engine.sampling import SamplingParams
-from talaria_jax.instance import Instance, LiveTokens, shapes_of
+from talaria_jax.instance import Instance, LiveTokens, resolve_weight_budget, shapes_of
 from talaria_jax.models import init_model, load_model_config
 from talaria_jax.scheduler.api import WeightState
 from talaria_jax.scheduler.session import Call
@@ -122,6 +122,17 @@ def test_staging_copies_the_next_model_while_another_serves(turns):
     assert turns.stage_model("C")  # fits beside B once A, not active, is evicted
     turns.start_chunk(turns.now)
     assert turns.weight_state("A") == WeightState.HOST and w.loads == loads + 2
+
+
+def test_a_budget_that_holds_every_model_is_no_budget(models, budget):
+    """Where the budget holds every model at once nothing is ever evicted: no budget (None), so the
+    instance keeps no host copy of the weights (one model under "largest", the serving default)."""
+    a, b = held_bytes(models["A"]), held_bytes(models["B"])
+    assert resolve_weight_budget("largest", {"A": models["A"]}) is None
+    assert resolve_weight_budget("largest", models) == a
+    assert resolve_weight_budget(str(budget), models) == budget
+    assert resolve_weight_budget(str(2 * a + b), models) is None
+    assert resolve_weight_budget("all", models) is None
 
 
 def test_a_budget_too_small_or_without_own_arrays_is_refused(models):

@@ -47,13 +47,14 @@ def test_a_step_with_the_runners_tiles_is_priced_as_the_reference_runs_it():
     fast = CostModel(dataclasses.replace(TOY_HW, tile_walk_efficiency=2.0), rules)
     assert fast.prefill_batch_s(M, [(1, 63), (1, 1983)]) == pytest.approx(0.14032)
     # a 100-token chunk after 1,000 cached beside three decoding sequences: 103 tokens in the 128 bucket,
-    # 7 + 3 tiles of 16 needed, 16 run (the next tile count), each visiting 18 blocks of 64 tokens:
-    # memory (10 GB + 1,163 MB + 16 x 1,152 x 1 MB) / 100 GB/s = 0.29595 s over compute (2e9 x 128 padded
-    # tokens + 4 x 1000 x 16 tiles x 16 rows x 1,152 keys) / 1e12 = 0.25718 s
+    # 7 + 3 tiles of 16 needed, 15 run (the next tile count: the most any step of 128 tokens from 8
+    # sequences can need, 8 + 120 / 16), each visiting 18 blocks of 64 tokens:
+    # memory (10 GB + 1,163 MB + 15 x 1,152 x 1 MB) / 100 GB/s = 0.28443 s over compute (2e9 x 128 padded
+    # tokens + 4 x 1000 x 15 tiles x 16 rows x 1,152 keys) / 1e12 = 0.25711 s
     chunks = [(1, 10), (1, 20), (1, 30), (100, 1000)]
-    assert rules.walk(chunks) == (128, 16, 16, 1152)
-    assert tiled.step_work(M, chunks) == pytest.approx((128, 1.163e9, 18.432e9, 2.56e11 + 1.179648e9, 1.179648e9))
-    assert tiled.prefill_batch_s(M, chunks) == pytest.approx(0.29595)
+    assert rules.walk(chunks) == (128, 15, 16, 1152)
+    assert tiled.step_work(M, chunks) == pytest.approx((128, 1.163e9, 17.28e9, 2.56e11 + 1.10592e9, 1.10592e9))
+    assert tiled.prefill_batch_s(M, chunks) == pytest.approx(0.28443)
     # one sequence's chunk is one tile of its bucket; under two tiles' worth, tiles of one token
     assert rules.walk([(256, 2048)]) == (256, 1, 256, 2304)
     assert rules.walk([(9, 2048)]) == (16, 16, 1, 2112)
