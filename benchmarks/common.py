@@ -460,3 +460,36 @@ def demo_script(demo) -> list:
 
     return demo_sessions(demo._SESSIONS.value, demo._CALLS.value, max_tokens=demo._MAX_TOKENS.value,
                          tool_gap_s=demo._TOOL_GAP.value, seed=demo._SEED.value)
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of process `pid` in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, from any of its threads (Linux /proc; [] once it is gone)."""
+    out = []
+    for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and its children, recursively."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children(p)
+    return out

@@ -21,7 +21,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import urllib.request
 from absl import app, flags
 
 from benchmarks import common
+from talaria_jax.engine.memory_maps import map_count
+from talaria_jax.launch.local_servers import free_port
 
 _LAUNCHER = flags.DEFINE_enum("launcher", "serve", ["serve", "route"], "talaria-serve or talaria-route.")
 _ARGS = flags.DEFINE_list("args", [], "Flags for the launcher, comma-separated (default: its defaults).")
@@ -47,41 +48,9 @@ KEY = "sk-startup"
 QUESTION = "What is the capital of France?"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tree(pid: int) -> list[int]:
-    """`pid` and its descendants, from /proc's parent links."""
-    parents = {}
-    for d in pathlib.Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += [c for c, pp in parents.items() if pp == p]
-    return out
-
-
 def sample(pid: int) -> dict[int, tuple[int, int]]:
-    """Each process of the tree: (memory maps, RSS bytes)."""
-    out = {}
-    for p in tree(pid):
-        try:
-            with open(f"/proc/{p}/maps", "rb") as f:
-                maps = sum(1 for _ in f)
-            rss = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{p}/status") if line.startswith("VmRSS"))
-        except (OSError, StopIteration):
-            continue
-        out[p] = (maps, rss)
-    return out
+    """Each process of `pid`'s tree: (memory maps, RSS bytes)."""
+    return {p: (maps, common.rss_bytes(p)) for p in common.descendants(pid) if (maps := map_count(p)) is not None}
 
 
 def request(port: int, path: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, dict | None]:

@@ -155,8 +155,9 @@ class Route:
         """VmRSS (bytes) of the route and all its descendants together, of the gateway process alone,
         and of each direct child (the instances)."""
         pid = self.proc.pid
-        kids = _children(pid)
-        return sum(_rss(p) for p in _descendants(pid)), _rss(pid), [_rss(k) for k in kids]
+        kids = common.children(pid)
+        return (sum(map(common.rss_bytes, common.descendants(pid))), common.rss_bytes(pid),
+                [common.rss_bytes(k) for k in kids])
 
     def stop(self, timeout_s: float = 120.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout_s`; the exit code."""
@@ -174,36 +175,6 @@ class Route:
 
     def __exit__(self, kind, *_) -> None:
         self.stop(timeout_s=120.0 if kind is None else 10.0)
-
-
-def _rss(pid: int) -> int:
-    """VmRSS of `pid` in bytes (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    """`pid` and its children, recursively."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += _children(p)
-    return out
 
 
 # --- the soak ------------------------------------------------------------------------------------

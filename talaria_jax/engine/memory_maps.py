@@ -17,10 +17,10 @@ class MapLimitError(RuntimeError):
     """Compiling the programs still to come would pass the process's memory-map limit."""
 
 
-def map_count() -> int | None:
-    """Memory maps this process holds now (None where /proc cannot tell)."""
+def map_count(pid: int | str = "self") -> int | None:
+    """Memory maps process `pid` (default: this one) holds now (None where /proc cannot tell)."""
     try:
-        with open("/proc/self/maps", "rb") as f:
+        with open(f"/proc/{pid}/maps", "rb") as f:
             return sum(1 for _ in f)
     except OSError:
         return None

@@ -263,11 +263,11 @@ class TileRules:
     def single_token_tiles(self, t: int) -> bool:
         """Whether a step of bucket `t` may run in tiles of one token: it has no tile counts, or it may
         hold one token from each of more sequences than the bucket below holds tokens, or its
-        sequences may need more tiles than its largest count. (Each (t, 1, t) shape is a program, and
-        with max_seqs below a bucket's tokens most are never run.)"""
-        counts = self.tile_counts(t)
+        sequences may need more tiles than its largest count (then `most_tiles(t)` >= T, which needs
+        max_seqs >= T: the second case). (Each (t, 1, t) shape is a program, and with max_seqs below a
+        bucket's tokens most are never run.)"""
         below = max((b for b in self.buckets if b < t), default=0)
-        return not counts or below + 1 <= self.max_seqs or counts[-1] < self.most_tiles(t)
+        return not self.tile_counts(t) or below + 1 <= self.max_seqs
 
     def tiles(self, t: int, runs: Sequence[int]) -> tuple[int, int] | None:
         """(tokens a tile, tiles) of a step of bucket `t` whose sequences bring `runs` tokens each: one
@@ -419,21 +419,12 @@ class Runner:
                 while len(compiling) >= (workers if maps.done else 1):  # the first alone: MapBudget's base
                     finish_one()
                 maps.check()  # a clear error before XLA:CPU runs out of memory maps
-                compiling.append(pool.submit(self._lower_step(t, q, n, d).compile))
+                compiling.append(pool.submit(self._lower(self.empty_batch(t), query_tiles([], t, q, n), d).compile))
             while compiling:
                 finish_one()
         for (t, q, n), d in programs:
             b, tiles = self.empty_batch(t), query_tiles([], t, q, n)
             self._run(b, *tiles) if d is None else self._run_verify(b, d, *tiles)
-
-    def _lower_step(self, t: int, q: int, n: int, d: "DraftBatch | None") -> jax.stages.Lowered:
-        """The all-padding step of shape (t, q, n) lowered (the verifying one with drafts `d`)."""
-        params = self.model.state if self.slot is None else self.slot.array
-        inputs = self.inputs(self.empty_batch(t), query_tiles([], t, q, n))
-        with jax.set_mesh(self.model.mesh):
-            if d is None:
-                return self._step.trace(self.model.graphdef, params, self.kv, inputs, layout=self.layout).lower()
-            return self._verify.trace(self.model.graphdef, params, self.kv, inputs, d, layout=self.layout).lower()
 
     def step_seconds(self, reps: int = 3) -> tuple[dict[int, float], dict[int, float]]:
         """Seconds of a plain and of a verifying step (draft_nodes must be set) at each token bucket:
@@ -522,21 +513,32 @@ class Runner:
         (`jax.ShapeDtypeStruct`s), so a model's step can be read without its weights or its pool.
         platforms: lower for these instead of the mesh's devices (("cuda",): the program a GPU would
         compile, the Pallas kernel as its Triton call; readable here, not compilable)."""
-        params = params if params is not None else (self.model.state if self.slot is None else self.slot.array)
+        return self._lower(b, params=params, kv=kv, platforms=platforms)
+
+    def _lower(self, b: StepBatch, tiles=None, d: DraftBatch | None = None, params=None, kv=None,
+               platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """The step for `b` (its `tiles`: `tiling(b)` unless given) lowered, the verifying one with
+        drafts `d`."""
+        params, kv = self._params() if params is None else params, self.kv if kv is None else kv
         with jax.set_mesh(self.model.mesh):
-            traced = self._step.trace(self.model.graphdef, params, self.kv if kv is None else kv, self.inputs(b),
-                                      layout=self.layout)
+            inputs = self.inputs(b, tiles)
+            traced = (self._step.trace(self.model.graphdef, params, kv, inputs, layout=self.layout) if d is None else
+                      self._verify.trace(self.model.graphdef, params, kv, inputs, d, layout=self.layout))
             return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
+    def _params(self):
+        """What a step reads its parameters from: the model's arrays, or the weight slot."""
+        return self.model.state if self.slot is None else self.slot.array
+
     def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
-        params = self.model.state if self.slot is None else self.slot.array
+        params = self._params()
         with jax.set_mesh(self.model.mesh):
             self.kv, *out = self._verify(self.model.graphdef, params, self.kv,
                                          self.inputs(b, (tile_tok, tile_seq, tok_slot)), d, layout=self.layout)
         return VerifyOutput(*jax.device_get(out))
 
     def _run(self, b: StepBatch, tile_tok, tile_seq, tok_slot) -> StepOutput:
-        params = self.model.state if self.slot is None else self.slot.array
+        params = self._params()
         with jax.set_mesh(self.model.mesh):
             self.kv, *out = self._step(self.model.graphdef, params, self.kv,
                                        self.inputs(b, (tile_tok, tile_seq, tok_slot)), layout=self.layout)
