@@ -75,8 +75,8 @@ class DraftBatch:
 
 
 # Programs `Runner.warmup` compiles at once (at most one per CPU; each holds its own compiler memory).
-# XLA:CPU already spreads one program's kernels over the cores: on a 2-core machine SmolLM2's 16 step
-# programs took 89.0 s two at a time against 92.7 s one at a time.
+# XLA:CPU already spreads one program's kernels over the cores: on a 2-core machine no gain shows
+# (16 SmolLM2 step programs, one run each: 89.0 s two at a time, 92.7 s one at a time).
 COMPILE_WORKERS = 4
 NO_TREE = 2**30  # DraftBatch.base of a token outside any draft tree
 NO_MASK = 2**30  # StepBatch.allowed_at of an unused mask row (dropped)
