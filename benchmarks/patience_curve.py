@@ -1,6 +1,6 @@
 """The p50/p95 knob: talaria's SCT p50 and p95 over `PolicyConfig.patience` (how long a waiting
-call waits, in units of the chain order's bound, before it ages and its model goes first), with
-round, talaria-srpt and composite for reference, in the simulator (h200x8, means over seeds 0-4) on
+call waits, in units of the slot order's bound, before it ages and its model goes first), with
+round, talaria-chain and composite for reference, in the simulator (h200x8, means over seeds 0-4) on
 the default trace and on traces of short, long and bimodal sessions, with tool gaps as drawn (x1),
 a quarter of them and none (x0). Prints a table per cell and draws the curves; the table and the
 plot are in docs/scheduler.md "The p50/p95 knob".
@@ -19,7 +19,7 @@ TRACES = {"default": "swebench-30x32.jsonl", "short": "short-30.jsonl", "long": 
           "bimodal": "bimodal-30.jsonl"}
 GAPS = (1.0, 0.25, 0.0)
 PATIENCE = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 16.0, math.inf)
-RIVALS = ("round", "talaria-srpt", "composite")
+RIVALS = ("round", "talaria-chain", "composite")
 SEEDS = [0, 1, 2, 3, 4]
 
 

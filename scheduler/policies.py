@@ -5,14 +5,15 @@ except that SP, host-KV restoration and D2D staging are off (reservations stay o
 they share the serverless multiplexer (continuous batching, switch on demand with the same slot
 quantum, sleep mode that drops device KV); `composite` adds KV-aware routing, a Continuum-style KV
 time-to-live and host KV offload.
-`talaria` orders slots by the critical chain (`slot_order="chain"`, `Scheduler._chain_priority`):
-Smith's rule over each model's sessions, a call aged after all the work left on its instance, or
-after one round of slots when its sessions' tool gaps make them the critical chain. Its variants:
-`talaria-round-robin` (the default before: slots in a fixed model order), `talaria-popular-first`
-(the model with the most unfinished sessions first, no starvation bound) and `talaria-smith`
-(Smith's rule per call with a fixed 60 s bound on a call's wait) and `talaria-srpt` (shortest
-remaining sessions first, aged only after all the work left: the best p50 in most regimes, up to
-25% behind the chain order at p95 with long tool gaps; docs/traces.md "Regime sweep").
+`talaria` orders slots shortest remaining sessions first (`slot_order="srpt"`,
+`Scheduler._srpt_priority`): the model whose sessions are nearest their end per second of slot goes
+first, a call aged after all the work left on its instance (undominated in 72 of the regime sweep's
+75 cells; docs/traces.md "Regime sweep"). Its variants: `talaria-chain` (the critical chain: Smith's
+rule over each model's sessions, a call aged after one round of slots when its sessions' tool gaps
+make them the critical chain; up to 18% ahead at p95 with long tool gaps, behind at p50),
+`talaria-round-robin` (slots in a fixed model order), `talaria-popular-first` (the model with the
+most unfinished sessions first, no starvation bound) and `talaria-smith` (Smith's rule per call
+with a fixed 60 s bound on a call's wait).
 `talaria` also pauses a draining model's calls for another's when that pays (`preempt`,
 `Scheduler._pause`); `talaria-no-preempt` is the same policy without pausing.
 """
@@ -58,7 +59,7 @@ class PolicyConfig:
     # call after call with their tool gaps, than that work (Scheduler._chain_priority); srpt: the sum
     # over each model's sessions of 1 / their calls left, per second of call, a call aged only after
     # all the work left here (Scheduler._srpt_priority)
-    slot_order: str = "chain"
+    slot_order: str = "srpt"
     sp: bool = True  # session-prefill: admit the active model's calls before its slot closes
     # session-prefill admits a new session's first call of the active model too, not only the
     # continuations of its sessions (the paper's definition; docs/scheduler.md "Session-prefill")
@@ -144,20 +145,21 @@ POLICIES: dict[str, PolicyConfig] = {
     "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,
                                           switches_per_slot=None),
     # a variant, not the default: Smith's rule with observed tool gaps and a 60 s bound on a call's wait
-    # (docs/traces.md: ahead of talaria at p50 with long tool gaps, behind at x0-x0.25)
+    # (docs/traces.md: behind the default at p50 at every tool-gap scale, ahead at p95 with tool time)
     "talaria-smith": PolicyConfig("talaria-smith", slot_order="smith"),
-    # a variant, the default until the chain order: slots in a fixed round-robin model order
+    # a variant, not the default: slots in a fixed round-robin model order
     "talaria-round-robin": PolicyConfig("talaria-round-robin", slot_order="round_robin"),
-    # a variant, not the default: shortest remaining sessions first (docs/traces.md: the best
-    # p50 of the sweep's policies in most cells, behind the chain order at p95 with long tool gaps)
-    "talaria-srpt": PolicyConfig("talaria-srpt", slot_order="srpt"),
+    # a variant, not the default: the critical-chain order (docs/traces.md: ahead of the default at
+    # p95 with long tool gaps, behind it at p50 in most cells)
+    "talaria-chain": PolicyConfig("talaria-chain", slot_order="chain"),
     # a variant, not the default: session-prefill admits only continuations, as the paper defines it
     # (docs/scheduler.md "Session-prefill")
     "talaria-sp-continuations": PolicyConfig("talaria-sp-continuations", sp_first_calls=False),
 }
 
 DEFAULT_POLICIES = ("talaria", "round", "load", "sticky", "composite", "talaria-no-sp", "talaria-no-hostkv",
-                    "talaria-no-staging", "talaria-no-reservations", "talaria-no-preempt", "talaria-round-robin")
+                    "talaria-no-staging", "talaria-no-reservations", "talaria-no-preempt", "talaria-chain",
+                    "talaria-round-robin")
 
 
 def get_policy(name: str) -> PolicyConfig:

@@ -48,7 +48,7 @@ flags.DEFINE_string("trace", str(CONFIG_DIR / "traces" / "swebench-30x32.jsonl")
 flags.DEFINE_string("hardware", "h200x8", "Hardware config: a name under configs/hardware/ or a YAML path.")
 flags.DEFINE_string("models_table", str(CONFIG_DIR / "hardware" / "models.yaml"), "Served model variants (a configs/models config + a precision) for the cost model.")
 flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "Policies to replay (talaria, round, load, sticky, composite, talaria-no-*, talaria-popular-first, "
-                  "talaria-smith, talaria-round-robin, talaria-srpt; a numeric field changed: 'talaria[patience=0.5]').")
+                  "talaria-smith, talaria-round-robin, talaria-chain; a numeric field changed: 'talaria[patience=0.5]').")
 flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds (run-to-run kernel and tool-time jitter).")
 flags.DEFINE_float("tool_gap_scale", 1.0, "Multiply every tool gap of the trace by this (>= 0): how the ratios depend on tool time.")
 flags.DEFINE_enum("hints", "trace", list(HINT_MODES), "The agent hints the calls carry (docs/serving.md \"Agent hints\"): "

@@ -156,12 +156,14 @@ def test_without_sp_the_continuation_waits_a_round():
 def test_session_prefill_admits_a_new_sessions_first_call_of_the_active_model():
     # as above, but the call that comes 0.1 s after a0 ends is the first call of a new m1 session c:
     # talaria's SP admits it in m1's open slot; the paper's SP (continuations only) leaves it for
-    # m1's next slot, after m2's
+    # m1's next slot, after m2's. (Under the chain order m2 is next once m1's slot ends; the default
+    # order would renew m1's slot anyway, its two sessions nearer their end than m2's one.)
     trace = _SP_TRACE[:1] + [Call("c", 0, "m1", 1100, 10, 0.0, 4.2025)] + _SP_TRACE[2:]
-    for name, order in (("talaria", [("a", 0), ("c", 0), ("b", 0)]),
-                        ("talaria-sp-continuations", [("a", 0), ("b", 0), ("c", 0)])):
-        res = replay(trace, get_policy(name), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
-        assert _order(res) == order, name
+    chain = get_policy("talaria-chain")
+    for pol, order in ((chain, [("a", 0), ("c", 0), ("b", 0)]),
+                       (dataclasses.replace(chain, sp_first_calls=False), [("a", 0), ("b", 0), ("c", 0)])):
+        res = replay(trace, pol, TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+        assert _order(res) == order, pol
 
 
 def test_round_multiplexer_order():
@@ -411,12 +413,13 @@ def test_call_times_are_not_moved_by_a_compilation():
     assert times.get("m") == pytest.approx(1.1 + 0.1 * (4.4 - 1.1))
 
 
-def test_chain_order_ages_a_call_whose_model_is_not_its_sessions_first():
+@pytest.mark.parametrize("policy", ["talaria", "talaria-chain"])
+def test_the_slot_order_ages_a_call_whose_model_is_not_its_sessions_first(policy):
     # a live session may call another model later (the serving path allows it): its pending m2 call
     # gets a weight of its own and ages, rather than waiting behind m1 for good
     calls = [Call("x", 0, "m1", 1000, 10, 0.0, 0.0), Call("x", 1, "m2", 1100, 10, 0.0), Call("y", 0, "m1", 1000, 10, 0.0, 0.0)]
     inst = _inst("i")
-    sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+    sched = Scheduler(get_policy(policy), [inst], SessionTable(calls))
     sched.on_arrival(calls[2], 0.5)
     sched.sessions.complete(calls[0], "i", 0.0)
     sched.on_arrival(calls[1], 0.0)
@@ -455,13 +458,14 @@ def test_router_credits_a_compacted_call_only_its_stated_prefix():
     assert talaria_score(pol, compacted, local, 0) == pytest.approx(2.0 + 500 / 2000)
 
 
-def test_chain_order_keeps_the_slot_while_its_sessions_end_soonest():
+def test_a_priority_order_keeps_the_slot_while_its_sessions_end_soonest():
     # three m1 sessions return at once (no tool time) while one m2 call waits: round-robin slots
-    # (10 s here: 10 x the 1.0 s load) serve m2 before m1's sessions end; the chain order keeps the
-    # slot with m1, whose three sessions end sooner per second of slot, and serves m2 after them
+    # (10 s here: 10 x the 1.0 s load) serve m2 before m1's sessions end; the default order and the
+    # chain order keep the slot with m1, whose three sessions end sooner per second of slot, and
+    # serve m2 after them
     calls = [Call(s, k, "m1", 1000 + 100 * k, 10, 0.0, 0.0 if k == 0 else None) for s in "abc" for k in range(6)]
     calls.append(Call("d", 0, "m2", 1000, 10, 0.0, 0.01))
-    for policy, d_last in (("talaria-round-robin", False), ("talaria", True)):
+    for policy, d_last in (("talaria-round-robin", False), ("talaria", True), ("talaria-chain", True)):
         res = replay(calls, get_policy(policy), TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
         done = {r.session: r.done_s for r in res.records}
         assert (done["d"] > max(done[s] for s in "abc")) == d_last, (policy, done)
@@ -483,7 +487,7 @@ def test_chain_order_ages_a_call_by_the_critical_chain():
     aged_at = {}
     for gap in (0.0, 60.0):
         inst = _inst("i")
-        sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+        sched = Scheduler(get_policy("talaria-chain"), [inst], SessionTable(calls))
         _sessions_ended_after(sched, 32)
         for c in calls:
             sched.on_arrival(c, 0.0 if c.model == "m2" else 0.5)
@@ -520,7 +524,7 @@ def test_patience_scales_the_wait_before_a_call_ages(patience):
 
 def test_a_policy_name_changes_numeric_fields():
     p = get_policy("talaria[patience=0.5;reserve_growth_tokens=500]")
-    assert (p.patience, p.reserve_growth_tokens, p.slot_order) == (0.5, 500, "chain")
+    assert (p.patience, p.reserve_growth_tokens, p.slot_order) == (0.5, 500, "srpt")
     for bad, msg in (("talaria[patience=soon]", "patience='soon' is not a number"),
                      ("talaria[router=1]", "'router' is not a numeric field of PolicyConfig"),
                      ("talaria[patience=-1]", "patience=-1.0 must be >= 0"),
@@ -538,7 +542,7 @@ def test_chain_order_does_not_keep_short_calls_behind_a_younger_aged_call():
     calls = [Call(s, k, "m1", 1000, 10, 0.0) for s in "abc" for k in range(3)] + \
         [Call("d", k, "m2", 1000, 10, 0.0) for k in range(2)]
     inst = _inst("i")
-    sched = Scheduler(get_policy("talaria"), [inst], SessionTable(calls))
+    sched = Scheduler(get_policy("talaria-chain"), [inst], SessionTable(calls))
     for model, seconds in (("m1", 20.0), ("m2", 0.1)):
         for _ in range(4):
             sched.call_s.add(model, seconds)
@@ -562,7 +566,7 @@ def test_srpt_order_serves_the_sessions_nearest_their_end_first_and_ages_after_a
     # (m1 1 + 1/31 > m2 1/14), so the session one call from its end is served first
     calls = [Call("a", 31, "m1", 1000, 10, 0.0), Call("b", 1, "m1", 1000, 10, 0.0), Call("c", 18, "m2", 1000, 10, 0.0)]
     first = {}
-    for policy in ("talaria", "talaria-srpt"):
+    for policy in ("talaria-chain", "talaria"):
         inst = _inst("i")
         sched = Scheduler(get_policy(policy), [inst], SessionTable(calls))
         _sessions_ended_after(sched, 32)
@@ -571,7 +575,7 @@ def test_srpt_order_serves_the_sessions_nearest_their_end_first_and_ages_after_a
             sched.on_arrival(c, 0.0 if c.model == "m2" else 0.5)
         prio = sched.slot_priority(inst, 1.0)
         first[policy] = max(prio, key=prio.get)
-    assert first == {"talaria": "m2", "talaria-srpt": "m1"}
+    assert first == {"talaria-chain": "m2", "talaria": "m1"}
     # m2's call, pending since 0, ages once it has waited as long as all the work left here: 31 calls
     # of m1 and 14 of m2 at the instance's estimate of one call each
     assert [sched.lengths.left(k) for k in (31, 1, 18)] == pytest.approx([1, 31, 14], abs=0.05)
@@ -634,7 +638,7 @@ def _slot_terms(hints: Hints, later: Hints | None = None):
     so smith / srpt is the calls "a" has left. Also the last scheduler."""
     prio = {}
     for order in ("smith", "srpt"):
-        sched, inst, calls = _finished(hints, policy=f"talaria-{order}")
+        sched, inst, calls = _finished(hints, policy={"smith": "talaria-smith", "srpt": "talaria"}[order])
         assert sched.withdraw(calls[0])  # (never admitted: taken back, so that it does not age as pending)
         if later is not None:
             sched.on_arrival(dataclasses.replace(calls[1], hints=later), 4.0)

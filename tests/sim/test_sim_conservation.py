@@ -57,7 +57,7 @@ def test_sessions_that_use_two_models_conserve_calls_and_lose_no_kv():
     # by a compaction on either) from device or host, and recomputes none of it
     calls = generate(TraceSpec(sessions=12, turns=12, second_model_share=0.3, compact_at_tokens=9000, seed=2))
     assert summary(calls)["multi_model_sessions"] >= 10 and summary(calls)["compactions"] >= 5
-    for name in ("talaria", "round", "talaria-srpt"):
+    for name in ("talaria", "round", "talaria-chain"):
         res = replay(calls, get_policy(name), HW, SHAPES, seed=0)
         _check(res, calls)
     reusable = sum(sum(reusable_prefixes([c for c in calls if c.session == sid]).values())
