@@ -10,10 +10,11 @@ time-to-live and host KV offload.
 first, a call aged after all the work left on its instance (undominated in 72 of the regime sweep's
 75 cells; docs/traces.md "Regime sweep"). Its variants: `talaria-chain` (the critical chain: Smith's
 rule over each model's sessions, a call aged after one round of slots when its sessions' tool gaps
-make them the critical chain; up to 18% ahead at p95 with long tool gaps, behind at p50),
-`talaria-round-robin` (slots in a fixed model order), `talaria-popular-first` (the model with the
-most unfinished sessions first, no starvation bound) and `talaria-smith` (Smith's rule per call
-with a fixed 60 s bound on a call's wait).
+make them the critical chain; up to 18% ahead at p95 with long tool gaps, behind at p50 in most
+cells), `talaria-round-robin` (slots in a fixed model order), `talaria-popular-first` (the model
+with the most unfinished sessions first, no starvation bound), `talaria-smith` (Smith's rule per
+call with a fixed 60 s bound on a call's wait) and `talaria-sp-continuations` (session-prefill of
+continuations only, as the paper defines it).
 `talaria` also pauses a draining model's calls for another's when that pays (`preempt`,
 `Scheduler._pause`); `talaria-no-preempt` is the same policy without pausing.
 """
@@ -141,7 +142,7 @@ POLICIES: dict[str, PolicyConfig] = {
     "talaria-no-reservations": PolicyConfig("talaria-no-reservations", reservations=False),
     "talaria-no-preempt": PolicyConfig("talaria-no-preempt", preempt=False),
     # a variant, not the default: slots go to the model with the most unfinished sessions, 60 s long
-    # (docs/traces.md: the best p50 at x1 and without tool time, behind talaria at p95)
+    # (docs/traces.md: behind the default at p50 at every tool-gap scale, ahead at p95 with tool time)
     "talaria-popular-first": PolicyConfig("talaria-popular-first", slot_order="most_sessions", slot_s=60.0,
                                           switches_per_slot=None),
     # a variant, not the default: Smith's rule with observed tool gaps and a 60 s bound on a call's wait
