@@ -156,14 +156,17 @@ def test_without_sp_the_continuation_waits_a_round():
 def test_session_prefill_admits_a_new_sessions_first_call_of_the_active_model():
     # as above, but the call that comes 0.1 s after a0 ends is the first call of a new m1 session c:
     # talaria's SP admits it in m1's open slot; the paper's SP (continuations only) leaves it for
-    # m1's next slot, after m2's. (Under the chain order m2 is next once m1's slot ends; the default
-    # order would renew m1's slot anyway, its two sessions nearer their end than m2's one.)
+    # m1's next slot, after m2's. m2 must be next once m1's slot ends: under the chain order it is;
+    # under the default order m1's two sessions outrank m2's one unless b asks for a higher priority
     trace = _SP_TRACE[:1] + [Call("c", 0, "m1", 1100, 10, 0.0, 4.2025)] + _SP_TRACE[2:]
+    urgent = trace[:2] + [dataclasses.replace(trace[2], hints=Hints(priority=3))]
     chain = get_policy("talaria-chain")
-    for pol, order in ((chain, [("a", 0), ("c", 0), ("b", 0)]),
-                       (dataclasses.replace(chain, sp_first_calls=False), [("a", 0), ("b", 0), ("c", 0)])):
-        res = replay(trace, pol, TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
-        assert _order(res) == order, pol
+    for calls, pol, order in ((trace, chain, [("a", 0), ("c", 0), ("b", 0)]),
+                              (trace, dataclasses.replace(chain, sp_first_calls=False), [("a", 0), ("b", 0), ("c", 0)]),
+                              (urgent, get_policy("talaria"), [("a", 0), ("c", 0), ("b", 0)]),
+                              (urgent, get_policy("talaria-sp-continuations"), [("a", 0), ("b", 0), ("c", 0)])):
+        res = replay(calls, pol, TOY_HW, TOY_SHAPES, seed=0, jitter_sigma=0, gap_jitter_sigma=0)
+        assert _order(res) == order, pol.name
 
 
 def test_round_multiplexer_order():
