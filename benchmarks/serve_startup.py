@@ -96,14 +96,18 @@ def run_once(source: pathlib.Path) -> dict:
     proc = subprocess.Popen(cmd, cwd=source, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     peak_maps: dict[int, int] = {}
-    peak_rss = 0
+    peak_rss = [0]
     ready = None
+
+    def observe():
+        now = sample(proc.pid)
+        for p, (maps, _) in now.items():
+            peak_maps[p] = max(peak_maps.get(p, 0), maps)
+        peak_rss[0] = max(peak_rss[0], sum(rss for _, rss in now.values()))
+
     try:
         while time.perf_counter() - t0 < _TIMEOUT.value:
-            now = sample(proc.pid)
-            for p, (maps, _) in now.items():
-                peak_maps[p] = max(peak_maps.get(p, 0), maps)
-            peak_rss = max(peak_rss, sum(rss for _, rss in now.values()))
+            observe()
             if proc.poll() is not None:
                 break
             status, models = request(port, "/v1/models", timeout=2)
@@ -116,10 +120,7 @@ def run_once(source: pathlib.Path) -> dict:
             _, r = request(port, "/v1/chat/completions", {"model": models["data"][0]["id"], "temperature": 0, "max_tokens": 16,
                                                          "messages": [{"role": "user", "content": QUESTION}]}, timeout=300)
             answer = r["choices"][0]["message"]["content"] if r else None
-            now = sample(proc.pid)
-            for p, (maps, _) in now.items():
-                peak_maps[p] = max(peak_maps.get(p, 0), maps)
-            peak_rss = max(peak_rss, sum(rss for _, rss in now.values()))
+            observe()
     finally:
         for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
             try:
@@ -135,7 +136,7 @@ def run_once(source: pathlib.Path) -> dict:
         log.close()
         shutil.rmtree(cache, ignore_errors=True)
     return {"ready_s": None if ready is None else round(ready, 1), "peak_maps": sorted(peak_maps.values(), reverse=True),
-            "peak_rss_gb": round(peak_rss / 1e9, 2), "answer": answer, "load": [round(x, 2) for x in load],
+            "peak_rss_gb": round(peak_rss[0] / 1e9, 2), "answer": answer, "load": [round(x, 2) for x in load],
             "log_tail": None if ready is not None else out[-2000:]}
 
 

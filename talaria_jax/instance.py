@@ -724,7 +724,7 @@ def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig
     `kv_bytes_per_device` per device (None: as engine_config says). `tokens`: the replay's token
     source, shared by all; None: live serving (each instance its own `LiveTokens`). `weight_budget`:
     models in arrays of their own (`resident`) taking turns under `resolve_weight_budget(weight_budget)`;
-    None: as `instance_kw` says (a weight slot unless resident)."""
+    "slot" or None: as `instance_kw` says (a weight slot the models share unless resident)."""
     if instances < 1 or devices_per_instance < 1:
         raise ValueError(f"instances={instances} and devices_per_instance={devices_per_instance} must be >= 1")
     need = instances * devices_per_instance
@@ -737,7 +737,7 @@ def build_instances(names: Sequence[str] | Mapping[str, str], hw: HardwareConfig
         sources = names if isinstance(names, Mapping) else {n: n for n in names}
         loaded = {n: load_model(src, mesh=mesh, seed=seed, dtype=dtype) for n, src in sources.items()}
         models = {n: lm.model for n, lm in loaded.items()}
-        if weight_budget is not None:
+        if weight_budget not in (None, "slot"):
             instance_kw.update(resident=True, weight_budget_bytes=resolve_weight_budget(weight_budget, models))
         out.append(Instance(f"i{k}", models, hw, shapes_of(models, devices_per_instance), engine_config=engine_config,
                             tokens=tokens if tokens is not None else LiveTokens(),

@@ -114,9 +114,8 @@ def main(argv: Sequence[str]) -> None:
 
     hw0 = dataclasses.replace(load_hardware("h200x8"), num_gpus=FLAGS.devices_per_instance)  # estimates unused here
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=1040, warmup=False)
-    budget = None if FLAGS.weight_budget == "slot" else FLAGS.weight_budget
     inst = build_instances(FLAGS.models, hw0, instances=1, devices_per_instance=FLAGS.devices_per_instance,
-                           engine_config=ec, tokens=SessionTokens(), weight_budget=budget)[0]
+                           engine_config=ec, tokens=SessionTokens(), weight_budget=FLAGS.weight_budget)[0]
     if inst.slot is None and inst.weights is None:
         raise app.UsageError(f"--weight_budget={FLAGS.weight_budget} holds every model of --models at once: "
                              f"no weight copy to time; give more models or a smaller budget")

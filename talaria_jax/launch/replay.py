@@ -164,7 +164,7 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     ec = EngineConfig(max_seqs=8, max_tokens_per_step=256, max_model_len=longest + 16, warmup=False)
     insts = build_instances(local_models, hw, instances=servers, devices_per_instance=devices_per_instance,
                             engine_config=ec, tokens=SessionTokens(), exclude_compiles=True,
-                            weight_budget=None if weight_budget == "slot" else weight_budget)
+                            weight_budget=weight_budget)
     shapes = insts[0].shapes()
     # the simulator's device memory is the real instance's: the weights it may hold and its KV arena
     hw = dataclasses.replace(hw, hbm_gib_per_gpu=insts[0].capacity / devices_per_instance / GIB, memory_utilization=1.0)

@@ -39,7 +39,7 @@ def instance_apps(config: InstanceConfig, instances: int = 1) -> list:
                             devices_per_instance=config.devices, engine_config=config.engine, tokens=None,
                             kv_bytes_per_device=config.kv_bytes_per_device, dtype=config.dtype,
                             host_kv_bytes=config.host_kv_bytes, resident=config.resident,
-                            weight_budget=None if config.weight_budget == "slot" else config.weight_budget)
+                            weight_budget=config.weight_budget)
     apps = []
     for inst in insts:
         ie = InstanceEngine(inst, config.policy_config(), session_ttl_s=s.session_ttl_s, max_sessions=s.max_sessions)
