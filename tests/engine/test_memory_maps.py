@@ -33,10 +33,11 @@ def test_the_projection_raises_before_the_limit_with_its_numbers(monkeypatch):
 
 
 def test_warmup_stops_with_a_clear_error_instead_of_crashing(monkeypatch):
-    """An engine whose warm-up would pass the limit (here half the process's current count: a worker
-    that ran other tests may unmap some of their programs during this warm-up) stops with MapLimitError
-    after its second program, naming the limit and what to do."""
-    monkeypatch.setattr(memory_maps, "map_limit", lambda: map_count() // 2)
+    """An engine whose warm-up would pass the limit (here 1,000 maps, fewer than any process running
+    JAX holds: a limit tied to the process's own count can be passed the other way when a worker that
+    ran other tests unmaps their programs during this warm-up) stops with MapLimitError once its first
+    two programs have compiled, naming the limit and what to do."""
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: 1000)
     model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=1)
     with pytest.raises(MapLimitError, match=r"step programs of tiny-dense.*vm.max_map_count=\d+.*sysctl"):
         Engine(model, EngineConfig(page_size=8, max_seqs=2, max_tokens_per_step=16, max_model_len=64, warmup=True))
