@@ -29,7 +29,7 @@ from talaria_jax.engine.engine_scheduler import EngineScheduler, EngineStats, Li
 from talaria_jax.engine.errors import RequestError
 from talaria_jax.engine.grammar import Grammars
 from talaria_jax.engine.plan import StepPlan
-from talaria_jax.engine.runner import ATTENTION, Runner, attention_kind
+from talaria_jax.engine.runner import ATTENTION, Runner, attention_kind, layers_per_program
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.engine.spec.policy import SpecPolicy
 from talaria_jax.engine.spec.suffix import Draft, SpecConfig, SuffixDrafter
@@ -97,6 +97,11 @@ class EngineConfig:
     # XLA options of the compiled steps (jax.jit's compiler_options, e.g. {"xla_backend_optimization_level":
     # 2}); they win over the process's XLA_FLAGS for this engine's steps only. None: the flags alone.
     compiler_options: dict[str, Any] | None = None
+    # Steps as programs of this many layers, one program serving every run of like layers (0: each step
+    # one program). None: LAYERS_PER_PROGRAM_CPU layers where the step's attention is the jnp reference on
+    # CPUs (compiles and maps a fraction of the whole step's program; see docs/benchmarks/layer_programs.md),
+    # else 0 (a GPU runs each step as one program, launched once).
+    layers_per_program: int | None = None
 
     def validate(self) -> None:
         """Checks every field's type and range (the engine calls it).
@@ -117,6 +122,10 @@ class EngineConfig:
                 isinstance(self.compiler_options, dict) and all(isinstance(k, str) for k in self.compiler_options)):
             raise ValueError(f"EngineConfig.compiler_options must be a dict of XLA option names, got "
                              f"{self.compiler_options!r}")
+        if self.layers_per_program is not None and (
+                not isinstance(self.layers_per_program, int) or self.layers_per_program < 0):
+            raise ValueError(f"EngineConfig.layers_per_program must be None or an int >= 0, got "
+                             f"{self.layers_per_program!r}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
             raise ValueError("EngineConfig: set num_pages or kv_memory_bytes_per_device, not both")
         if self.speculation is not None:
@@ -219,12 +228,13 @@ class Engine:
         else:
             self.prefix_cache, self.host_tier = kv.prefix_cache, kv.host_tier
         spec = config.speculation
+        attention = attention_kind(config.attention, model.mesh, self.pool_spec)
         self.runner = Runner(model, arena, self.pool_spec, max_seqs=config.max_seqs,
                              max_pages_per_seq=max_pages_per_seq, max_tokens_per_step=config.max_tokens_per_step,
                              pages_per_block=config.pages_per_block, query_tile=config.query_tile,
-                             attention=attention_kind(config.attention, model.mesh, self.pool_spec),
-                             draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
-                             compiler_options=config.compiler_options)
+                             attention=attention, draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
+                             compiler_options=config.compiler_options,
+                             layers_per_program=layers_per_program(config.layers_per_program, model.mesh, attention))
         if weight_slot is not None:
             self.runner.use_slot(*weight_slot)
         self.scheduler = EngineScheduler(

@@ -11,6 +11,10 @@ traces, so a steady workload can be checked to add none. After `use_slot`, the s
 from a shared `WeightSlot` (talaria_jax.weights.slot), carved by the model's `SlotLayout`, instead of
 the model's own state. The attention is the jnp reference (engine/paged_attention.py) or, with
 `attention="pallas"`, the Pallas kernel (engine/kernels/), which reads the pages from the arena itself.
+With `layers_per_program` (the default on CPUs) a step runs as a chain of smaller programs: the
+embedding, runs of that many layers, each run's program compiled once and called for every run like
+it (the layer index is an argument, the arena donated through each), and the head; XLA:CPU compiles
+and maps an unrolled decoder's program in time and memory maps that grow with its depth.
 """
 from __future__ import annotations
 
@@ -32,9 +36,10 @@ from talaria_jax.engine.paged_attention import AttentionMetadata, ragged_paged_a
 from talaria_jax.engine.plan import Drawn, StepPlan, StepResult
 from talaria_jax.engine.sampling import SamplingBatch, constrain, sample
 from talaria_jax.kvcache.pool import KVArena, PoolSpec, arena_sharding, read_kv, write_kv
+from talaria_jax.models.decoder import run_blocks
 from talaria_jax.models.model import ShardedModel
 from talaria_jax.engine.spec.verify import verify
-from talaria_jax.sharding import replicated
+from talaria_jax.sharding import mesh_platform, replicated
 
 
 @dataclasses.dataclass
@@ -192,6 +197,17 @@ def attention_kind(attention: str, mesh, spec: PoolSpec, gpu: bool | None = None
     return "pallas" if attention == "pallas" or gpu else "reference"
 
 
+LAYERS_PER_PROGRAM_CPU = 5  # EngineConfig.layers_per_program's default on CPUs
+
+
+def layers_per_program(asked: int | None, mesh, attention: str) -> int:
+    """The runner's layers_per_program for EngineConfig.layers_per_program: as asked, or (None) the CPU
+    default where the step's attention is the jnp reference on CPU devices, else 0 (one program)."""
+    if asked is not None:
+        return asked
+    return LAYERS_PER_PROGRAM_CPU if attention == "reference" and mesh_platform(mesh) == "cpu" else 0
+
+
 def reference_blocks(tile: int, num_blocks, pages_per_block: int):
     """(blocks, pages per block) the jnp reference walks for query tiles of `tile` tokens, given the
     step's `num_blocks` blocks of `pages_per_block` pages. Tiles of one token (decode steps, and the
@@ -311,9 +327,13 @@ class TileRules:
 class Runner:
     def __init__(self, model: ShardedModel, arena: KVArena, spec: PoolSpec, *, max_seqs: int, max_pages_per_seq: int,
                  max_tokens_per_step: int, pages_per_block: int = 4, query_tile: int = 16,
-                 attention: str = "reference", draft_nodes: int = 0, compiler_options: dict | None = None):
+                 attention: str = "reference", draft_nodes: int = 0, compiler_options: dict | None = None,
+                 layers_per_program: int = 0):
         """draft_nodes: K1 of the verifying step (1 + the most draft tokens a sequence brings), 0 without
-        speculation; compiler_options: XLA options of both steps (jax.jit's)."""
+        speculation; compiler_options: XLA options of the step programs (jax.jit's); layers_per_program:
+        0 compiles each step as one program, n > 0 runs it as programs of n layers, one program serving
+        every run of n like layers (the jnp reference attention only; steps over a weight slot stay one
+        program)."""
         if attention not in ("reference", "pallas"):
             raise ValueError(f"Runner attention must be 'reference' or 'pallas', got {attention!r}")
         self.model = model
@@ -339,6 +359,14 @@ class Runner:
                                 compiler_options=compiler_options)
         self._step = jit(self._step_fn, out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep))
         self._verify = jit(self._verify_fn, out_shardings=(arena_sharding(model.mesh), rep, rep, rep, rep, rep, rep))
+        if layers_per_program < 0:
+            raise ValueError(f"Runner layers_per_program must be >= 0, got {layers_per_program}")
+        self.layers_per_program = layers_per_program if attention == "reference" else 0
+        self._kinds, self._parts_of, self._parts_cache = [], None, None  # see _parts
+        self._embed = jax.jit(self._embed_fn, static_argnums=0, out_shardings=rep, compiler_options=compiler_options)
+        self._layers = jax.jit(self._layers_fn, static_argnums=0, donate_argnames=("kv", "h"),
+                               out_shardings=(rep, arena_sharding(model.mesh)), compiler_options=compiler_options)
+        self._head = jax.jit(self._head_fn, static_argnums=0, out_shardings=rep, compiler_options=compiler_options)
 
     def use_slot(self, slot, layout=None) -> None:
         """Reads the parameters from `slot` (a WeightSlot shared by several models' runners), carved by
@@ -405,6 +433,7 @@ class Runner:
         if self.draft_nodes:
             programs += [(s, DraftBatch.empty(s[0], self.max_seqs, self.draft_nodes)) for s in self.step_shapes()]
         maps = MapBudget(len(programs), f"the step programs of {self.model.cfg.name}")
+        lowered = set()
         workers = min(COMPILE_WORKERS, os.cpu_count() or 1)
         with tqdm(total=len(programs), desc="compiling step shapes", leave=False,
                   disable=None if progress is None else not progress) as bar, ThreadPoolExecutor(workers) as pool:
@@ -419,7 +448,8 @@ class Runner:
                 while len(compiling) >= (workers if maps.done else 1):  # the first alone: MapBudget's base
                     finish_one()
                 maps.check()  # a clear error before XLA:CPU runs out of memory maps
-                compiling.append(pool.submit(self._lower(self.empty_batch(t), query_tiles([], t, q, n), d).compile))
+                shape = self._programs(self.empty_batch(t), query_tiles([], t, q, n), d, lowered)
+                compiling.append(pool.submit(lambda shape=shape: [p.compile() for p in shape]))
             while compiling:
                 finish_one()
         for (t, q, n), d in programs:
@@ -437,6 +467,26 @@ class Runner:
             verify[t] = _best_time(lambda: self.verify_step(b, d), reps)
         return plain, verify
 
+    def _attention(self, meta: AttentionMetadata, slots, window_of):
+        """The step's AttentionFn over the pool: writes a layer's new K/V into the arena, then attends
+        (the jnp reference, or the Pallas kernel reading the pages from the arena itself); a layer's
+        sliding window is `window_of(layer)`."""
+        spec, mesh, ppb = self.spec, self.model.mesh, self.pages_per_block
+
+        def attn(layer, q, k, v, arena, sinks=None):
+            arena = write_kv(arena, spec, mesh, layer, k, v, slots)
+            if self.attention == "pallas":  # reads the pages straight from the arena
+                return kernels.ragged_paged_attention(q, arena, spec, mesh, layer, meta, ppb, window_of(layer),
+                                                      sinks), arena
+            read = functools.partial(read_kv, arena, spec, mesh, layer)
+            blocks, pages_per_block = reference_blocks(meta.tile_tok.shape[1], meta.num_blocks, ppb)
+            out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size,
+                                         dataclasses.replace(meta, num_blocks=blocks), pages_per_block,
+                                         window_of(layer), sinks)
+            return out, arena
+
+        return attn
+
     def _forward(self, graphdef, params, kv, tokens, positions, meta: AttentionMetadata, slots, layout):
         """The model over the step's tokens: (model, hidden states [T, hidden], kv). RoPE uses
         `positions`, the attention mask `meta` (its pos and tree)."""
@@ -446,41 +496,109 @@ class Runner:
 
             params = carve(params, layout)
         model = nnx.merge(graphdef, params)
-        cfg = model.cfg
-        ppb = self.pages_per_block
-
-        spec, mesh = self.spec, self.model.mesh
-
-        def attn(layer, q, k, v, arena, sinks=None):
-            arena = write_kv(arena, spec, mesh, layer, k, v, slots)
-            if self.attention == "pallas":  # reads the pages straight from the arena
-                return kernels.ragged_paged_attention(q, arena, spec, mesh, layer, meta, ppb, cfg.window(layer),
-                                                      sinks), arena
-            read = functools.partial(read_kv, arena, spec, mesh, layer)
-            blocks, pages_per_block = reference_blocks(meta.tile_tok.shape[1], meta.num_blocks, ppb)
-            out = ragged_paged_attention(q, read, spec.kv_heads, spec.page_size,
-                                         dataclasses.replace(meta, num_blocks=blocks), pages_per_block,
-                                         cfg.window(layer), sinks)
-            return out, arena
-
-        h, kv = model.hidden(tokens, positions, attn, kv)
+        h, kv = model.hidden(tokens, positions, self._attention(meta, slots, model.cfg.window), kv)
         return model, h, kv
 
-    def _step_fn(self, graphdef, params, kv, x: StepInputs, layout=None):
-        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, x.attn, x.slots, layout)
+    def _sample(self, model, h, x: StepInputs):
         logits = model.logits(h[x.logits_idx])
         s = x.sampling
         drawn_from = constrain(logits, jnp.arange(logits.shape[0]), s.bias_ids, s.bias, x.allowed, x.allowed_at)
-        return (kv, *sample(logits, s.temperature, s.top_k, s.top_p, s.seed, s.step, drawn_from), logits)
+        return (*sample(logits, s.temperature, s.top_k, s.top_p, s.seed, s.step, drawn_from), logits)
+
+    def _verify_sample(self, model, h, x: StepInputs, d: DraftBatch):
+        logits = model.logits(h)  # every token's: each draft node is verified
+        s = x.sampling
+        drawn_from = constrain(logits, x.seq, s.bias_ids, s.bias, x.allowed, x.allowed_at)
+        return verify(logits, x.tokens, x.seq, d.draw_step, d.node_idx, d.parent, d.active, s.temperature,
+                      s.top_k, s.top_p, s.seed, drawn_from)
+
+    def _step_fn(self, graphdef, params, kv, x: StepInputs, layout=None):
+        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, x.attn, x.slots, layout)
+        return (kv, *self._sample(model, h, x))
 
     def _verify_fn(self, graphdef, params, kv, x: StepInputs, d: DraftBatch, layout=None):
         meta = dataclasses.replace(x.attn, pos=d.mask_pos, tree=(d.base, d.anc))
         model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, meta, x.slots, layout)
-        logits = model.logits(h)  # every token's: each draft node is verified
-        s = x.sampling
-        drawn_from = constrain(logits, x.seq, s.bias_ids, s.bias, x.allowed, x.allowed_at)
-        return (kv, *verify(logits, x.tokens, x.seq, d.draw_step, d.node_idx, d.parent, d.active, s.temperature,
-                            s.top_k, s.top_p, s.seed, drawn_from))
+        return (kv, *self._verify_sample(model, h, x, d))
+
+    # ---- layer programs (EngineConfig.layers_per_program) -----------------------------------------------
+    # The programs take the parameters as flat leaves and a small static key into `_kinds` (what to
+    # rebuild them into): hashing a model's graph definition and flattening its nnx state on every call
+    # cost more than a one-token embedding.
+    def _embed_fn(self, kind: int, leaves, x: StepInputs):
+        """The first layer's input, and `x` on the devices (one transfer for the step's programs)."""
+        return self._merge(kind, leaves).embed_tokens(x.tokens), x
+
+    def _layers_fn(self, kind: int, leaves, kv, h, x: StepInputs, meta: AttentionMetadata, first):
+        """Layers first, first + 1, ... over h: one program serves every run of layers with the same
+        definitions and sliding windows (`first` is an argument)."""
+        defs, windows, treedef = self._kinds[kind]
+        states = jax.tree.unflatten(treedef, leaves)
+        attns = [functools.partial(self._attention(meta, x.slots, lambda _, w=w: w), first + j)
+                 for j, w in enumerate(windows)]  # `first` is traced: the windows come static
+        return run_blocks(self.model.cfg, [nnx.merge(g, b) for g, b in zip(defs, states)], attns, h, x.positions, kv)
+
+    def _head_fn(self, kind: int, leaves, h, x: StepInputs, d: DraftBatch | None = None):
+        self.compilations += 1  # runs at trace time only: one a step shape, as the whole-step program
+        model = self._merge(kind, leaves)
+        h = model.norm(h)
+        return self._sample(model, h, x) if d is None else self._verify_sample(model, h, x, d)
+
+    def _merge(self, kind: int, leaves):
+        graphdef, treedef = self._kinds[kind]
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def _kind(self, key) -> int:
+        """The static key of a program's parameter structure (equal structures share one)."""
+        if key not in self._kinds:
+            self._kinds.append(key)
+        return self._kinds.index(key)
+
+    def _parts(self, params):
+        """(the embedding and head's key and leaves, [(key, leaves, first layer) of each run]) of `params`:
+        runs of `layers_per_program` layers (the last may be shorter). Kept while params stay the same."""
+        if self._parts_of is not params:
+            cfg, n = self.model.cfg, self.layers_per_program
+            blocks = params["blocks"]
+            defs = [nnx.graphdef(b) for b in self.model.module().blocks]
+            rest = nnx.State({k: (v if k != "blocks" else jax.tree.map(lambda _: None, v)) for k, v in params.items()})
+            leaves, treedef = jax.tree.flatten(rest)
+            runs = []
+            for a in range(0, cfg.num_layers, n):
+                layers = range(a, min(a + n, cfg.num_layers))
+                run_leaves, run_def = jax.tree.flatten(tuple(blocks[i] for i in layers))
+                runs.append((self._kind((tuple(defs[i] for i in layers), tuple(cfg.window(i) for i in layers),
+                                         run_def)), run_leaves, np.int32(a)))
+            self._parts_of, self._parts_cache = params, ((self._kind((self.model.graphdef, treedef)), leaves), runs)
+        return self._parts_cache
+
+    def _by_layers(self, params, kv, x: StepInputs, d: DraftBatch | None = None, lowered: set | None = None):
+        """The step as layer programs: the embedding, then each run of layers (their parameters only, the
+        arena and the hidden states donated through), then the norm, the logits and the draw. With
+        `lowered` (the keys of programs lowered before), the programs not among them lowered instead
+        of run (their keys added): steps of one token bucket share their embedding and head."""
+        (rest, rest_leaves), runs = self._parts(params)
+        if lowered is not None:
+            t, out, rep = len(x.tokens), [], replicated(self.model.mesh)
+            on_devices = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), x)
+            h = jax.ShapeDtypeStruct((t, self.model.cfg.hidden_size), jnp.dtype(self.model.cfg.dtype), sharding=rep)
+            meta = on_devices.attn if d is None else dataclasses.replace(on_devices.attn, pos=d.mask_pos,
+                                                                         tree=(d.base, d.anc))
+            programs = [(("embed", t), lambda: self._embed.trace(rest, rest_leaves, x))]
+            programs += [(("layers", t, meta.tile_tok.shape, d is None, kind),
+                          lambda kind=kind, leaves=leaves, first=first: self._layers.trace(
+                              kind, leaves, kv, h, on_devices, meta, first)) for kind, leaves, first in runs]
+            programs += [(("head", t, d is None), lambda: self._head.trace(rest, rest_leaves, h, on_devices, d))]
+            for key, trace in programs:
+                if key not in lowered:
+                    lowered.add(key)
+                    out.append(trace().lower())
+            return out
+        h, x = self._embed(rest, rest_leaves, x)
+        meta = x.attn if d is None else dataclasses.replace(x.attn, pos=d.mask_pos, tree=(d.base, d.anc))
+        for kind, leaves, first in runs:
+            h, kv = self._layers(kind, leaves, kv, h, x, meta, first)
+        return kv, self._head(rest, rest_leaves, h, x, d)
 
     def require_weights(self) -> None:
         """ValueError unless the weights the step reads are on the devices (the slot holds this model's,
@@ -526,22 +644,40 @@ class Runner:
                       self._verify.trace(self.model.graphdef, params, kv, inputs, d, layout=self.layout))
             return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
+    def _programs(self, b: StepBatch, tiles, d: DraftBatch | None, lowered: set) -> list[jax.stages.Lowered]:
+        """The programs a step for `b` runs that are not among `lowered` (their keys, updated), lowered:
+        the step's, or its layer programs."""
+        if not self.by_layers:
+            lowered.add((len(b.tokens), tiles[0].shape, d is None))
+            return [self._lower(b, tiles, d)]
+        with jax.set_mesh(self.model.mesh):
+            return self._by_layers(self._params(), self.kv, self.inputs(b, tiles), d, lowered)
+
     def _params(self):
         """What a step reads its parameters from: the model's arrays, or the weight slot."""
         return self.model.state if self.slot is None else self.slot.array
 
+    @property
+    def by_layers(self) -> bool:
+        """Whether steps run as layer programs (`layers_per_program`), not one program."""
+        return bool(self.layers_per_program) and self.layout is None
+
     def _run_verify(self, b: StepBatch, d: DraftBatch, tile_tok, tile_seq, tok_slot) -> VerifyOutput:
-        params = self._params()
+        params, x = self._params(), self.inputs(b, (tile_tok, tile_seq, tok_slot))
         with jax.set_mesh(self.model.mesh):
-            self.kv, *out = self._verify(self.model.graphdef, params, self.kv,
-                                         self.inputs(b, (tile_tok, tile_seq, tok_slot)), d, layout=self.layout)
+            if self.by_layers:
+                self.kv, out = self._by_layers(params, self.kv, x, d)
+            else:
+                self.kv, *out = self._verify(self.model.graphdef, params, self.kv, x, d, layout=self.layout)
         return VerifyOutput(*jax.device_get(out))
 
     def _run(self, b: StepBatch, tile_tok, tile_seq, tok_slot) -> StepOutput:
-        params = self._params()
+        params, x = self._params(), self.inputs(b, (tile_tok, tile_seq, tok_slot))
         with jax.set_mesh(self.model.mesh):
-            self.kv, *out = self._step(self.model.graphdef, params, self.kv,
-                                       self.inputs(b, (tile_tok, tile_seq, tok_slot)), layout=self.layout)
+            if self.by_layers:
+                self.kv, out = self._by_layers(params, self.kv, x)
+            else:
+                self.kv, *out = self._step(self.model.graphdef, params, self.kv, x, layout=self.layout)
         toks, lp, top_ids, top_lp = jax.device_get(out[:4])
         return StepOutput(toks, lp, top_ids, top_lp, out[4])
 

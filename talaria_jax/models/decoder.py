@@ -6,6 +6,7 @@ runs full-sequence (the reference) and over the engine's paged KV pool.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -75,7 +76,6 @@ class Attention(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         p = f"blocks.{layer}.attn"
-        self.layer = layer
         self.q_proj, self.q_proj_scale = _linear(cfg, rngs, f"{p}.q_proj", (e, h, d), ("embed", "heads", "head_dim"),
                                                  _IN1)
         self.k_proj, self.k_proj_scale = _linear(cfg, rngs, f"{p}.k_proj", (e, kv, d),
@@ -109,7 +109,7 @@ class Attention(nnx.Module):
         q = layers.apply_rope(q, positions, inv_freq, scale)
         k = layers.apply_rope(k, positions, inv_freq, scale)
         sinks = self.sinks[...] if cfg.attention_sinks else None
-        out, kv_state = attn(self.layer, q, k, v, kv_state, sinks=sinks)
+        out, kv_state = attn(q, k, v, kv_state, sinks=sinks)
         # [H, D, E] read as [H x D, E] (a bitcast): one plain matmul. As an einsum over (h, d) XLA:CPU
         # transposed the weight to [D, H, E] in every step (SmolLM2 decode 1.33x slower at batch 1).
         w = _weight(cfg, self.o_proj, self.o_proj_scale, _IN2)
@@ -216,6 +216,15 @@ class Block(nnx.Module):
         return x, kv_state
 
 
+def run_blocks(cfg: ModelConfig, blocks: list[Block], attns: list[AttentionFn], x: jax.Array, positions: jax.Array,
+               kv_state: Any):
+    """`blocks` in order over x, each with its AttentionFn (`attns`, each bound to its layer)."""
+    inv_freq = jnp.asarray(layers.rope_inv_freq(cfg))
+    for block, attn in zip(blocks, attns):
+        x, kv_state = block(cfg, x, positions, inv_freq, attn, kv_state)
+    return x, kv_state
+
+
 class Decoder(nnx.Module):
     """Decoder-only LM. `cfg` is static; parameters are the module's nnx.Params."""
 
@@ -233,12 +242,18 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attn: AttentionFn, kv_state: Any = None):
         """Final-norm hidden states [..., T, E] and the threaded kv_state."""
-        cfg = self.cfg
-        inv_freq = jnp.asarray(layers.rope_inv_freq(cfg))
-        x = jnp.take(self.embed[...], tokens, axis=0)
-        for block in self.blocks:
-            x, kv_state = block(cfg, x, positions, inv_freq, attn, kv_state)
-        return layers.rms_norm(x, self.final_norm[...], cfg.norm_eps), kv_state
+        x = self.embed_tokens(tokens)
+        attns = [functools.partial(attn, i) for i in range(len(self.blocks))]
+        x, kv_state = run_blocks(self.cfg, list(self.blocks), attns, x, positions, kv_state)
+        return self.norm(x), kv_state
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The first layer's input [..., T, E]."""
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def norm(self, x: jax.Array) -> jax.Array:
+        """The final norm of the last layer's output."""
+        return layers.rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
 
     def logits(self, h: jax.Array) -> jax.Array:
         w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]

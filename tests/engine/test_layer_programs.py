@@ -1,0 +1,90 @@
+"""Steps as layer programs (EngineConfig.layers_per_program): the same tokens and logprobs as the
+one-program step on every kind of model and step, one program for every run of like layers, and
+the config's checks."""
+import jax
+import numpy as np
+import pytest
+
+from talaria_jax.engine.engine import Engine, EngineConfig
+from talaria_jax.engine.runner import LAYERS_PER_PROGRAM_CPU, layers_per_program, query_tiles
+from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.engine.spec import SpecConfig
+from talaria_jax.models import init_model, load_model_config
+from talaria_jax.sharding import make_mesh
+
+PARAMS = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)] * 3 + \
+         [SamplingParams(max_tokens=10, temperature=1.0, seed=s, ignore_eos=True, logprobs=2) for s in (3, 4)]
+
+
+def _prompts():
+    rng = np.random.RandomState(0)
+    return [rng.randint(0, 256, n).tolist() for n in (3, 40, 17, 9, 26)]
+
+
+def _run(model, n, **kw):
+    eng = Engine(model, EngineConfig(warmup=False, page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96,
+                                     layers_per_program=n, **kw))
+    return eng, eng.generate(_prompts(), PARAMS, progress=False)
+
+
+def _same(got, want):
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert np.allclose(g.logprobs, w.logprobs, atol=1e-5)
+        assert [sorted(t) for t in g.top_logprobs] == [sorted(t) for t in w.top_logprobs]
+
+
+@pytest.mark.parametrize("name,windows,devices,spec", [
+    ("tiny-dense", None, 1, False),
+    ("tiny-dense", (6, 0, 6, 0), 1, False),  # sliding-window layers: runs of different windows
+    ("tiny-moe", None, 1, False),            # a dense first layer, then MoE layers
+    ("tiny-dense", None, 8, False),          # tensor parallel over 8 devices
+    ("tiny-dense", None, 1, True),           # verifying steps (speculation)
+])
+def test_layer_programs_give_the_one_program_steps_tokens_and_logprobs(name, windows, devices, spec):
+    cfg = load_model_config(name)
+    if windows:
+        cfg = cfg.replace(sliding_windows=windows)
+    model = init_model(cfg, make_mesh(jax.devices()[:devices], tp=devices), seed=3)
+    kw = dict(speculation=SpecConfig(policy="always", max_spec_tokens=4, min_token_prob=0.0)) if spec else {}
+    one, want = _run(model, 0, **kw)
+    assert not one.runner.by_layers
+    for n in (1, 3):
+        eng, got = _run(model, n, **kw)
+        assert eng.runner.by_layers
+        _same(got, want)
+        if spec:
+            assert eng.stats.spec_steps and eng.stats.accepted_tokens
+    if devices > 1:
+        assert len(eng.runner.kv.addressable_shards) == devices
+
+
+def test_one_program_serves_every_run_of_like_layers():
+    """A step shape compiles the embedding, one program per kind of run (runs of the same layer
+    definitions and windows) and the head, whatever the depth."""
+    cfg = load_model_config("tiny-dense").replace(num_layers=6)
+    model = init_model(cfg, make_mesh(jax.devices()[:1]), seed=0)
+
+    def programs(n, windows=None):
+        m = model if windows is None else init_model(cfg.replace(sliding_windows=windows),
+                                                     make_mesh(jax.devices()[:1]), seed=0)
+        r = Engine(m, EngineConfig(warmup=False, max_seqs=2, max_model_len=64, layers_per_program=n)).runner
+        t = r.bucket(2)
+        return len(r._programs(r.empty_batch(t), query_tiles([], t, 1, t), None, set()))
+
+    assert programs(1) == programs(2) == programs(3) == programs(6) == 3  # embedding, layers, head
+    assert programs(4) == 4  # runs of 4 and 2 layers
+    assert programs(2, windows=(8, 0) * 3) == 3  # every run is (8, 0)
+    assert programs(1, windows=(8, 0) * 3) == 4  # runs (8) and (0)
+    assert programs(0) == 1  # the whole step
+
+
+def test_layers_per_program_is_checked_and_defaults_by_platform():
+    with pytest.raises(ValueError, match="EngineConfig.layers_per_program must be None or an int >= 0, got -1"):
+        EngineConfig(layers_per_program=-1).validate()
+    with pytest.raises(ValueError, match="EngineConfig.layers_per_program must be None or an int >= 0, got '2'"):
+        EngineConfig(layers_per_program="2").validate()
+    mesh = make_mesh(jax.devices()[:1])
+    assert layers_per_program(None, mesh, "reference") == LAYERS_PER_PROGRAM_CPU
+    assert layers_per_program(None, mesh, "pallas") == 0  # the kernel's layer index is static
+    assert layers_per_program(3, mesh, "reference") == 3
