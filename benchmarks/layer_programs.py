@@ -15,6 +15,7 @@ and measures, for one decode step shape (--batch sequences, no warm-up of other 
 
   .venv/bin/python -m benchmarks.layer_programs                      # SmolLM2-135M, n = 0, 1, 2, 3, 5, 6, 10, 15, 30
   .venv/bin/python -m benchmarks.layer_programs --values=0,5 --batch=1 --contexts=512
+  .venv/bin/python -m benchmarks.layer_programs --model=llama-1b-shape --compile_only
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ from absl import app, flags
 
 from benchmarks import common
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Named model, .gguf file or HF folder (fp32).")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Named model, .gguf file or HF folder (fp32), or "
+                             "llama-1b-shape (the GPU check's ~1.1B bf16 Llama shape, random weights).")
 _VALUES = flags.DEFINE_list("values", ["0", "1", "2", "3", "5", "6", "10", "15", "30"],
                             "layers_per_program values (0: the whole step one program).")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences of each decode step.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["512", "2048"], "Tokens of each sequence's cached context.")
 _STEPS = flags.DEFINE_integer("steps", 8, "Decode steps per rep.")
 _REPS = flags.DEFINE_integer("reps", 5, "Reps per value and context (best kept).")
+_COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile and count only; no decode timing.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
 
@@ -62,11 +65,20 @@ def main(argv):
 
     machine = common.Machine.start(common.set_threads(None, torch_side=False))
     values = [int(v) for v in _VALUES.value]
-    contexts = [int(c) for c in _CONTEXTS.value]
+    contexts = [] if _COMPILE_ONLY.value else [int(c) for c in _CONTEXTS.value]
     steps, reps = _STEPS.value, _REPS.value
-    with tempfile.TemporaryDirectory() as tmp:
-        model, _, n_params = common.bench_models(_MODEL.value, 0, 0, tmp)
-    print(f"{_MODEL.value}: {model.cfg.num_layers} layers, {n_params / 1e6:.0f}M parameters fp32; decode of "
+    if _MODEL.value == "llama-1b-shape":
+        import jax
+
+        from talaria_jax.models import init_model
+        from talaria_jax.sharding import make_mesh
+
+        model = init_model(common.llama_1b_shape(), make_mesh(jax.devices()[:1]))
+        n_params = model.cfg.param_count()
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            model, _, n_params = common.bench_models(_MODEL.value, 0, 0, tmp)
+    print(f"{_MODEL.value}: {model.cfg.num_layers} layers, {n_params / 1e6:.0f}M parameters {model.cfg.dtype}; decode of "
           f"{_BATCH.value} sequences; {machine.report()}", flush=True)
     rows, kept = {}, []
     for n in values:  # compile first, each value on its own engine (no persistent cache: a cold compile),
