@@ -97,8 +97,8 @@ class EngineConfig:
     # XLA options of the compiled steps (jax.jit's compiler_options, e.g. {"xla_backend_optimization_level":
     # 2}); they win over the process's XLA_FLAGS for this engine's steps only. None: the flags alone.
     compiler_options: dict[str, Any] | None = None
-    # Steps as programs of this many layers, one program serving every run of like layers (0: each step
-    # one program). None: LAYERS_PER_PROGRAM_CPU layers where the step's attention is the jnp reference on
+    # Steps as programs of at most this many layers (the most that divide the model's depth evenly), one
+    # program serving every run of like layers (0: each step one program). None: LAYERS_PER_PROGRAM_CPU layers where the step's attention is the jnp reference on
     # CPUs (compiles and maps a fraction of the whole step's program; see docs/benchmarks/layer_programs.md),
     # else 0 (a GPU runs each step as one program, launched once).
     layers_per_program: int | None = None

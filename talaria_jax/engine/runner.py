@@ -331,8 +331,8 @@ class Runner:
                  layers_per_program: int = 0):
         """draft_nodes: K1 of the verifying step (1 + the most draft tokens a sequence brings), 0 without
         speculation; compiler_options: XLA options of the step programs (jax.jit's); layers_per_program:
-        0 compiles each step as one program, n > 0 runs it as programs of n layers, one program serving
-        every run of n like layers (the jnp reference attention only; steps over a weight slot stay one
+        0 compiles each step as one program, n > 0 runs it as programs of at most n layers (the most
+        that divide the depth evenly), one program serving every run of like layers (the jnp reference attention only; steps over a weight slot stay one
         program)."""
         if attention not in ("reference", "pallas"):
             raise ValueError(f"Runner attention must be 'reference' or 'pallas', got {attention!r}")
@@ -556,9 +556,12 @@ class Runner:
 
     def _parts(self, params):
         """(the embedding and head's key and leaves, [(key, leaves, first layer) of each run]) of `params`:
-        runs of `layers_per_program` layers (the last may be shorter). Kept while params stay the same."""
+        runs of the most layers up to `layers_per_program` that divide the model's depth evenly (a
+        16-layer model asked for 5 runs 4 at a time: one program, not one of 5 and one of 1). Kept while
+        params stay the same."""
         if self._parts_of is not params:
-            cfg, n = self.model.cfg, self.layers_per_program
+            cfg = self.model.cfg
+            n = max(d for d in range(1, self.layers_per_program + 1) if cfg.num_layers % d == 0)
             blocks = params["blocks"]
             defs = [nnx.graphdef(b) for b in self.model.module().blocks]
             rest = nnx.State({k: (v if k != "blocks" else jax.tree.map(lambda _: None, v)) for k, v in params.items()})

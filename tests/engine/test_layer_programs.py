@@ -73,9 +73,10 @@ def test_one_program_serves_every_run_of_like_layers():
         return len(r._programs(r.empty_batch(t), query_tiles([], t, 1, t), None, set()))
 
     assert programs(1) == programs(2) == programs(3) == programs(6) == 3  # embedding, layers, head
-    assert programs(4) == 4  # runs of 4 and 2 layers
+    assert programs(4) == programs(5) == 3  # runs of 3: the most up to 4 (or 5) that divide 6 layers
     assert programs(2, windows=(8, 0) * 3) == 3  # every run is (8, 0)
     assert programs(1, windows=(8, 0) * 3) == 4  # runs (8) and (0)
+    assert programs(3, windows=(8, 0) * 3) == 4  # runs (8, 0, 8) and (0, 8, 0)
     assert programs(0) == 1  # the whole step
 
 
