@@ -390,8 +390,11 @@ def step_profile(model, batches: list[int], ctx: int, steps: int = 20) -> list[d
 
         def device_steps():
             out = None
-            for _ in range(steps):
-                r.kv, *out = r._step(r.model.graphdef, r.model.state, r.kv, inputs, layout=r.layout)
+            for _ in range(steps):  # the programs the engine runs: layer programs on CPUs, else one
+                if r.by_layers:
+                    r.kv, out = r._by_layers(r._params(), r.kv, inputs)
+                else:
+                    r.kv, *out = r._step(r.model.graphdef, r.model.state, r.kv, inputs, layout=r.layout)
             jax.block_until_ready(out)
 
         with jax.set_mesh(r.model.mesh):

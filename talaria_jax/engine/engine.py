@@ -122,8 +122,9 @@ class EngineConfig:
                 isinstance(self.compiler_options, dict) and all(isinstance(k, str) for k in self.compiler_options)):
             raise ValueError(f"EngineConfig.compiler_options must be a dict of XLA option names, got "
                              f"{self.compiler_options!r}")
-        if self.layers_per_program is not None and (
-                not isinstance(self.layers_per_program, int) or self.layers_per_program < 0):
+        if self.layers_per_program is not None and (isinstance(self.layers_per_program, bool) or
+                                                    not isinstance(self.layers_per_program, int) or
+                                                    self.layers_per_program < 0):
             raise ValueError(f"EngineConfig.layers_per_program must be None or an int >= 0, got "
                              f"{self.layers_per_program!r}")
         if self.num_pages is not None and self.kv_memory_bytes_per_device is not None:
@@ -492,7 +493,7 @@ class Engine:
             raise RequestError("update_weights: an instance places this engine's weights (a shared slot or a weight "
                                "budget); load them through the instance")
         self.model = with_params(self.model, params, tag=secrets.token_hex(8))
-        self.runner.model = self.model
+        self.runner.set_model(self.model)
         self.host_tier.release_all()
         self.host_tier.source = dataclasses.replace(self.host_tier.source, weights=self.model.fingerprint)
         if self.prefix_cache is not None:

@@ -385,6 +385,7 @@ class Runner:
         """Steps read `model`'s parameters (the same model's, in other arrays: `Engine.place_weights`);
         `on_device` False: it has none on the devices (abstract), and steps are refused."""
         self.model, self.on_device = model, on_device
+        self._parts_of = self._parts_cache = None  # (it held the former arrays)
 
     @property
     def kv(self) -> jax.Array:
@@ -517,17 +518,17 @@ class Runner:
         return (kv, *self._sample(model, h, x))
 
     def _verify_fn(self, graphdef, params, kv, x: StepInputs, d: DraftBatch, layout=None):
-        meta = dataclasses.replace(x.attn, pos=d.mask_pos, tree=(d.base, d.anc))
-        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, meta, x.slots, layout)
+        model, h, kv = self._forward(graphdef, params, kv, x.tokens, x.positions, self._meta(x, d), x.slots, layout)
         return (kv, *self._verify_sample(model, h, x, d))
 
     # ---- layer programs (EngineConfig.layers_per_program) -----------------------------------------------
     # The programs take the parameters as flat leaves and a small static key into `_kinds` (what to
     # rebuild them into): hashing a model's graph definition and flattening its nnx state on every call
     # cost more than a one-token embedding.
-    def _embed_fn(self, kind: int, leaves, x: StepInputs):
-        """The first layer's input, and `x` on the devices (one transfer for the step's programs)."""
-        return self._merge(kind, leaves).embed_tokens(x.tokens), x
+    def _embed_fn(self, kind: int, leaves, x: StepInputs, d: DraftBatch | None = None):
+        """The first layer's input, and `x` and `d` on the devices (one transfer for the step's programs)."""
+        self.compilations += 1  # runs at trace time only: one a step shape, as the whole-step program
+        return self._merge(kind, leaves).embed_tokens(x.tokens), x, d
 
     def _layers_fn(self, kind: int, leaves, kv, h, x: StepInputs, meta: AttentionMetadata, first):
         """Layers first, first + 1, ... over h: one program serves every run of layers with the same
@@ -539,7 +540,8 @@ class Runner:
         return run_blocks(self.model.cfg, [nnx.merge(g, b) for g, b in zip(defs, states)], attns, h, x.positions, kv)
 
     def _head_fn(self, kind: int, leaves, h, x: StepInputs, d: DraftBatch | None = None):
-        self.compilations += 1  # runs at trace time only: one a step shape, as the whole-step program
+        """The final norm, the logits and the draw (or the verification). `x` comes without its
+        attention metadata, so the step shapes of a token bucket share this program."""
         model = self._merge(kind, leaves)
         h = model.norm(h)
         return self._sample(model, h, x) if d is None else self._verify_sample(model, h, x, d)
@@ -561,7 +563,7 @@ class Runner:
         params stay the same."""
         if self._parts_of is not params:
             cfg = self.model.cfg
-            n = max(d for d in range(1, self.layers_per_program + 1) if cfg.num_layers % d == 0)
+            n = max(d for d in range(1, min(self.layers_per_program, cfg.num_layers) + 1) if cfg.num_layers % d == 0)
             blocks = params["blocks"]
             defs = [nnx.graphdef(b) for b in self.model.module().blocks]
             rest = nnx.State({k: (v if k != "blocks" else jax.tree.map(lambda _: None, v)) for k, v in params.items()})
@@ -579,29 +581,35 @@ class Runner:
         """The step as layer programs: the embedding, then each run of layers (their parameters only, the
         arena and the hidden states donated through), then the norm, the logits and the draw. With
         `lowered` (the keys of programs lowered before), the programs not among them lowered instead
-        of run (their keys added): steps of one token bucket share their embedding and head."""
+        of run (their keys added): the step shapes of a token bucket share their head."""
         (rest, rest_leaves), runs = self._parts(params)
         if lowered is not None:
             t, out, rep = len(x.tokens), [], replicated(self.model.mesh)
-            on_devices = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), x)
+            # what the embedding returns: x and d on the devices, and the hidden states
+            xd, dd = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), (x, d))
             h = jax.ShapeDtypeStruct((t, self.model.cfg.hidden_size), jnp.dtype(self.model.cfg.dtype), sharding=rep)
-            meta = on_devices.attn if d is None else dataclasses.replace(on_devices.attn, pos=d.mask_pos,
-                                                                         tree=(d.base, d.anc))
-            programs = [(("embed", t), lambda: self._embed.trace(rest, rest_leaves, x))]
-            programs += [(("layers", t, meta.tile_tok.shape, d is None, kind),
+            meta, tiles = self._meta(xd, dd), x.attn.tile_tok.shape
+            programs = [(("embed", t, tiles, d is None), lambda: self._embed.trace(rest, rest_leaves, x, d))]
+            programs += [(("layers", t, tiles, d is None, kind),
                           lambda kind=kind, leaves=leaves, first=first: self._layers.trace(
-                              kind, leaves, kv, h, on_devices, meta, first)) for kind, leaves, first in runs]
-            programs += [(("head", t, d is None), lambda: self._head.trace(rest, rest_leaves, h, on_devices, d))]
+                              kind, leaves, kv, h, xd, meta, first)) for kind, leaves, first in runs]
+            programs += [(("head", t, d is None),
+                          lambda: self._head.trace(rest, rest_leaves, h, dataclasses.replace(xd, attn=None), dd))]
             for key, trace in programs:
                 if key not in lowered:
                     lowered.add(key)
                     out.append(trace().lower())
             return out
-        h, x = self._embed(rest, rest_leaves, x)
-        meta = x.attn if d is None else dataclasses.replace(x.attn, pos=d.mask_pos, tree=(d.base, d.anc))
+        h, x, d = self._embed(rest, rest_leaves, x, d)
+        meta = self._meta(x, d)
         for kind, leaves, first in runs:
             h, kv = self._layers(kind, leaves, kv, h, x, meta, first)
-        return kv, self._head(rest, rest_leaves, h, x, d)
+        return kv, self._head(rest, rest_leaves, h, dataclasses.replace(x, attn=None), d)
+
+    @staticmethod
+    def _meta(x: StepInputs, d: DraftBatch | None) -> AttentionMetadata:
+        """The step's attention metadata: a verifying step's with the draft trees' positions and masks."""
+        return x.attn if d is None else dataclasses.replace(x.attn, pos=d.mask_pos, tree=(d.base, d.anc))
 
     def require_weights(self) -> None:
         """ValueError unless the weights the step reads are on the devices (the slot holds this model's,

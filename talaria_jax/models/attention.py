@@ -19,6 +19,14 @@ class AttentionFn(Protocol):
         ...
 
 
+class LayerAttentionFn(Protocol):
+    """An AttentionFn bound to one layer (what each decoder block calls)."""
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_state: Any,
+                 sinks: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        ...
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                      window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention with a causal (and optional sliding-window) mask built from positions.

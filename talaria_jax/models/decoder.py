@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from talaria_jax.models import layers, quant
-from talaria_jax.models.attention import AttentionFn, full_sequence_attention
+from talaria_jax.models.attention import AttentionFn, LayerAttentionFn, full_sequence_attention
 from talaria_jax.models.config import ModelConfig
 from talaria_jax.models.quant import LinearAxes
 
@@ -96,7 +96,7 @@ class Attention(nnx.Module):
             self.q_norm = _ones((d,), ("head_dim",), dt)
             self.k_norm = _ones((d,), ("head_dim",), dt)
 
-    def __call__(self, cfg: ModelConfig, x, positions, inv_freq, attn: AttentionFn, kv_state):
+    def __call__(self, cfg: ModelConfig, x, positions, inv_freq, attn: LayerAttentionFn, kv_state):
         q = jnp.einsum("...e,ehd->...hd", x, _weight(cfg, self.q_proj, self.q_proj_scale, _IN1))
         k = jnp.einsum("...e,ehd->...hd", x, _weight(cfg, self.k_proj, self.k_proj_scale, _IN1))
         v = jnp.einsum("...e,ehd->...hd", x, _weight(cfg, self.v_proj, self.v_proj_scale, _IN1))
@@ -207,7 +207,7 @@ class Block(nnx.Module):
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, layer, rngs) if self.is_moe else MLP(cfg, cfg.ffn_size, rngs, f"blocks.{layer}.ffn")
 
-    def __call__(self, cfg, x, positions, inv_freq, attn, kv_state):
+    def __call__(self, cfg, x, positions, inv_freq, attn: LayerAttentionFn, kv_state):
         h, kv_state = self.attn(cfg, layers.rms_norm(x, self.input_norm[...], cfg.norm_eps), positions, inv_freq,
                                 attn, kv_state)
         x = x + h
@@ -216,8 +216,8 @@ class Block(nnx.Module):
         return x, kv_state
 
 
-def run_blocks(cfg: ModelConfig, blocks: list[Block], attns: list[AttentionFn], x: jax.Array, positions: jax.Array,
-               kv_state: Any):
+def run_blocks(cfg: ModelConfig, blocks: list[Block], attns: list[LayerAttentionFn], x: jax.Array,
+               positions: jax.Array, kv_state: Any):
     """`blocks` in order over x, each with its AttentionFn (`attns`, each bound to its layer)."""
     inv_freq = jnp.asarray(layers.rope_inv_freq(cfg))
     for block, attn in zip(blocks, attns):

@@ -1,6 +1,9 @@
 """Steps as layer programs (EngineConfig.layers_per_program): the same tokens and logprobs as the
-one-program step on every kind of model and step, one program for every run of like layers, and
-the config's checks."""
+one-program step on every kind of model and step, one program for every run of like layers, weights
+let go when replaced, and the config's checks."""
+import gc
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -49,7 +52,7 @@ def test_layer_programs_give_the_one_program_steps_tokens_and_logprobs(name, win
     kw = dict(speculation=SpecConfig(policy="always", max_spec_tokens=4, min_token_prob=0.0)) if spec else {}
     one, want = _run(model, 0, **kw)
     assert not one.runner.by_layers
-    for n in (1, 3):
+    for n in (1, 2):  # runs of one layer each, and of two (the second run's layers at a traced offset)
         eng, got = _run(model, n, **kw)
         assert eng.runner.by_layers
         _same(got, want)
@@ -85,7 +88,21 @@ def test_layers_per_program_is_checked_and_defaults_by_platform():
         EngineConfig(layers_per_program=-1).validate()
     with pytest.raises(ValueError, match="EngineConfig.layers_per_program must be None or an int >= 0, got '2'"):
         EngineConfig(layers_per_program="2").validate()
+    with pytest.raises(ValueError, match="EngineConfig.layers_per_program must be None or an int >= 0, got True"):
+        EngineConfig(layers_per_program=True).validate()
     mesh = make_mesh(jax.devices()[:1])
     assert layers_per_program(None, mesh, "reference") == LAYERS_PER_PROGRAM_CPU
     assert layers_per_program(None, mesh, "pallas") == 0  # the kernel's layer index is static
     assert layers_per_program(3, mesh, "reference") == 3
+
+
+def test_replaced_weights_are_not_held_by_the_layer_programs():
+    """The runner keeps the flat leaves of the weights its programs read; once the engine serves other
+    weights, the old arrays are let go (an evicted model's weights must free their memory)."""
+    cfg = load_model_config("tiny-dense")
+    eng, _ = _run(init_model(cfg, make_mesh(jax.devices()[:1]), seed=3), 1)
+    old = weakref.ref(jax.tree.leaves(eng.model.state)[0])
+    eng.update_weights(init_model(cfg, make_mesh(jax.devices()[:1]), seed=4).state)
+    gc.collect()
+    assert old() is None
+    eng.generate(_prompts()[:1], PARAMS[:1], progress=False)  # and it serves the new ones
