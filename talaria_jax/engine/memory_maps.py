@@ -1,8 +1,9 @@
 """The process's memory maps against the kernel's limit (Linux `vm.max_map_count`).
 
 XLA:CPU maps about three regions (code, read-only data, data) per compiled kernel, and an unrolled
-decoder's step program has a few hundred kernels: one SmolLM2-135M instance's step programs took
-about 14,000 maps as whole-step programs, about 6,500 as layer programs (`EngineConfig.layers_per_program`). Past the limit, LLVM fails to allocate ("Cannot allocate memory") and the process
+decoder's step program has a few hundred kernels: one SmolLM2-135M instance's step programs take
+about 13,400 maps as whole-step programs, about 4,700 as layer programs
+(`EngineConfig.layers_per_program`). Past the limit, LLVM fails to allocate ("Cannot allocate memory") and the process
 dies. `MapBudget` projects what the programs still to compile will take from what those compiled so
 far took, and raises `MapLimitError`, a clear error, before the limit is reached.
 """

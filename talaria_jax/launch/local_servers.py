@@ -3,8 +3,9 @@ group of devices and a free port of 127.0.0.1, reached over HTTP like remote ins
 
 One process per instance, as data-parallel serving engines run them: each has its own interpreter,
 its own JAX client and its own memory maps. The last matters on CPU: XLA:CPU maps about three
-regions per compiled kernel, and one SmolLM2 instance's step programs take about 34,000 of Linux's
-default `vm.max_map_count` of 65,530, so two instances in one process cannot finish compiling.
+regions per compiled kernel: one SmolLM2 instance's step programs take about 4,700 of Linux's default
+`vm.max_map_count` of 65,530 as layer programs, and over a shared weight slot (whole-step programs of
+about 1,370 maps each) two instances in one process could not finish compiling.
 
 Devices: on GPUs (`CUDA_VISIBLE_DEVICES`, else `nvidia-smi -L`) each process sees its `tp` GPUs; on
 CPU each gets `tp` host devices. The processes take the API keys from the environment (not argv,
