@@ -98,9 +98,10 @@ class EngineConfig:
     # 2}); they win over the process's XLA_FLAGS for this engine's steps only. None: the flags alone.
     compiler_options: dict[str, Any] | None = None
     # Steps as programs of at most this many layers (the most that divide the model's depth evenly), one
-    # program serving every run of like layers (0: each step one program). None: LAYERS_PER_PROGRAM_CPU layers where the step's attention is the jnp reference on
-    # CPUs (compiles and maps a fraction of the whole step's program; see docs/benchmarks/layer_programs.md),
-    # else 0 (a GPU runs each step as one program, launched once).
+    # program serving every run of like layers (0: each step one program). None: LAYERS_PER_PROGRAM_CPU
+    # layers where the step's attention is the jnp reference on CPUs and the model is deeper than that
+    # (compiles and maps a fraction of the whole step's program; docs/benchmarks/layer_programs.md), else
+    # 0 (a GPU runs each step as one program, launched once).
     layers_per_program: int | None = None
 
     def validate(self) -> None:
@@ -235,7 +236,8 @@ class Engine:
                              pages_per_block=config.pages_per_block, query_tile=config.query_tile,
                              attention=attention, draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
                              compiler_options=config.compiler_options,
-                             layers_per_program=layers_per_program(config.layers_per_program, model.mesh, attention))
+                             layers_per_program=layers_per_program(config.layers_per_program, model.mesh, attention,
+                                                                                   model.cfg.num_layers))
         if weight_slot is not None:
             self.runner.use_slot(*weight_slot)
         self.scheduler = EngineScheduler(

@@ -200,12 +200,15 @@ def attention_kind(attention: str, mesh, spec: PoolSpec, gpu: bool | None = None
 LAYERS_PER_PROGRAM_CPU = 5  # EngineConfig.layers_per_program's default on CPUs
 
 
-def layers_per_program(asked: int | None, mesh, attention: str) -> int:
+def layers_per_program(asked: int | None, mesh, attention: str, num_layers: int) -> int:
     """The runner's layers_per_program for EngineConfig.layers_per_program: as asked, or (None) the CPU
-    default where the step's attention is the jnp reference on CPU devices, else 0 (one program)."""
+    default where the step's attention is the jnp reference on CPU devices and the model is deeper
+    than one run (a model of a run's layers or fewer would compile the same layers beside an
+    embedding and a head program), else 0 (one program)."""
     if asked is not None:
         return asked
-    return LAYERS_PER_PROGRAM_CPU if attention == "reference" and mesh_platform(mesh) == "cpu" else 0
+    cpu = attention == "reference" and mesh_platform(mesh) == "cpu"
+    return LAYERS_PER_PROGRAM_CPU if cpu and num_layers > LAYERS_PER_PROGRAM_CPU else 0
 
 
 def reference_blocks(tile: int, num_blocks, pages_per_block: int):

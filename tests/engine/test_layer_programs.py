@@ -90,10 +90,11 @@ def test_layers_per_program_is_checked_and_defaults_by_platform():
         EngineConfig(layers_per_program="2").validate()
     with pytest.raises(ValueError, match="EngineConfig.layers_per_program must be None or an int >= 0, got True"):
         EngineConfig(layers_per_program=True).validate()
-    mesh = make_mesh(jax.devices()[:1])
-    assert layers_per_program(None, mesh, "reference") == LAYERS_PER_PROGRAM_CPU
-    assert layers_per_program(None, mesh, "pallas") == 0  # the kernel's layer index is static
-    assert layers_per_program(3, mesh, "reference") == 3
+    mesh, deep = make_mesh(jax.devices()[:1]), LAYERS_PER_PROGRAM_CPU + 1
+    assert layers_per_program(None, mesh, "reference", deep) == LAYERS_PER_PROGRAM_CPU
+    assert layers_per_program(None, mesh, "reference", LAYERS_PER_PROGRAM_CPU) == 0  # one run: one program
+    assert layers_per_program(None, mesh, "pallas", deep) == 0  # the kernel's layer index is static
+    assert layers_per_program(3, mesh, "reference", 2) == 3
 
 
 def test_replaced_weights_are_not_held_by_the_layer_programs():
@@ -106,3 +107,24 @@ def test_replaced_weights_are_not_held_by_the_layer_programs():
     gc.collect()
     assert old() is None
     eng.generate(_prompts()[:1], PARAMS[:1], progress=False)  # and it serves the new ones
+
+
+def test_a_warm_engine_of_layer_programs_lowers_nothing_more():
+    """Warm-up compiles every program the layer programs' steps run (a token bucket's head once):
+    serving chunked prefills and decodes after it lowers none."""
+    lowered = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name", "?"))
+
+    model = init_model(load_model_config("tiny-dense"), make_mesh(jax.devices()[:1]), seed=3)
+    eng = Engine(model, EngineConfig(page_size=4, max_seqs=4, max_tokens_per_step=32, max_model_len=96,
+                                     layers_per_program=2))
+    assert eng.runner.compilations == len(eng.runner.step_shapes())
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        eng.generate(_prompts(), PARAMS, progress=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert lowered == [] and eng.runner.compilations == len(eng.runner.step_shapes())
