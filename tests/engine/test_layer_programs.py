@@ -37,17 +37,16 @@ def _same(got, want):
         assert [sorted(t) for t in g.top_logprobs] == [sorted(t) for t in w.top_logprobs]
 
 
-@pytest.mark.parametrize("name,windows,devices,spec", [
-    ("tiny-dense", None, 1, False),
-    ("tiny-dense", (6, 0, 6, 0), 1, False),  # sliding-window layers: runs of different windows
-    ("tiny-moe", None, 1, False),            # a dense first layer, then MoE layers
-    ("tiny-dense", None, 8, False),          # tensor parallel over 8 devices
-    ("tiny-dense", None, 1, True),           # verifying steps (speculation)
+@pytest.mark.parametrize("name,changes,devices,spec", [
+    ("tiny-dense", {}, 1, False),
+    ("tiny-dense", dict(sliding_windows=(6, 0, 6, 0)), 1, False),  # runs of different windows
+    ("tiny-dense", dict(num_heads=6, num_kv_heads=1, head_dim=20), 1, False),  # one kv head, head_dim 20
+    ("tiny-moe", {}, 1, False),            # a dense first layer, then MoE layers
+    ("tiny-dense", {}, 8, False),          # tensor parallel over 8 devices
+    ("tiny-dense", {}, 1, True),           # verifying steps (speculation)
 ])
-def test_layer_programs_give_the_one_program_steps_tokens_and_logprobs(name, windows, devices, spec):
-    cfg = load_model_config(name)
-    if windows:
-        cfg = cfg.replace(sliding_windows=windows)
+def test_layer_programs_give_the_one_program_steps_tokens_and_logprobs(name, changes, devices, spec):
+    cfg = load_model_config(name).replace(**changes)
     model = init_model(cfg, make_mesh(jax.devices()[:devices], tp=devices), seed=3)
     kw = dict(speculation=SpecConfig(policy="always", max_spec_tokens=4, min_token_prob=0.0)) if spec else {}
     one, want = _run(model, 0, **kw)
