@@ -237,7 +237,7 @@ class Engine:
                              attention=attention, draft_nodes=spec.max_spec_tokens + 1 if spec is not None else 0,
                              compiler_options=config.compiler_options,
                              layers_per_program=layers_per_program(config.layers_per_program, model.mesh, attention,
-                                                                                   model.cfg.num_layers))
+                                                                   model.cfg.num_layers))
         if weight_slot is not None:
             self.runner.use_slot(*weight_slot)
         self.scheduler = EngineScheduler(

@@ -335,8 +335,8 @@ class Runner:
         """draft_nodes: K1 of the verifying step (1 + the most draft tokens a sequence brings), 0 without
         speculation; compiler_options: XLA options of the step programs (jax.jit's); layers_per_program:
         0 compiles each step as one program, n > 0 runs it as programs of at most n layers (the most
-        that divide the depth evenly), one program serving every run of like layers (the jnp reference attention only; steps over a weight slot stay one
-        program)."""
+        that divide the depth evenly), one program serving every run of like layers (the jnp reference
+        attention only; steps over a weight slot stay one program)."""
         if attention not in ("reference", "pallas"):
             raise ValueError(f"Runner attention must be 'reference' or 'pallas', got {attention!r}")
         self.model = model
@@ -661,8 +661,7 @@ class Runner:
     def _programs(self, b: StepBatch, tiles, d: DraftBatch | None, lowered: set) -> list[jax.stages.Lowered]:
         """The programs a step for `b` runs that are not among `lowered` (their keys, updated), lowered:
         the step's, or its layer programs."""
-        if not self.by_layers:
-            lowered.add((len(b.tokens), tiles[0].shape, d is None))
+        if not self.by_layers:  # one program a step shape: never shared
             return [self._lower(b, tiles, d)]
         with jax.set_mesh(self.model.mesh):
             return self._by_layers(self._params(), self.kv, self.inputs(b, tiles), d, lowered)
