@@ -2,7 +2,10 @@
 
 A `KVArena` is one array per device, [pages, page_words] of one dtype, allocated once by a jitted
 zeros with pinned shardings and never reallocated: every step takes it donated and returns it at
-the same addresses. Page p of the arena is page p of every model on it, so models of different
+the same addresses. On CPU devices the zeros' memory pages go back to the system once written
+(`release_memory_pages`): a page reads as zeros until a step writes it, so the process's resident
+memory grows with the KV the steps write, not with the pool's size (as a CPU engine's
+uninitialized KV tensors do in vLLM). Page p of the arena is page p of every model on it, so models of different
 shapes share one page budget and one `PageAllocator` (the instance substrate's "one pool of uniform
 byte pages"). As in vLLM's hybrid KV cache manager, the pages are uniform in bytes, not in tokens:
 each model's `PoolSpec` says how many tokens its pages hold.
@@ -21,9 +24,12 @@ in place, through `on_each_device` and `local_view` as `read_kv` does.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
+import mmap
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -101,7 +107,33 @@ def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
     def zeros():
         return jnp.zeros(shape, jnp.dtype(dtype))
 
-    return zeros()
+    array = zeros()
+    if mesh.devices.flat[0].platform == "cpu":
+        release_memory_pages(array)
+    return array
+
+
+_MADV_DONTNEED = 4  # Linux: the range's private anonymous pages are dropped and read as zeros again
+
+
+def release_memory_pages(array: jax.Array) -> int:
+    """Hands the whole memory pages inside each CPU shard of an all-zeros `array` back to the system
+    (`madvise(MADV_DONTNEED)`; Linux only, nothing elsewhere): the contents stay zeros, and a page
+    is backed again only when written. Returns the bytes released (0 where the call fails: the array
+    is then left as it was)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    array.block_until_ready()
+    released = 0
+    for shard in array.addressable_shards:
+        start = shard.data.unsafe_buffer_pointer()
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (start + shard.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo and madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+            released += hi - lo
+    return released
 
 
 def allocate_pool(spec: PoolSpec, mesh: Mesh):

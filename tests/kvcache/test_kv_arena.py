@@ -1,8 +1,11 @@
 """One KV arena shared by several models' engines: uniform byte pages with per-model tokens, one page
 budget, eviction across models, and a device's rows never read or written for another device."""
+import ctypes
 import dataclasses
 import math
+import mmap
 import re
+import sys
 import warnings
 
 import jax
@@ -12,7 +15,7 @@ import pytest
 from talaria_jax.engine.engine import Engine, EngineConfig, StepError
 from talaria_jax.engine.sampling import SamplingParams
 from talaria_jax.kvcache.host_tier import HostTier
-from talaria_jax.kvcache.pool import KVArena, buffer_pointers, read_kv, write_kv
+from talaria_jax.kvcache.pool import KVArena, buffer_pointers, read_kv, release_memory_pages, write_kv
 from talaria_jax.models import greedy_generate, init_model, load_model_config
 from talaria_jax.sharding import make_mesh
 
@@ -163,3 +166,37 @@ def test_writes_update_the_arena_in_place(tokens, kv_dtype):
     with jax.set_mesh(mesh):
         hlo = tier.scatter.lower(arena.array, data, np.zeros(1, np.int32)).compile().as_text()
     assert _copies_of_at_least(hlo, numel) == []
+
+
+def _resident_bytes(array: jax.Array) -> int:
+    """The bytes of `array`'s shards in memory pages the system has backed or mapped (`mincore`)."""
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    total = 0
+    for shard in array.addressable_shards:
+        start = shard.data.unsafe_buffer_pointer()
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = -(-(start + shard.data.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+        vec = ctypes.create_string_buffer((hi - lo) // mmap.PAGESIZE)
+        assert mincore(lo, hi - lo, vec) == 0, ctypes.get_errno()
+        total += sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / mincore semantics are Linux's")
+def test_a_cpu_arena_is_backed_only_where_steps_write(pair):
+    # A CPU arena's zeros go back to the system once written: the process holds the pages the steps
+    # write, not the whole pool (without it, every byte of the 256 pages is resident from the start).
+    a, _ = pair
+    arena = KVArena.for_models([a.cfg], a.mesh, 8, num_pages=256)
+    page = arena.page_bytes_per_device * arena.mesh.devices.size
+    assert _resident_bytes(arena.array) <= 2 * mmap.PAGESIZE * a.mesh.devices.size
+    engine = Engine(a, CONFIG, arena=arena)
+    p = prompt(6, 20)
+    assert engine.generate([p], GREEDY, progress=False)[0].token_ids == greedy_generate(a, [p], GREEDY.max_tokens)[0]
+    used = -(-(20 + GREEDY.max_tokens) // 8)  # the sequence's pages (each may straddle one more memory page)
+    assert 0 < _resident_bytes(arena.array) <= (2 * used + 2) * page < arena.num_pages * page // 8
+    # a released arena reads as zeros; an array without a whole memory page releases nothing
+    fresh = KVArena.for_models([a.cfg], a.mesh, 8, num_pages=4)
+    assert not np.asarray(fresh.array).any()
+    assert release_memory_pages(jax.numpy.ones(3)) == 0
