@@ -144,13 +144,14 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
               model_map: dict[str, str], devices_per_instance: int, tool_gap_scale: float = 1.0,
               seeds: Sequence[int] = (0,), hints: str = "trace", local_trace: str = "12x4",
               weight_budget: str = "largest") -> dict:
-    """Replays every policy on real instances (after a warm-up replay of each; the compiling a measured
-    replay still meets is left out of its chunks' seconds), the policies interleaved seed by seed, then
-    the simulator on the same calls, models, hardware and tool-time jitter (seeded per call as in the
-    simulator; kernel time is the real engine's own). `trace` None: `local.LOCAL_TRACES[local_trace]`.
-    `weight_budget`: the models keep arrays of their own and take turns on each instance's devices under
-    it (``instance.resolve_weight_budget``; "all": every model stays; "slot": one weight slot they share);
-    the simulator's instances get the same device memory (weights plus the KV arena). The results carry the load average before the first replay."""
+    """Replays every policy on real instances (after every step shape of every model has compiled; any
+    compiling a measured replay still meets is left out of its chunks' seconds), the policies
+    interleaved seed by seed, then the simulator on the same calls, models, hardware and tool-time
+    jitter (seeded per call as in the simulator; kernel time is the real engine's own). `trace` None:
+    `local.LOCAL_TRACES[local_trace]`. `weight_budget`: the models keep arrays of their own and take
+    turns on each instance's devices under it (``instance.resolve_weight_budget``; "all": every model
+    stays; "slot": one weight slot they share); the simulator's instances get the same device memory
+    (weights plus the KV arena). The results carry the load average before the first replay."""
     load_average = os.getloadavg()[0]
     from talaria_jax.engine.engine import EngineConfig
     from talaria_jax import local
@@ -168,15 +169,15 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     shapes = insts[0].shapes()
     # the simulator's device memory is the real instance's: the weights it may hold and its KV arena
     hw = dataclasses.replace(hw, hbm_gib_per_gpu=insts[0].capacity / devices_per_instance / GIB, memory_utilization=1.0)
-    # One unreported replay per policy first compiles the step shapes and copies it meets. Batches move with
-    # the seeds' tool times, so a measured replay still meets new shapes (a dozen programs of 2-7 s each in
-    # one talaria replay of the mixed trace); the instances leave that compiling out of the chunks' seconds
-    # (`exclude_compiles`). (Instance.warmup compiles every shape of every model instead: twice the
-    # programs, and on this 24 GiB machine the second SmolLM2 instance's compiles ran out of memory.)
-    for name in policies:
+    # Every step shape and host copy of every model compiles first (`Instance.warmup`, about 2 min an
+    # instance on 2 cores), so no measured replay meets a compile: batches move with the seeds' tool
+    # times, and a warm-up replay per policy left shapes that a measured one then compiled (1.5-3.8 s in
+    # talaria's replays of the mixed trace). The instances still leave any compiling out of the chunks'
+    # seconds (`exclude_compiles`).
+    for inst in insts:
         t = time.perf_counter()
-        local.replay_local(calls, get_policy(name), insts)
-        print(f"{name}: warm-up replay in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        inst.warmup()
+        print(f"{inst.name}: every step shape compiled in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     out: dict = {"backend": "local", "trace": trace or f"local-{local_trace}", "hardware": hw.name, "servers": servers,
                  "weight_budget": weight_budget,
                  "models": list(local_models), "devices_per_instance": devices_per_instance, "seeds": list(seeds),
