@@ -2,10 +2,11 @@
 
 A `KVArena` is one array per device, [pages, page_words] of one dtype, allocated once by a jitted
 zeros with pinned shardings and never reallocated: every step takes it donated and returns it at
-the same addresses. On CPU devices the zeros' memory pages go back to the system once written
-(`release_memory_pages`): a page reads as zeros until a step writes it, so the process's resident
-memory grows with the KV the steps write, not with the pool's size (as a CPU engine's
-uninitialized KV tensors do in vLLM). Page p of the arena is page p of every model on it, so models of different
+the same addresses. On CPU devices the memory pages of the zeros go back to the system as soon as
+XLA has written them (`_release_zero_pages`): a page reads as zeros until a step writes it, so the
+process's resident memory grows with the KV held (running sequences and the prefix cache), up to
+the pool's size, not with the pool's size from the start (as a CPU engine's uninitialized KV tensors
+do in vLLM). Page p of the arena is page p of every model on it, so models of different
 shapes share one page budget and one `PageAllocator` (the instance substrate's "one pool of uniform
 byte pages"). As in vLLM's hybrid KV cache manager, the pages are uniform in bytes, not in tokens:
 each model's `PoolSpec` says how many tokens its pages hold.
@@ -27,9 +28,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 import math
 import mmap
-import sys
+import os
 from collections.abc import Sequence
 
 import jax
@@ -109,19 +111,16 @@ def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
 
     array = zeros()
     if mesh.devices.flat[0].platform == "cpu":
-        release_memory_pages(array)
+        _release_zero_pages(array)
     return array
 
 
-_MADV_DONTNEED = 4  # Linux: the range's private anonymous pages are dropped and read as zeros again
-
-
-def release_memory_pages(array: jax.Array) -> int:
-    """Hands the whole memory pages inside each CPU shard of an all-zeros `array` back to the system
-    (`madvise(MADV_DONTNEED)`; Linux only, nothing elsewhere): the contents stay zeros, and a page
-    is backed again only when written. Returns the bytes released (0 where the call fails: the array
-    is then left as it was)."""
-    if not sys.platform.startswith("linux"):
+def _release_zero_pages(array: jax.Array) -> int:
+    """Hands the whole memory pages inside each CPU shard of `array`, which must hold only zeros, back
+    to the system (`madvise(MADV_DONTNEED)` on XLA's private anonymous memory; Linux only, nothing
+    elsewhere): the contents stay zeros, and a page is backed again only when written. Returns the
+    bytes released; a shard whose call fails keeps its pages (logged)."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
         return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -130,9 +129,13 @@ def release_memory_pages(array: jax.Array) -> int:
     for shard in array.addressable_shards:
         start = shard.data.unsafe_buffer_pointer()
         lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        hi = (start + shard.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if hi > lo and madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+        hi = (start + shard.data.on_device_size_in_bytes()) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi <= lo:
+            continue
+        if madvise(lo, hi - lo, mmap.MADV_DONTNEED) == 0:
             released += hi - lo
+        else:
+            logging.debug("madvise of the KV arena's zeros failed: %s", os.strerror(ctypes.get_errno()))
     return released
 
 

@@ -169,11 +169,11 @@ def run_local(trace: str | None, hardware: str, policies: Sequence[str], servers
     shapes = insts[0].shapes()
     # the simulator's device memory is the real instance's: the weights it may hold and its KV arena
     hw = dataclasses.replace(hw, hbm_gib_per_gpu=insts[0].capacity / devices_per_instance / GIB, memory_utilization=1.0)
-    # Every step shape and host copy of every model compiles first (`Instance.warmup`, about 2 min an
-    # instance on 2 cores), so no measured replay meets a compile: batches move with the seeds' tool
-    # times, and a warm-up replay per policy left shapes that a measured one then compiled (1.5-3.8 s in
-    # talaria's replays of the mixed trace). The instances still leave any compiling out of the chunks'
-    # seconds (`exclude_compiles`).
+    # Every step shape and host copy of every model compiles first (`Instance.warmup`; with layer programs
+    # about 2 min an instance on 2 cores, 4.5 GB peak RSS for two), so no measured replay meets a compile:
+    # batches move with the seeds' tool times, so a warm-up replay per policy would leave shapes that a
+    # measured one compiles. The instances still leave any compiling out of the chunks' seconds
+    # (`exclude_compiles`).
     for inst in insts:
         t = time.perf_counter()
         inst.warmup()
