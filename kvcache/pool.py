@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from talaria_jax.kvcache.allocator import PageAllocator
 from talaria_jax.models.config import ModelConfig
-from talaria_jax.sharding import spec_for
+from talaria_jax.sharding import mesh_platform, spec_for
 
 KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")  # a device's view of its rows: [pages, rows, kv heads, dim]
 # Config precision names that are not jnp dtype names.
@@ -110,33 +110,27 @@ def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
         return jnp.zeros(shape, jnp.dtype(dtype))
 
     array = zeros()
-    if mesh.devices.flat[0].platform == "cpu":
+    if mesh_platform(mesh) == "cpu":
         _release_zero_pages(array)
     return array
 
 
-def _release_zero_pages(array: jax.Array) -> int:
+def _release_zero_pages(array: jax.Array) -> None:
     """Hands the whole memory pages inside each CPU shard of `array`, which must hold only zeros, back
     to the system (`madvise(MADV_DONTNEED)` on XLA's private anonymous memory; Linux only, nothing
-    elsewhere): the contents stay zeros, and a page is backed again only when written. Returns the
-    bytes released; a shard whose call fails keeps its pages (logged)."""
+    elsewhere): the contents stay zeros, and a page is backed again only when written. A shard whose
+    call fails keeps its pages (logged)."""
     if not hasattr(mmap, "MADV_DONTNEED"):
-        return 0
+        return
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     array.block_until_ready()
-    released = 0
     for shard in array.addressable_shards:
         start = shard.data.unsafe_buffer_pointer()
         lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         hi = (start + shard.data.on_device_size_in_bytes()) // mmap.PAGESIZE * mmap.PAGESIZE
-        if hi <= lo:
-            continue
-        if madvise(lo, hi - lo, mmap.MADV_DONTNEED) == 0:
-            released += hi - lo
-        else:
+        if hi > lo and madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
             logging.debug("madvise of the KV arena's zeros failed: %s", os.strerror(ctypes.get_errno()))
-    return released
 
 
 def allocate_pool(spec: PoolSpec, mesh: Mesh):
