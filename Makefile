@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-dev
 
 .PHONY: test test-fast demo docs venv hf golden gpu-compiler clean
 
-$(STAMP): pyproject.toml requirements-model.txt setup.py talaria_jax/engine/spec/_suffix_native.cpp
+$(STAMP): pyproject.toml requirements-model.txt setup.py talaria_jax/engine/spec/_suffix_native.cpp kvcache/_arena_native.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -22,7 +22,7 @@ venv: $(STAMP)
 PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
 # The docs site first (strict, a few seconds), so a broken link fails CI before the suite runs. The
-# compiled suffix drafter must have been built (its tests fail rather than skip).
+# compiled extensions (the suffix drafter, the arena's zeros) must have been built (their tests fail rather than skip).
 test: docs
 	TALARIA_REQUIRE_NATIVE=1 $(PYTEST) tests
 

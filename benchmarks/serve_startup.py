@@ -74,11 +74,12 @@ def worktree(rev: str) -> pathlib.Path:
     subprocess.run(["git", "worktree", "add", "--force", "--detach", str(path), sha], cwd=ROOT, check=True,
                    capture_output=True)
     atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
-    for so in ROOT.glob("talaria_jax/**/*.so"):
-        dest = path / so.relative_to(ROOT)
-        if dest.parent.exists() and not dest.exists():
-            shutil.copy2(so, dest)
     dirs = tomllib.loads((path / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
+    for folder in {"talaria_jax", *dirs.values()}:
+        for so in ROOT.glob(f"{folder}/**/*.so"):
+            dest = path / so.relative_to(ROOT)
+            if dest.parent.exists() and not dest.exists():
+                shutil.copy2(so, dest)
     for package, folder in dirs.items():
         link = path / package.replace(".", "/")
         if folder != package.replace(".", "/") and (path / folder).is_dir() and not link.exists():

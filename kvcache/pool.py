@@ -2,11 +2,13 @@
 
 A `KVArena` is one array per device, [pages, page_words] of one dtype, allocated once by a jitted
 zeros with pinned shardings and never reallocated: every step takes it donated and returns it at
-the same addresses. On CPU devices the memory pages of the zeros go back to the system as soon as
-XLA has written them (`_release_zero_pages`): a page reads as zeros until a step writes it, so the
-process's resident memory grows with the KV held (running sequences and the prefix cache), up to
-the pool's size, not with the pool's size from the start (as a CPU engine's uninitialized KV tensors
-do in vLLM). Page p of the arena is page p of every model on it, so models of different
+the same addresses. On CPU devices the zeros are not written: a custom call (`_arena_native.cpp`)
+hands the arena's memory pages back to the system, so a page reads as zeros until a step writes it,
+and the process's resident memory grows with the KV held (running sequences and the prefix cache),
+up to the pool's size, not with the pool's size from the start (as a CPU engine's uninitialized KV
+tensors do in vLLM), nor for a moment while the zeros are made. Without that extension (no C++
+compiler at install), XLA writes the zeros and the pages go back as soon as it has
+(`_release_zero_pages`): the same afterwards, with the whole pool resident for that moment. Page p of the arena is page p of every model on it, so models of different
 shapes share one page budget and one `PageAllocator` (the instance substrate's "one pool of uniform
 byte pages"). As in vLLM's hybrid KV cache manager, the pages are uniform in bytes, not in tokens:
 each model's `PoolSpec` says how many tokens its pages hold.
@@ -101,13 +103,32 @@ def arena_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(tuple(mesh.axis_names), None, None))
 
 
-def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
-    """Zeros [devices, num_pages, words], each device's rows created directly on it."""
-    shape = (mesh.devices.size, num_pages, words)
+_UNBACKED_ZEROS = "talaria_unbacked_zeros"  # the custom call's target name
 
-    @functools.partial(jax.jit, out_shardings=arena_sharding(mesh))
+
+@functools.cache
+def unbacked_zeros_error() -> str | None:
+    """None where the compiled unbacked zeros are registered with XLA:CPU (once a process), else why not."""
+    try:
+        from talaria_jax.kvcache import _arena_native
+        jax.ffi.register_ffi_target(_UNBACKED_ZEROS, _arena_native.zeros_handler(), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - an install without a compiler, or a stale build: XLA's zeros serve
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
+    """Zeros [devices, num_pages, words], each device's rows created directly on it; on CPU devices
+    without backing their memory pages (see the module docstring)."""
+    sharding = arena_sharding(mesh)
+    if mesh_platform(mesh) == "cpu" and unbacked_zeros_error() is None:
+        rows = jax.ShapeDtypeStruct((1, num_pages, words), jnp.dtype(dtype))
+        make = on_each_device(jax.ffi.ffi_call(_UNBACKED_ZEROS, rows), mesh, (), sharding.spec)
+        return jax.jit(make, out_shardings=sharding)()
+
+    @functools.partial(jax.jit, out_shardings=sharding)
     def zeros():
-        return jnp.zeros(shape, jnp.dtype(dtype))
+        return jnp.zeros((mesh.devices.size, num_pages, words), jnp.dtype(dtype))
 
     array = zeros()
     if mesh_platform(mesh) == "cpu":

@@ -4,6 +4,7 @@ import ctypes
 import dataclasses
 import math
 import mmap
+import os
 import re
 import sys
 import warnings
@@ -14,12 +15,15 @@ import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig, StepError
 from talaria_jax.engine.sampling import SamplingParams
+from talaria_jax.kvcache import pool
 from talaria_jax.kvcache.host_tier import HostTier
 from talaria_jax.kvcache.pool import KVArena, buffer_pointers, read_kv, write_kv
 from talaria_jax.models import greedy_generate, init_model, load_model_config
 from talaria_jax.sharding import make_mesh
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+# `make test` requires the compiled extensions (TALARIA_REQUIRE_NATIVE=1): a failed build fails, not skips
+REQUIRE_NATIVE = os.environ.get("TALARIA_REQUIRE_NATIVE") == "1"
 CONFIG = EngineConfig(page_size=8, max_seqs=4, max_tokens_per_step=64, max_model_len=256, warmup=False,
                       prefix_cache=True)
 
@@ -190,12 +194,65 @@ def _huge_pages_always() -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or _huge_pages_always(),
-                    reason="madvise / mincore semantics are Linux's; huge pages would back 2 MB at a time")
-def test_a_cpu_arena_is_backed_only_where_steps_write(pair):
-    # A CPU arena's zeros go back to the system as soon as XLA has written them: the process holds the
-    # pages the steps write, not the whole pool (without it, all 256 pages are resident from the start).
-    # (mincore also counts pages only read, mapped to the zero page: the bound leaves room for a few.)
+LINUX_PAGES = pytest.mark.skipif(not sys.platform.startswith("linux") or _huge_pages_always(),
+                                 reason="madvise / mincore semantics are Linux's; huge pages back 2 MB at a time")
+
+
+@pytest.fixture(params=["unbacked", "xla"])
+def zeros(request, monkeypatch):
+    """Each way a CPU arena's zeros are made: the compiled custom call, or XLA's zeros released after."""
+    if request.param == "xla":
+        monkeypatch.setattr(pool, "unbacked_zeros_error", lambda: "off in this test")
+    elif pool.unbacked_zeros_error() is not None:
+        if REQUIRE_NATIVE:
+            pytest.fail(f"the arena's unbacked zeros (kvcache/_arena_native.cpp) are not built: "
+                        f"{pool.unbacked_zeros_error()}")
+        pytest.skip(f"the arena's unbacked zeros are not built: {pool.unbacked_zeros_error()}")
+    return request.param
+
+
+def _peak_rss_growth(fn) -> int:
+    """Bytes the process's peak resident memory rose above its resident memory while `fn()` ran (Linux's
+    VmHWM, reset first)."""
+    def status(field):
+        return int(re.search(rf"^{field}:\s+(\d+) kB", open("/proc/self/status").read(), re.M).group(1)) * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak := the current resident size
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+@LINUX_PAGES
+def test_a_cpu_arena_takes_no_memory_until_steps_write(pair, zeros):
+    # A 256 MB arena: with the custom call no page is backed even while it is made; with XLA's zeros the
+    # whole arena is resident for a moment (the peak) and then handed back.
+    a, _ = pair
+    words = 2 ** 22 // a.mesh.devices.size  # 16 pages of 16 MB: 256 MB
+    arena = []
+    growth = _peak_rss_growth(lambda: arena.append(pool.allocate_arena(a.mesh, 16, words, "float32")))
+    assert _resident_bytes(arena[0]) <= 2 * mmap.PAGESIZE * a.mesh.devices.size
+    assert (growth < 2 ** 26) == (zeros == "unbacked"), growth
+
+
+@LINUX_PAGES
+def test_an_arena_on_reused_memory_reads_zeros(pair, zeros):
+    # Memory freed by an array that held other values, handed to a new arena (the allocator reuses it),
+    # reads as zeros, including the partial memory pages at each end of a device's rows.
+    a, _ = pair
+    fill = jax.jit(lambda x: x + 7.0, donate_argnums=0)
+    for words in (1000, 4097, 300_001):
+        for _ in range(3):
+            arena = pool.allocate_arena(a.mesh, 3, words, "float32")
+            assert not np.asarray(arena).any(), words
+            fill(arena).block_until_ready()  # frees the arena's memory holding 7s
+
+
+@LINUX_PAGES
+def test_a_cpu_arena_is_backed_only_where_steps_write(pair, zeros):
+    # The process holds the pages the steps write, not the whole pool (without the custom call or the
+    # release, all 256 pages are resident from the start). (mincore also counts pages only read, mapped
+    # to the zero page: the bound leaves room for a few.)
     a, _ = pair
     arena = KVArena.for_models([a.cfg], a.mesh, 8, num_pages=256)
     page = arena.page_bytes_per_device * arena.mesh.devices.size
