@@ -52,6 +52,9 @@ _THREADS = flags.DEFINE_integer("threads", None, "Cores for both sides (default:
 _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model hidden size (768 with 12 layers: ~125M parameters).")
 _LAYERS = flags.DEFINE_integer("layers", 12, "Model layers.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_BASELINE = flags.DEFINE_integer("baseline_layers_per_program", None, "Also time our engine with this "
+                                 "EngineConfig.layers_per_program (0: each step one program), a third side in turns.",
+                                 lower_bound=0)
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Do not run the HF side (when torch is not installed).")
 _PROFILE = flags.DEFINE_bool("step_profile", False, "Instead of the comparison: where our decode step's time goes "
                               "(Engine.step, runner.step, the jitted step alone) at each batch, the first context.")
@@ -73,13 +76,14 @@ def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def ours_rep(model, batch: int, ctx: int, steps: int, reps: int):
+def ours_rep(model, batch: int, ctx: int, steps: int, reps: int, layers_per_program: int | None = None):
     """A rep (seconds of `steps` decode steps) of our engine over a synthetic `ctx`-token prefix."""
     from talaria_jax.engine import Engine, EngineConfig
 
     page = 16  # synthetic_decode warms up the shapes it times: no engine warm-up
     eng = Engine(model, EngineConfig(page_size=page, max_seqs=batch, max_tokens_per_step=max(batch, 16),
-                                     max_model_len=-(-(ctx + steps * (reps + 2) + 8) // page) * page, warmup=False))
+                                     max_model_len=-(-(ctx + steps * (reps + 2) + 8) // page) * page, warmup=False,
+                                     layers_per_program=layers_per_program))
     return common.synthetic_decode(eng, batch, ctx, steps, reps)
 
 
@@ -145,28 +149,38 @@ def main(argv):
         steps = _STEPS.value
         for batch, ctx in points:
             sides = {"ours": ours_rep(ours_model, batch, ctx, steps, _REPS.value)}
+            if _BASELINE.value is not None:
+                sides["baseline"] = ours_rep(ours_model, batch, ctx, steps, _REPS.value, _BASELINE.value)
             if theirs_model is not None:
                 sides["hf"] = hf_rep(theirs_model, batch, ctx, steps)
             best = common.interleave(sides, _REPS.value)
             ours = batch * steps / best["ours"]
             theirs = batch * steps / best["hf"] if "hf" in best else None
+            base = batch * steps / best["baseline"] if "baseline" in best else None
             step_bytes = n_params * 4 + batch * (ctx + steps * _REPS.value / 2) * kv_per_token
             roof = batch / (step_bytes / bw)
             rows.append(dict(batch=batch, context=ctx, ours_tok_s=ours, hf_tok_s=theirs, roofline_tok_s=roof,
-                             ours_over_hf=(ours / theirs) if theirs else None, ours_over_roofline=ours / roof))
+                             ours_over_hf=(ours / theirs) if theirs else None, ours_over_roofline=ours / roof,
+                             baseline_tok_s=base, ours_over_baseline=(ours / base) if base else None))
             r = rows[-1]
             print(f"  batch {batch:3d} ctx {ctx:5d}: ours {ours:8.1f} tok/s  hf {theirs or float('nan'):8.1f}  "
                   f"roofline {roof:8.1f}  ours/hf {r['ours_over_hf'] or float('nan'):5.2f}  "
-                  f"ours/roofline {r['ours_over_roofline']:5.2f}", flush=True)
+                  f"ours/roofline {r['ours_over_roofline']:5.2f}"
+                  + (f"  baseline {base:8.1f}  ours/baseline {ours / base:5.2f}" if base else ""), flush=True)
     machine.stop()
     common.print_markdown_table(
         [("batch", "batch", "d"), ("context", "context", "d"), ("ours tok/s", "ours_tok_s", ".1f"),
          ("HF tok/s", "hf_tok_s", ".1f"), ("roofline tok/s", "roofline_tok_s", ".1f"), ("ours/HF", "ours_over_hf", ".2f"),
-         ("ours/roofline", "ours_over_roofline", ".2f")], rows)
+         ("ours/roofline", "ours_over_roofline", ".2f")]
+        + ([(f"ours, layers_per_program={_BASELINE.value} tok/s", "baseline_tok_s", ".1f"),
+            ("ours/that", "ours_over_baseline", ".2f")] if _BASELINE.value is not None else []), rows)
     ratios = [r["ours_over_hf"] for r in rows if r["ours_over_hf"]]
     geomean = common.geomean(ratios) if ratios else None
     if geomean:
         print(f"\ngeometric mean ours/HF {geomean:.2f}")
+    if _BASELINE.value is not None:
+        print(f"geometric mean ours over layers_per_program={_BASELINE.value} "
+              f"{common.geomean([r['ours_over_baseline'] for r in rows]):.2f}")
     print(machine.report())
     common.write_json(_OUT.value, dict(model=_MODEL.value or "random-llama", params=n_params, copy_bandwidth_bytes_s=bw,
                                        decode_steps=steps, reps=_REPS.value, rows=rows, geomean_ours_over_hf=geomean),
