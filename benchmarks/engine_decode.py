@@ -178,12 +178,15 @@ def main(argv):
     geomean = common.geomean(ratios) if ratios else None
     if geomean:
         print(f"\ngeometric mean ours/HF {geomean:.2f}")
+    over_baseline = None
     if _BASELINE.value is not None:
-        print(f"geometric mean ours over layers_per_program={_BASELINE.value} "
-              f"{common.geomean([r['ours_over_baseline'] for r in rows]):.2f}")
+        over_baseline = common.geomean([r["ours_over_baseline"] for r in rows])
+        print(f"geometric mean ours over layers_per_program={_BASELINE.value} {over_baseline:.2f}")
     print(machine.report())
     common.write_json(_OUT.value, dict(model=_MODEL.value or "random-llama", params=n_params, copy_bandwidth_bytes_s=bw,
-                                       decode_steps=steps, reps=_REPS.value, rows=rows, geomean_ours_over_hf=geomean),
+                                       decode_steps=steps, reps=_REPS.value, rows=rows, geomean_ours_over_hf=geomean,
+                                       baseline_layers_per_program=_BASELINE.value,
+                                       geomean_ours_over_baseline=over_baseline),
                       machine)
 
 

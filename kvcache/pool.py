@@ -2,13 +2,15 @@
 
 A `KVArena` is one array per device, [pages, page_words] of one dtype, allocated once by a jitted
 zeros with pinned shardings and never reallocated: every step takes it donated and returns it at
-the same addresses. On CPU devices the zeros are not written: a custom call (`_arena_native.cpp`)
-hands the arena's memory pages back to the system, so a page reads as zeros until a step writes it,
-and the process's resident memory grows with the KV held (running sequences and the prefix cache),
-up to the pool's size, not with the pool's size from the start (as a CPU engine's uninitialized KV
-tensors do in vLLM), nor for a moment while the zeros are made. Without that extension (no C++
-compiler at install), XLA writes the zeros and the pages go back as soon as it has
-(`_release_zero_pages`): the same afterwards, with the whole pool resident for that moment. Page p of the arena is page p of every model on it, so models of different
+the same addresses. On Linux CPU devices the zeros are not written: a custom call (`_arena_native.cpp`)
+hands the arena's whole memory pages back to the system (writing only the partial pages at each
+end of a device's rows), so a page reads as zeros until a step writes it, and the process's
+resident memory grows with the KV held (running sequences and the prefix cache), up to the pool's
+size, not with the pool's size from the start (as a CPU engine's uninitialized KV tensors do in
+vLLM), nor for a moment while the zeros are made. Where that extension is not built or does not
+load (no C++ compiler at install; a jaxlib whose FFI rejects it: a warning says why), XLA writes
+the zeros and the pages go back as soon as it has (`_release_zero_pages`): the same afterwards,
+with the whole pool resident for that moment. Page p of the arena is page p of every model on it, so models of different
 shapes share one page budget and one `PageAllocator` (the instance substrate's "one pool of uniform
 byte pages"). As in vLLM's hybrid KV cache manager, the pages are uniform in bytes, not in tokens:
 each model's `PoolSpec` says how many tokens its pages hold.
@@ -34,6 +36,7 @@ import logging
 import math
 import mmap
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -108,30 +111,45 @@ _UNBACKED_ZEROS = "talaria_unbacked_zeros"  # the custom call's target name
 
 @functools.cache
 def unbacked_zeros_error() -> str | None:
-    """None where the compiled unbacked zeros are registered with XLA:CPU (once a process), else why not."""
+    """None where the compiled unbacked zeros are registered with XLA:CPU (once a process), else why not
+    (logged once as a warning)."""
     try:
         from talaria_jax.kvcache import _arena_native
         jax.ffi.register_ffi_target(_UNBACKED_ZEROS, _arena_native.zeros_handler(), platform="cpu")
     except Exception as e:  # noqa: BLE001 - an install without a compiler, or a stale build: XLA's zeros serve
+        logging.warning("the KV arena's zeros are written by XLA, so the whole pool is resident for a moment "
+                        "at each allocation (kvcache/_arena_native.cpp unavailable: %s: %s)", type(e).__name__, e)
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
-    """Zeros [devices, num_pages, words], each device's rows created directly on it; on CPU devices
-    without backing their memory pages (see the module docstring)."""
+def _whole_bytes(dtype) -> bool:
+    """Whether each element of `dtype` fills its bytes (not a packed sub-byte type: the custom call
+    takes the buffer as its element count times the bytes an element takes)."""
+    d = jnp.dtype(dtype)
+    info = jnp.iinfo(d) if jnp.issubdtype(d, jnp.integer) else jnp.finfo(d) if jnp.issubdtype(d, jnp.floating) else None
+    return info is None or info.bits == 8 * d.itemsize
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_program(mesh: Mesh, num_pages: int, words: int, dtype: str, unbacked: bool):
+    """The jitted program that makes an arena (the last few kept: `KVArena.reset` makes the same again)."""
     sharding = arena_sharding(mesh)
-    if mesh_platform(mesh) == "cpu" and unbacked_zeros_error() is None:
+    if unbacked:
         rows = jax.ShapeDtypeStruct((1, num_pages, words), jnp.dtype(dtype))
-        make = on_each_device(jax.ffi.ffi_call(_UNBACKED_ZEROS, rows), mesh, (), sharding.spec)
-        return jax.jit(make, out_shardings=sharding)()
+        return jax.jit(on_each_device(jax.ffi.ffi_call(_UNBACKED_ZEROS, rows), mesh, (), sharding.spec),
+                       out_shardings=sharding)
+    return jax.jit(lambda: jnp.zeros((mesh.devices.size, num_pages, words), jnp.dtype(dtype)), out_shardings=sharding)
 
-    @functools.partial(jax.jit, out_shardings=sharding)
-    def zeros():
-        return jnp.zeros((mesh.devices.size, num_pages, words), jnp.dtype(dtype))
 
-    array = zeros()
-    if mesh_platform(mesh) == "cpu":
+def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
+    """Zeros [devices, num_pages, words], each device's rows created directly on it; on Linux CPU
+    devices without backing their memory pages (see the module docstring)."""
+    cpu = mesh_platform(mesh) == "cpu"
+    unbacked = (cpu and sys.platform.startswith("linux") and _whole_bytes(dtype)
+                and unbacked_zeros_error() is None)
+    array = _zeros_program(mesh, num_pages, words, dtype, unbacked)()
+    if cpu and not unbacked:
         _release_zero_pages(array)
     return array
 

@@ -176,6 +176,7 @@ def _resident_bytes(array: jax.Array) -> int:
     """The bytes of `array`'s shards in memory pages the system has backed or mapped (`mincore`)."""
     mincore = ctypes.CDLL(None, use_errno=True).mincore
     mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    array.block_until_ready()  # a buffer's address is known before the program that makes it has run
     total = 0
     for shard in array.addressable_shards:
         start = shard.data.unsafe_buffer_pointer()
@@ -216,8 +217,11 @@ def _peak_rss_growth(fn) -> int:
     VmHWM, reset first)."""
     def status(field):
         return int(re.search(rf"^{field}:\s+(\d+) kB", open("/proc/self/status").read(), re.M).group(1)) * 1024
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak := the current resident size
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak := the current resident size
+    except OSError as e:
+        pytest.skip(f"the peak resident size cannot be reset here ({e.strerror})")
     before = status("VmRSS")
     fn()
     return status("VmHWM") - before
@@ -230,7 +234,8 @@ def test_a_cpu_arena_takes_no_memory_until_steps_write(pair, zeros):
     a, _ = pair
     words = 2 ** 22 // a.mesh.devices.size  # 16 pages of 16 MB: 256 MB
     arena = []
-    growth = _peak_rss_growth(lambda: arena.append(pool.allocate_arena(a.mesh, 16, words, "float32")))
+    growth = _peak_rss_growth(
+        lambda: arena.append(pool.allocate_arena(a.mesh, 16, words, "float32").block_until_ready()))
     assert _resident_bytes(arena[0]) <= 2 * mmap.PAGESIZE * a.mesh.devices.size
     assert (growth < 2 ** 26) == (zeros == "unbacked"), growth
 
@@ -241,11 +246,18 @@ def test_an_arena_on_reused_memory_reads_zeros(pair, zeros):
     # reads as zeros, including the partial memory pages at each end of a device's rows.
     a, _ = pair
     fill = jax.jit(lambda x: x + 7.0, donate_argnums=0)
+    dirty, reused = set(), 0
     for words in (1000, 4097, 300_001):
-        for _ in range(3):
+        for _ in range(4):
             arena = pool.allocate_arena(a.mesh, 3, words, "float32")
+            reused += len(dirty & set(buffer_pointers(arena)))
             assert not np.asarray(arena).any(), words
-            fill(arena).block_until_ready()  # frees the arena's memory holding 7s
+            filled = fill(arena)  # in place (donated): the arena's memory holds 7s, freed below
+            assert np.asarray(filled).all()
+            dirty |= set(buffer_pointers(filled))
+            del filled
+    if not reused:
+        pytest.skip("the allocator handed no freed buffer to a new arena: nothing to check")
 
 
 @LINUX_PAGES
