@@ -114,8 +114,8 @@ def unbacked_zeros_error() -> str | None:
     """None where the compiled unbacked zeros are registered with XLA:CPU (once a process), else why not
     (logged once as a warning)."""
     try:
-        from talaria_jax.kvcache import _arena_native
-        jax.ffi.register_ffi_target(_UNBACKED_ZEROS, _arena_native.zeros_handler(), platform="cpu")
+        import talaria_jax.kvcache._arena_native as native
+        jax.ffi.register_ffi_target(_UNBACKED_ZEROS, native.zeros_handler(), platform="cpu")
     except Exception as e:  # noqa: BLE001 - an install without a compiler, or a stale build: XLA's zeros serve
         logging.warning("the KV arena's zeros are written by XLA, so the whole pool is resident for a moment "
                         "at each allocation (kvcache/_arena_native.cpp unavailable: %s: %s)", type(e).__name__, e)
