@@ -26,7 +26,9 @@ namespace ffi = xla::ffi;
 #if defined(__linux__) && defined(MADV_DONTNEED)
 // Whether [lo, hi) lies within private anonymous mappings: /proc/self/maps lists them in address order,
 // each "start-end perms offset dev inode [path]"; anonymous ones have inode 0 and no path, or one of
-// "[heap]" / "[anon:...]". A line longer than the buffer is read in pieces, which do not parse.
+// "[heap]" / "[anon:...]". A line longer than the buffer is read in pieces: the first has a path (not
+// anonymous), the others do not parse. A mapping changed while the file is read can only make the
+// answer a false "no" (then the caller writes the zeros).
 static bool PrivateAnonymous(uintptr_t lo, uintptr_t hi) {
   FILE* maps = std::fopen("/proc/self/maps", "r");
   if (maps == nullptr) return false;
@@ -76,4 +78,11 @@ PYBIND11_MODULE(_arena_native, m) {
   m.doc() = "An XLA:CPU custom call whose output reads as zeros without backing its whole pages.";
   m.def("zeros_handler", []() { return pybind11::capsule(reinterpret_cast<void*>(TalariaUnbackedZeros)); },
         "The FFI handler, for jax.ffi.register_ffi_target(..., platform='cpu').");
+  m.def("private_anonymous", [](uintptr_t lo, uintptr_t hi) {
+#if defined(__linux__) && defined(MADV_DONTNEED)
+          return PrivateAnonymous(lo, hi);
+#else
+          return false;
+#endif
+        }, "Whether the addresses [lo, hi) lie in private anonymous mappings (the handler's check; tests).");
 }

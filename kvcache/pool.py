@@ -8,9 +8,9 @@ end of a device's rows), so a page reads as zeros until a step writes it, and th
 resident memory grows with the KV held (running sequences and the prefix cache), up to the pool's
 size, not with the pool's size from the start (as a CPU engine's uninitialized KV tensors do in
 vLLM), nor for a moment while the zeros are made. Where that extension is not built or does not
-load (no C++ compiler at install; a jaxlib whose FFI rejects it: a warning says why), XLA writes
-the zeros and the pages go back as soon as it has (`_release_zero_pages`): the same afterwards,
-with the whole pool resident for that moment. Page p of the arena is page p of every model on it, so models of different
+load (no C++ compiler at install; a jaxlib whose FFI rejects it: a warning says why), and for packed
+sub-byte dtypes (int4, float4), XLA writes the zeros and the pages go back as soon as it has
+(`_release_zero_pages`): the same afterwards, with the whole pool resident for that moment. Page p of the arena is page p of every model on it, so models of different
 shapes share one page budget and one `PageAllocator` (the instance substrate's "one pool of uniform
 byte pages"). As in vLLM's hybrid KV cache manager, the pages are uniform in bytes, not in tokens:
 each model's `PoolSpec` says how many tokens its pages hold.
@@ -156,10 +156,10 @@ def allocate_arena(mesh: Mesh, num_pages: int, words: int, dtype: str):
 
 def _release_zero_pages(array: jax.Array) -> None:
     """Hands the whole memory pages inside each CPU shard of `array`, which must hold only zeros, back
-    to the system (`madvise(MADV_DONTNEED)` on XLA's private anonymous memory; Linux only, nothing
-    elsewhere): the contents stay zeros, and a page is backed again only when written. A shard whose
+    to the system (`madvise(MADV_DONTNEED)` on XLA's private anonymous memory, which then reads as
+    zeros; Linux only, nothing elsewhere): a page is backed again only when written. A shard whose
     call fails keeps its pages (logged)."""
-    if not hasattr(mmap, "MADV_DONTNEED"):
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
         return
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

@@ -222,6 +222,8 @@ def _peak_rss_growth(fn) -> int:
             f.write("5")  # the peak := the current resident size
     except OSError as e:
         pytest.skip(f"the peak resident size cannot be reset here ({e.strerror})")
+    if status("VmHWM") - status("VmRSS") > 2 ** 24:
+        pytest.skip("writing /proc/self/clear_refs did not reset the peak resident size here")
     before = status("VmRSS")
     fn()
     return status("VmHWM") - before
@@ -238,6 +240,43 @@ def test_a_cpu_arena_takes_no_memory_until_steps_write(pair, zeros):
         lambda: arena.append(pool.allocate_arena(a.mesh, 16, words, "float32").block_until_ready()))
     assert _resident_bytes(arena[0]) <= 2 * mmap.PAGESIZE * a.mesh.devices.size
     assert (growth < 2 ** 26) == (zeros == "unbacked"), growth
+
+
+@LINUX_PAGES
+def test_only_private_anonymous_pages_are_handed_back():
+    # MADV_DONTNEED makes a page read as zeros only in private anonymous memory; in a shared or
+    # file-backed mapping it reads the old contents again, so the custom call writes zeros there.
+    if pool.unbacked_zeros_error() is not None:
+        pytest.skip(f"the arena's unbacked zeros are not built: {pool.unbacked_zeros_error()}")
+    import talaria_jax.kvcache._arena_native as native
+    page = mmap.PAGESIZE
+
+    def span(m: mmap.mmap, first: int = 0, pages: int = 4) -> tuple[int, int]:
+        lo = ctypes.addressof(ctypes.c_char.from_buffer(m)) + first * page
+        return lo, lo + pages * page
+
+    private = mmap.mmap(-1, 4 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    shared = mmap.mmap(-1, 4 * page, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    with open(__file__, "rb") as f:
+        filed = mmap.mmap(f.fileno(), page, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    assert native.private_anonymous(*span(private))
+    assert native.private_anonymous(*span(private, 1, 2))
+    mprotect = ctypes.CDLL(None, use_errno=True).mprotect
+    mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert mprotect(span(private, 1, 1)[0], page, mmap.PROT_READ) == 0  # three mappings where there was one
+    assert native.private_anonymous(*span(private))
+    assert not native.private_anonymous(*span(shared))
+    assert not native.private_anonymous(*span(filed, pages=1))
+    lo, hi = span(private)
+    assert not native.private_anonymous(lo, hi + 16 * 2 ** 30)  # past the mapping, into whatever follows
+    for m in (private, shared, filed):
+        m.close()
+
+
+def test_sub_byte_dtypes_take_xlas_zeros():
+    # The custom call sizes its buffer as elements x bytes each, which a packed sub-byte dtype is not.
+    assert [pool._whole_bytes(d) for d in ("float32", "bfloat16", "float8_e4m3fn", "bool", "uint16")] == [True] * 5
+    assert not any(pool._whole_bytes(d) for d in ("int4", "uint4", "float4_e2m1fn"))
 
 
 @LINUX_PAGES
