@@ -199,16 +199,22 @@ LINUX_PAGES = pytest.mark.skipif(not sys.platform.startswith("linux") or _huge_p
                                  reason="madvise / mincore semantics are Linux's; huge pages back 2 MB at a time")
 
 
+def _require_unbacked_zeros() -> None:
+    """Fails (under `make test`) or skips unless the arena's compiled unbacked zeros are registered."""
+    if (error := pool.unbacked_zeros_error()) is not None:
+        message = f"the arena's unbacked zeros (kvcache/_arena_native.cpp) are not built: {error}"
+        if REQUIRE_NATIVE:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
 @pytest.fixture(params=["unbacked", "xla"])
 def zeros(request, monkeypatch):
     """Each way a CPU arena's zeros are made: the compiled custom call, or XLA's zeros released after."""
     if request.param == "xla":
         monkeypatch.setattr(pool, "unbacked_zeros_error", lambda: "off in this test")
-    elif pool.unbacked_zeros_error() is not None:
-        if REQUIRE_NATIVE:
-            pytest.fail(f"the arena's unbacked zeros (kvcache/_arena_native.cpp) are not built: "
-                        f"{pool.unbacked_zeros_error()}")
-        pytest.skip(f"the arena's unbacked zeros are not built: {pool.unbacked_zeros_error()}")
+    else:
+        _require_unbacked_zeros()
     return request.param
 
 
@@ -246,8 +252,7 @@ def test_a_cpu_arena_takes_no_memory_until_steps_write(pair, zeros):
 def test_only_private_anonymous_pages_are_handed_back():
     # MADV_DONTNEED makes a page read as zeros only in private anonymous memory; in a shared or
     # file-backed mapping it reads the old contents again, so the custom call writes zeros there.
-    if pool.unbacked_zeros_error() is not None:
-        pytest.skip(f"the arena's unbacked zeros are not built: {pool.unbacked_zeros_error()}")
+    _require_unbacked_zeros()
     import talaria_jax.kvcache._arena_native as native
     page = mmap.PAGESIZE
 
