@@ -275,7 +275,7 @@ def write_json(path: str | None, payload: dict, machine: Machine | None = None) 
 
 def best_time(fn, reps: int) -> float:
     """Best-of-`reps` seconds of `fn()` (blocked until its result is ready), after one untimed call."""
-    return interleave({"fn": functools.partial(_timed, fn)}, reps)["fn"]
+    return interleave({"fn": functools.partial(timed, fn)}, reps)["fn"]
 
 
 def prefill_rep(model, ctx: int, chunk: int, tile: int, pages_per_block: int = 4) -> Callable[[], float]:
@@ -341,7 +341,7 @@ def copy_times(eng, kv, reps: int) -> dict:
     host = jax.device_put(np.ones(kv.data.shape, kv.data.dtype), tier.host_sharding)
     dev = jax.device_put(host, tier.transfer_sharding)
     try:
-        return interleave({k: functools.partial(_timed, fn) for k, fn in dict(
+        return interleave({k: functools.partial(timed, fn) for k, fn in dict(
             restore_s=restore, h2d_s=lambda: jax.device_put(host, tier.transfer_sharding),
             offload_s=lambda: tier.offload(eng.runner.kv, pages, kv.token_ids).data,
             d2h_s=lambda: jax.device_put(dev, tier.host_sharding)).items()}, reps)
@@ -349,7 +349,7 @@ def copy_times(eng, kv, reps: int) -> dict:
         eng.allocator.free(pages)
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
     """Seconds of `fn()` until its result is ready."""
     import jax
 

@@ -10,3 +10,6 @@ python3 -m benchmarks.device_check --out="${OUT:-/tmp}/device_check.json" "$@" 2
 # the compiled step read without running it (benchmarks/step_audit.py), on this device's backend
 timeout 300 python3 -m benchmarks.step_audit --models=llama-1b-shape --tp=1 --out="${OUT:-/tmp}/step_audit.json" 2>&1 \
   | tee "${OUT:-/tmp}/step_audit.log" || echo "step audit: failed or past 300 s (see step_audit.log)"
+# the sampler's top-p search against a sort of the vocabulary, on this device (benchmarks/sampler.py)
+timeout 120 python3 -m benchmarks.sampler --vocabs=128256,201088 --rows=1,8,64 --reps=3 --out="${OUT:-/tmp}/sampler.json" \
+  2>&1 | tee "${OUT:-/tmp}/sampler.log" || echo "sampler: failed or past 120 s (see sampler.log)"

@@ -45,7 +45,8 @@ Without a GPU, two views of the GPU's program:
   context; its reads are counted as its walk of each tile's pages (`kernel_walk`), and
   `gathered_bytes` is what the step all-gathers.
 - --lower_for=cuda: the step lowered for CUDA, not compiled (no plugin needed): StableHLO ops (an
-  upper bound on kernels), Triton calls and while loops, a layer's from one more layer.
+  upper bound on kernels), Triton calls and while loops (those over fixed bounds, the sampler's
+  top-k / top-p search, apart: the same trips at every context), a layer's from one more layer.
 
   .venv-gpu-compiler/bin/python -m benchmarks.step_audit --target=h200 --models=llama-1b-shape --tp=1,8
   .venv/bin/python -m benchmarks.step_audit --lower_for=cuda --models=llama-1b-shape --tp=1,8
@@ -102,13 +103,29 @@ TRITON = "__gpu$xla.gpu.triton"  # a Pallas kernel compiled by Triton
 SHARDING_MARKS = ("@Sharding", "@SPMDFullToShardShape", "@SPMDShardToFullShape", "@xla.sdy.")
 
 
+def fixed_trips(lines: list[str], i: int) -> int | None:
+    """The trips of the while loop at lines[i] when its condition compares the counter with a constant
+    of its own (a `fori_loop` over fixed bounds: the same work at every context), else None."""
+    cond = []
+    for line in lines[i + 1:]:
+        if line.strip().startswith("} do {"):
+            break
+        cond.append(line)
+    consts = dict(re.findall(r"(%\S+) = stablehlo\.constant dense<(\d+)> : tensor<i(?:32|64)>", "\n".join(cond)))
+    compare = re.search(r"stablehlo\.compare\s+LT, %iterArg\w*, (%\S+?),", "\n".join(cond))
+    return int(consts[compare.group(1)]) if compare and compare.group(1) in consts else None
+
+
 def stablehlo_counts(text: str) -> collections.Counter:
     """What a lowered module's `main` runs, each private function counted as often as it is called:
     "ops", the operations that may launch work (an upper bound on kernels: a GPU compile fuses
     elementwise chains, and ops inside a reduction's or a loop's region are counted once); "triton",
-    the Pallas kernels as Triton calls; "loops", while loops (their trips are not read here)."""
+    the Pallas kernels as Triton calls; "loops", while loops whose trips come from the step's inputs
+    (their trips are not read here); "fixed_loops", those over fixed bounds (the sampler's top-k /
+    top-p search: 32 trips at every context)."""
     own, calls, cur = {}, {}, None
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         head = _FUNC.match(line)
         if head:
             cur = head.group(1)
@@ -124,7 +141,8 @@ def stablehlo_counts(text: str) -> collections.Counter:
             continue  # sharding annotations: no work
         elif op not in NO_LAUNCH:
             own[cur]["ops"] += 1
-            own[cur]["loops"] += op == "stablehlo.while"
+            if op == "stablehlo.while":
+                own[cur]["fixed_loops" if fixed_trips(lines, i) is not None else "loops"] += 1
             own[cur]["triton"] += op == "stablehlo.custom_call" and TRITON in line
 
     def total(fn: str, seen: tuple = ()) -> collections.Counter:
@@ -157,18 +175,20 @@ def lowered_step(cfg, mesh, tp: int, kind: str, batch: int, chunk: int, max_mode
 
 def lowered_row(cfg, lo: dict, kind: str, tp: int, context: int, platform: str) -> dict:
     """One context's row of a lowered step: the same program at every context, so the same counts; a
-    step with no while loop runs no work a number of times that depends on the context."""
+    step with no while loop over its inputs' bounds runs no work a number of times that depends on
+    the context."""
     return dict(model=cfg.name, platform=platform, step=kind, tp=tp, context=context, layers=cfg.num_layers,
                 attention=lo["attention"], ops=lo["total"]["ops"], loops=lo["total"]["loops"],
                 triton=lo["total"]["triton"], ops_per_layer=lo["per_layer"]["ops"],
                 triton_per_layer=lo["per_layer"]["triton"], loops_per_layer=lo["per_layer"]["loops"],
-                ops_rest=lo["rest"]["ops"], flat=lo["total"]["loops"] == 0, lower_s=lo["lower_s"])
+                ops_rest=lo["rest"]["ops"], flat=lo["total"]["loops"] == 0, fixed_loops=lo["total"]["fixed_loops"],
+                lower_s=lo["lower_s"])
 
 
 LOWERED_COLUMNS = [("step", "step", ""), ("TP", "tp", "d"), ("context", "context", "d"), ("attention", "attention", ""),
                    ("ops", "ops", "d"), ("ops/layer", "ops_per_layer", "d"), ("ops, rest", "ops_rest", "d"),
                    ("Triton calls/layer", "triton_per_layer", "d"), ("while loops", "loops", "d"),
-                   ("flat", "flat", ""), ("lower s", "lower_s", ".1f")]
+                   ("fixed-trip loops", "fixed_loops", "d"), ("flat", "flat", ""), ("lower s", "lower_s", ".1f")]
 
 
 # ---- the step ---------------------------------------------------------------------------------------------------
@@ -508,7 +528,7 @@ def main(argv):
     machine.stop()
     if lowered_for:
         notes.append(f"lowered for {lowered_for}, not compiled: ops bound the kernels from above (a GPU compile fuses "
-                     "elementwise chains); one program serves every context, so a step with no while loop (flat) "
+                     "elementwise chains); one program serves every context, so a step with no while loop over its inputs' bounds (flat) "
                      "runs the same kernels at every context; collectives are placed by the compile, so they are "
                      "read from the compiled view")
     if any(r.get("runtime_loops") for rows in results.values() for r in rows):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from talaria_jax.engine.engine import Engine, EngineConfig
-from talaria_jax.engine.sampling import SamplingBatch, SamplingError, SamplingParams, sample
+from talaria_jax.engine.sampling import SamplingBatch, SamplingError, SamplingParams, filter_logits, order_keys, sample
 from talaria_jax.models import init_model, load_model_config
 from talaria_jax.models.model import forward
 from talaria_jax.sharding import make_mesh
@@ -41,6 +41,62 @@ def test_top_k_and_top_p_support():
     nucleus = set(order[: int(np.searchsorted(np.cumsum(p[order]), 0.5)) + 1])
     draws = {int(run(logits, SamplingParams(temperature=1.0, top_p=0.5), seed=s)[0][0]) for s in range(200)}
     assert draws <= nucleus
+
+
+def sorted_reference(row: np.ndarray, k: int, top_p: float) -> tuple[np.ndarray, float]:
+    """The top-k / top-p set of one row by a sort (float64 mass), and how near top_p the mass before
+    any sorted value lies (a nearer one fp32 rounding can decide either way)."""
+    order = np.argsort(-row, kind="stable")
+    srt = row[order]
+    k = min(k, len(row)) if k > 0 else len(row)
+    p = np.exp(srt.astype(np.float64) - srt[0])
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    kept = ((before < top_p) | (top_p >= 1.0)) & (np.arange(len(row)) < k)
+    cutoff = max(srt[kept].min(), srt[k - 1])
+    gap = np.abs(before[1:] - top_p).min(initial=np.inf) if top_p < 1.0 else np.inf  # before[0] is 0
+    return row >= cutoff, gap
+
+
+def test_filter_logits_keeps_the_sorted_reference_set():
+    """The sort-free search keeps exactly the set a sort of the row keeps: top-k with ties, top-p,
+    both, values at -inf (grammar masks), one-token vocabularies, rows of equal values and rows of
+    neighbouring floats (where a search one bit short keeps one value too many)."""
+    rng = np.random.RandomState(3)
+    f = jax.jit(filter_logits)
+    checked = 0
+    for trial in range(120):
+        v = int(rng.choice([1, 7, 100, 3000]))
+        x = (rng.randn(8, v) * rng.choice([0.3, 3.0, 30.0])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x, 1)  # ties
+        if trial % 4 == 0:
+            x[:, : v // 2] = -np.inf
+        if trial % 10 == 0:
+            x[0] = 1.5  # a row of equal values
+        if trial % 2 == 1:  # a row of neighbouring floats (one unit in the last place apart)
+            x[1] = (np.float32(rng.randn()).view(np.int32) + rng.permutation(v).astype(np.int32)).view(np.float32)
+        top_k = rng.choice([0, 1, 2, 5, 64, v], 8).astype(np.int32)
+        top_p = rng.choice([1.0, 0.999, 0.95, 0.5, 0.1, 1e-6], 8).astype(np.float32)
+        if trial % 5 == 0:
+            top_k[:] = 0  # top-p alone: the top-k search does not run
+        elif trial % 5 == 1:
+            top_p[:] = 1.0  # top-k alone
+        got = np.isfinite(np.asarray(f(x, top_k, top_p))) | np.isneginf(x)
+        for r in range(8):
+            want, gap = sorted_reference(x[r], int(top_k[r]), float(top_p[r]))
+            if gap > 1e-5:
+                checked += 1
+                assert (got[r] == (want | np.isneginf(x[r]))).all(), (trial, r, v, top_k[r], top_p[r])
+            assert got[r][np.argmax(x[r])]  # the top token always stays
+    assert checked > 900, checked
+
+
+def test_order_keys_sort_like_the_values():
+    x = np.array([-np.inf, -3.5, -1.0, -1e-30, 0.0, 1e-30, 1.0, 2.5, np.inf], np.float32)
+    keys = np.asarray(order_keys(jnp.asarray(x))).astype(np.int64)
+    assert (np.diff(keys) > 0).all()
+    assert np.asarray(order_keys(jnp.asarray(np.float32(-0.0)))) == keys[4]  # -0.0 == 0.0, as floats compare
 
 
 def test_sampling_frequencies_follow_the_distribution():

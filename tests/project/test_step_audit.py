@@ -47,6 +47,25 @@ def test_step_audit_tiny_dense(tmp_path):
 
 
 
+def test_a_loop_over_fixed_bounds_is_told_from_one_over_the_inputs():
+    """`fixed_trips` reads a fori_loop's constant bound from its condition; a bound that is an input
+    (the attention's page blocks) gives None, and `stablehlo_counts` counts the two apart."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.step_audit import fixed_trips, stablehlo_counts
+
+    def f(x, n):
+        return jax.lax.fori_loop(0, 32, lambda i, c: c * 2, x), jax.lax.fori_loop(0, n, lambda i, c: c + 1, x)
+
+    text = jax.jit(f).lower(jnp.ones(3), 5).as_text()
+    lines = text.splitlines()
+    whiles = [i for i, line in enumerate(lines) if "stablehlo.while" in line]
+    assert [fixed_trips(lines, i) for i in whiles] == [32, None]
+    counts = stablehlo_counts(text)
+    assert (counts["fixed_loops"], counts["loops"]) == (1, 1)
+
+
 def _lowered(tmp_path, attention: str) -> list[dict]:
     out = tmp_path / f"lowered_{attention}.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.step_audit", "--lower_for=cuda", "--models=tiny-dense",
@@ -68,6 +87,7 @@ def test_the_gpu_path_lowered_for_cuda_has_one_kernel_a_layer_and_no_loop(tmp_pa
     assert {(r["step"], r["context"]) for r in rows} == {(s, c) for s in ("decode", "mixed") for c in CONTEXTS}
     for r in rows:
         assert r["attention"] == "pallas" and r["flat"] and r["loops"] == 0
+        assert r["fixed_loops"] >= 1  # the sampler's top-k / top-p search: 32 trips at every context
         assert r["triton_per_layer"] == 1 and r["triton"] == r["layers"] == 4
         assert 0 < r["ops_per_layer"] < r["ops"]
     for r in _lowered(tmp_path, "reference"):
