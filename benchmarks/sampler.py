@@ -81,12 +81,14 @@ def main(argv):
                   f"rows whose sets differ {row['rows_kept_apart']}", flush=True)
     machine.stop()
     common.print_markdown_table(
-        [("vocab", "vocab", "d"), ("rows", "rows", "d"), ("search ms", "search_ms", ".2f"), ("sort ms", "sort_ms", ".2f"),
-         ("sort / search", "sort_over_search", ".1f"), ("greedy sample() ms", "greedy_sample_ms", ".2f"),
+        [("vocab", "vocab", "d"), ("rows", "rows", "d"), ("search ms", "search_ms", ".2f"),
+         ("sort ms", "sort_ms", ".2f"), ("sort / search", "sort_over_search", ".1f"),
+         ("greedy sample() ms", "greedy_sample_ms", ".2f"),
          ("compile s, search", "search_compile_s", ".2f"), ("compile s, sort", "sort_compile_s", ".2f"),
          ("rows kept apart", "rows_kept_apart", "d")], rows_out)
     print(machine.report())
-    common.write_json(_OUT.value, dict(top_p=_TOP_P.value, top_k=_TOP_K.value, reps=_REPS.value, rows=rows_out), machine)
+    common.write_json(_OUT.value, dict(top_p=_TOP_P.value, top_k=_TOP_K.value, reps=_REPS.value, rows=rows_out),
+                      machine)
 
 
 if __name__ == "__main__":

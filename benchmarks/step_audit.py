@@ -108,7 +108,7 @@ def fixed_trips(lines: list[str], i: int) -> int | None:
     of its own (a `fori_loop` over fixed bounds: the same work at every context), else None."""
     cond = []
     for line in lines[i + 1:]:
-        if line.strip().startswith("} do {"):
+        if line.strip().startswith(("} do {", "stablehlo.return")):
             break
         cond.append(line)
     consts = dict(re.findall(r"(%\S+) = stablehlo\.constant dense<(\d+)> : tensor<i(?:32|64)>", "\n".join(cond)))
@@ -528,9 +528,9 @@ def main(argv):
     machine.stop()
     if lowered_for:
         notes.append(f"lowered for {lowered_for}, not compiled: ops bound the kernels from above (a GPU compile fuses "
-                     "elementwise chains); one program serves every context, so a step with no while loop over its inputs' bounds (flat) "
-                     "runs the same kernels at every context; collectives are placed by the compile, so they are "
-                     "read from the compiled view")
+                     "elementwise chains); one program serves every context, so a step with no while loop over its "
+                     "inputs' bounds (flat) runs the same kernels at every context; collectives are placed by the "
+                     "compile, so they are read from the compiled view")
     if any(r.get("runtime_loops") for rows in results.values() for r in rows):
         notes.append("trips: the attention loop's bound is a runtime scalar (no known trip count in the HLO); its "
                      "trips are computed from the context, EngineConfig.page_size and pages_per_block")

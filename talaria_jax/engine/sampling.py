@@ -6,6 +6,7 @@ the same tokens whatever else shares the batch (and after a preemption that reco
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import jax
@@ -167,11 +168,13 @@ def filter_logits(scaled: jax.Array, top_k, top_p) -> jax.Array:
     bit over the values' order keys, highest bit first: 32 passes over the row for each filter some
     row uses, each a count (top-k, exact) or a masked sum (top-p: an fp32 sum of the mass above the
     threshold, or below it where top_p > 0.5, whichever is the smaller and so the nearer). On
-    XLA:CPU a sort of the vocabulary costs more than a small model's forward; the search takes a
-    sixth to a fifteenth of its time (docs/benchmarks/sampler.md)."""
+    XLA:CPU the search is 9-29x faster than a sort of the vocabulary (docs/benchmarks/sampler.md).
+    Under a mesh the logits are replicated first: one all-gather of the rows rather than a reduction
+    across devices in each of the search's passes."""
+    if not jax.sharding.get_abstract_mesh().empty:  # vocabulary-sharded logits (the TP LM head)
+        scaled = jax.lax.with_sharding_constraint(scaled, jax.sharding.PartitionSpec())
     v = scaled.shape[-1]
     keys = order_keys(scaled)
-    probs = jax.nn.softmax(scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
     p = top_p[:, None]
     tail = p > 0.5  # these rows sum the mass below a threshold (<= 1 - top_p, exact in fp32): smaller, so nearer
@@ -187,12 +190,15 @@ def filter_logits(scaled: jax.Array, top_k, top_p) -> jax.Array:
     def at_least_k(c):  # >= k values at or above c
         return jnp.sum(keys >= c, axis=-1, keepdims=True) >= k
 
-    def at_least_p(c):  # >= top_p of the mass at or above c
-        mass = jnp.sum(jnp.where((keys >= c) != tail, probs, 0.0), axis=-1, keepdims=True)
-        return jnp.where(tail, mass <= 1.0 - p, mass >= p)
+    def at_least_p(probs):
+        def holds(c):  # >= top_p of the mass at or above c
+            mass = jnp.sum(jnp.where((keys >= c) != tail, probs, 0.0), axis=-1, keepdims=True)
+            return jnp.where(tail, mass <= 1.0 - p, mass >= p)
+        return holds
 
     tk = jax.lax.cond(jnp.any(top_k > 0), lambda: search(at_least_k), lambda: none)
-    tp = jax.lax.cond(jnp.any(top_p < 1.0), lambda: search(at_least_p), lambda: none)
+    tp = jax.lax.cond(jnp.any(top_p < 1.0), lambda: search(at_least_p(jax.nn.softmax(scaled, axis=-1))),
+                      lambda: none)
     tp = jnp.where(p >= 1.0, none, tp)  # an fp32 mass may fall short of 1.0 before the tail ends
     return jnp.where(keys >= jnp.maximum(tk, tp), scaled, -jnp.inf)
 
@@ -215,7 +221,9 @@ def sample(logits: jax.Array, temperature, top_k, top_p, seed, step, draw_logits
     def draw_all(_):
         scaled = drawn_from / jnp.maximum(temperature, 1e-6)[:, None]
         needs_filter = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0)))
-        masked = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+        masked = jax.lax.cond(needs_filter, functools.partial(filter_logits, top_k=jnp.where(sampling, top_k, 0),
+                                                              top_p=jnp.where(sampling, top_p, 1.0)),
+                              lambda x: x, scaled)
 
         def draw(s, n, row):
             key = jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), n)

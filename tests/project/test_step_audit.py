@@ -47,6 +47,21 @@ def test_step_audit_tiny_dense(tmp_path):
 
 
 
+def test_the_sampler_gathers_sharded_logits_once_at_tp8(tmp_path):
+    """At TP=8 the LM head's logits are sharded by vocabulary; the sampler's top-k / top-p search
+    replicates them first, so the step outside its layers runs a handful of all-reduces, not one in
+    each of the search's 64 passes (70 without the replication, measured)."""
+    out = tmp_path / "audit_tp8.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.step_audit", "--models=tiny-dense", "--tp=8",
+                          "--contexts=256", "--batch=4", "--chunk=64", f"--out={out}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in json.loads(out.read_text())["models"]["tiny-dense"]:
+        counts = dict(reversed(part.split()) for part in r["collectives_rest"].split(", "))
+        assert 0 < int(counts.get("AR", 0)) < 16, r["collectives_rest"]
+
+
 def test_a_loop_over_fixed_bounds_is_told_from_one_over_the_inputs():
     """`fixed_trips` reads a fori_loop's constant bound from its condition; a bound that is an input
     (the attention's page blocks) gives None, and `stablehlo_counts` counts the two apart."""
