@@ -57,9 +57,10 @@ def test_the_sampler_gathers_sharded_logits_once_at_tp8(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=240,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert run.returncode == 0, run.stderr[-3000:]
-    for r in json.loads(out.read_text())["models"]["tiny-dense"]:
-        counts = dict(reversed(part.split()) for part in r["collectives_rest"].split(", "))
-        assert 0 < int(counts.get("AR", 0)) < 16, r["collectives_rest"]
+    rows = json.loads(out.read_text())["models"]["tiny-dense"]
+    assert {(r["step"], r["tp"]) for r in rows} == {("decode", 8), ("mixed", 8)}
+    for r in rows:
+        assert r["collectives"].get("AR_rest", 0) < 16, r["collectives_rest"]
 
 
 def test_a_loop_over_fixed_bounds_is_told_from_one_over_the_inputs():
