@@ -54,6 +54,7 @@ def main(argv):
     print(f"top_p {_TOP_P.value}, top_k {_TOP_K.value} in every row; best of {_REPS.value} reps a side, in turns")
     print(machine.report(), flush=True)
     rng = np.random.RandomState(0)
+    greedy = jax.jit(sample)
     rows_out = []
     for v in (int(x) for x in _VOCABS.value):
         for r in (int(x) for x in _ROWS.value):
@@ -65,7 +66,6 @@ def main(argv):
                 compiled[name] = jax.jit(f).lower(logits, top_k, top_p).compile()
                 compile_s[name] = time.perf_counter() - t
             kept = {n: np.isfinite(np.asarray(c(logits, top_k, top_p))).sum(-1) for n, c in compiled.items()}
-            greedy = jax.jit(sample)
             zeros = (jnp.zeros(r, jnp.float32), jnp.zeros(r, jnp.int32), jnp.ones(r, jnp.float32),
                      jnp.zeros((r, 2), jnp.uint32), jnp.zeros(r, jnp.int32))
             sides = {n: (lambda c=c: common.timed(lambda: c(logits, top_k, top_p))) for n, c in compiled.items()}

@@ -111,8 +111,9 @@ def fixed_trips(lines: list[str], i: int) -> int | None:
         if line.strip().startswith(("} do {", "stablehlo.return")):
             break
         cond.append(line)
-    consts = dict(re.findall(r"(%\S+) = stablehlo\.constant dense<(\d+)> : tensor<i(?:32|64)>", "\n".join(cond)))
-    compare = re.search(r"stablehlo\.compare\s+LT, %iterArg\w*, (%\S+?),", "\n".join(cond))
+    text = "\n".join(cond)
+    consts = dict(re.findall(r"(%\S+) = stablehlo\.constant dense<(\d+)> : tensor<i(?:32|64)>", text))
+    compare = re.search(r"stablehlo\.compare\s+LT, %iterArg\w*, (%\S+?),", text)
     return int(consts[compare.group(1)]) if compare and compare.group(1) in consts else None
 
 

@@ -168,7 +168,7 @@ def filter_logits(scaled: jax.Array, top_k, top_p) -> jax.Array:
     bit over the values' order keys, highest bit first: 32 passes over the row for each filter some
     row uses, each a count (top-k, exact) or a masked sum (top-p: an fp32 sum of the mass above the
     threshold, or below it where top_p > 0.5, whichever is the smaller and so the nearer). On
-    XLA:CPU the search is 9-29x faster than a sort of the vocabulary (docs/benchmarks/sampler.md).
+    XLA:CPU the search is 7.5-29x faster than a sort of the vocabulary (docs/benchmarks/sampler.md).
     Under a mesh the logits are replicated first: one all-gather of the rows rather than a reduction
     across devices in each of the search's passes."""
     if not jax.sharding.get_abstract_mesh().empty:  # vocabulary-sharded logits (the TP LM head)
